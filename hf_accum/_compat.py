@@ -1,0 +1,22 @@
+"""The one place that knows how transformers' `Trainer.training_step` post-processes the loss.
+
+`training_step` divides the value returned by `compute_loss` by the number of micro-batches in the window
+unless it believes the loss is already normalized for accumulation. The rule changed between versions:
+- transformers 5.17: divides iff `(not model_accepts_loss_kwargs or num_items_in_batch is None)
+  and compute_loss_func is None`;
+- transformers >= 5.2x: a class attribute `loss_is_scaled_for_ga` overrides that rule when not None.
+`tests/test_compat.py` fails when a new version changes this, and `AccumTrainer` checks the returned value
+of its first training step against this prediction at run time.
+"""
+
+from __future__ import annotations
+
+
+def trainer_divides_by_accumulation(trainer, num_items_in_batch) -> bool:
+    declared = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if declared is not None:
+        return not declared
+    scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+        trainer.compute_loss_func is not None
+    )
+    return not scaled

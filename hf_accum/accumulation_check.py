@@ -1,0 +1,181 @@
+"""`check_accumulation`: does accumulation give the right gradient on *this* model and *these* data?
+
+It takes the first batch of the training dataloader (exactly the planned micro-batch, so it never runs more
+samples in one pass than training will), computes the gradient of one pass over it, then the gradient of the
+same samples split into k smaller micro-batches, each cut to its own padded length, through the trainer's real
+`training_step`. Dropout is off for both, so the only differences are accumulation arithmetic and floating
+point. Gradients, buffers, RNG states and the train/eval flag are restored; weights are never stepped.
+
+Tolerance: in float64 the two agree to ~1e-12. In float32 reduction order and padding lengths differ between
+the passes, ~1e-6; bf16/fp16 weights or autocast round every matmul to 8-11 mantissa bits, so errors of
+1e-3..1e-2 are expected and only an error of order 1 (e.g. a loss K times too large) means a real bug.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+@dataclass
+class AccumulationCheck:
+    relative_error: float | None
+    tolerance: float
+    micro_batch_sizes: list[int]
+    one_pass_size: int
+    passed: bool
+    skipped_reason: str | None = None
+
+    def __str__(self) -> str:
+        if self.skipped_reason:
+            return f"accumulation check skipped: {self.skipped_reason}"
+        verdict = "OK" if self.passed else "MISMATCH"
+        return (
+            f"accumulation check {verdict}: {len(self.micro_batch_sizes)} micro-batches {self.micro_batch_sizes} vs "
+            f"one pass of {self.one_pass_size}: relative gradient error {self.relative_error:.3e} "
+            f"(tolerance {self.tolerance:.0e})"
+        )
+
+
+def run_accumulation_check(trainer, num_micro_batches: int | None = None, tolerance: float | None = None):
+    model = trainer.model
+    batch = next(iter(trainer.get_train_dataloader()))
+    size = _batch_size(batch)
+    tolerance = tolerance if tolerance is not None else _default_tolerance(model, trainer.args)
+    if size < 2:
+        result = AccumulationCheck(None, tolerance, [size], size, True, "the micro-batch holds 1 sample, so it "
+                                   "cannot be split without running more samples in one pass than planned")
+        logger.warning(str(result))
+        return result
+    k = min(num_micro_batches or min(size, 4), size)
+    chunks = [_trim_padding(c) for c in _split(batch, k)]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    with _restored(trainer, model, params), _dropout_off(model):
+        trainer._window_world = 1  # a local check: no collective, no DDP wrapper
+        one_pass = _window_gradient(trainer, model, params, [batch])
+        accumulated = _window_gradient(trainer, model, params, chunks)
+
+    num = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(accumulated, one_pass)) ** 0.5
+    den = sum(float(b.double().pow(2).sum()) for b in one_pass) ** 0.5
+    rel = num / den if den > 0 else float(num > 0)
+    result = AccumulationCheck(rel, tolerance, [_batch_size(c) for c in chunks], size, rel <= tolerance)
+    (logger.info if result.passed else logger.warning)(str(result))
+    return result
+
+
+def _window_gradient(trainer, model, params, batches) -> list[torch.Tensor]:
+    for p in params:
+        p.grad = None
+    trainer._window = trainer._count_window(batches, trainer.args.device)
+    trainer.current_gradient_accumulation_steps = len(batches)
+    for b in batches:
+        trainer.training_step(model, b)
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+def _batch_size(batch) -> int:
+    return next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
+
+
+def _split(batch, k: int) -> list[dict]:
+    size = _batch_size(batch)
+    bounds = [round(i * size / k) for i in range(k + 1)]
+    return [
+        {key: v[lo:hi] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == size else v for key, v in batch.items()}
+        for lo, hi in zip(bounds[:-1], bounds[1:])
+    ]
+
+
+def _trim_padding(batch: dict) -> dict:
+    """Cut trailing columns that are padding in every row (right padding), so micro-batches get different lengths."""
+    mask = batch.get("attention_mask")
+    if mask is None or mask.dim() != 2:
+        return batch
+    labels = batch.get("labels")
+    keep = mask.bool().any(0)
+    if labels is not None and labels.dim() == 2 and labels.shape == mask.shape:
+        keep = keep | labels.ne(-100).any(0)
+    nz = keep.nonzero()
+    length = int(nz.max()) + 1 if len(nz) else mask.shape[1]
+    seq = mask.shape[1]
+    return {k: v[:, :length] if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == seq else v for k, v in batch.items()}
+
+
+def _default_tolerance(model: nn.Module, args) -> float:
+    if getattr(args, "bf16", False) or getattr(args, "fp16", False):
+        return DEFAULT_TOLERANCE[torch.bfloat16]
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return max((DEFAULT_TOLERANCE.get(d, 5e-2) for d in dtypes), default=1e-4)
+
+
+@contextlib.contextmanager
+def _dropout_off(model: nn.Module):
+    # nn.Dropout modules carry `p`; attention kernels read a float attribute (e.g. Llama's `attention_dropout`).
+    saved = []
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            saved.append((module, "p", module.p))
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float) and not isinstance(value, bool):
+                saved.append((module, name, value))
+                setattr(module, name, 0.0)
+    try:
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def _restored(trainer, model: nn.Module, params):
+    grads = [p.grad for p in params]  # the tensors themselves: we only rebind .grad, never write into them
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    was_training = model.training
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    py_rng = random.getstate()
+    np_rng = _numpy_rng()
+    ga = getattr(trainer, "current_gradient_accumulation_steps", None)
+    try:
+        yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        model.train(was_training)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        random.setstate(py_rng)
+        if np_rng is not None:
+            import numpy as np
+
+            np.random.set_state(np_rng)
+        trainer._window = None
+        trainer._window_world = None
+        if ga is None:
+            with contextlib.suppress(AttributeError):
+                del trainer.current_gradient_accumulation_steps
+        else:
+            trainer.current_gradient_accumulation_steps = ga
+
+
+def _numpy_rng():
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    return np.random.get_state()

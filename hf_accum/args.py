@@ -1,0 +1,119 @@
+"""`AccumTrainingArguments`: `TrainingArguments` plus the fields hf_accum adds.
+
+Every field carries `metadata={"help": ...}` so `HfArgumentParser` turns it into a CLI flag and a YAML key;
+every check runs in `__post_init__`, before a model is loaded, and its message names the argument and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .loss import NORMALIZATIONS
+
+
+@dataclass
+class AccumTrainingArguments(TrainingArguments):
+    target_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Effective batch: samples per optimizer step summed over all micro-batches and all data-parallel "
+                "ranks. Must equal per_device_train_batch_size x gradient_accumulation_steps x world size "
+                "unless the auto-tuner chooses the micro-batch. Unset: derived from those three."
+            )
+        },
+    )
+    loss_normalization: str = field(
+        default="tokens",
+        metadata={
+            "help": (
+                "How the loss of one optimizer step is normalized. 'tokens': sum of token losses over every "
+                "counted label (-100 ignored, causal shift respected) of the whole effective batch, divided by "
+                "their number, exactly, whatever the model, loss code or data-parallel setup. 'samples': mean "
+                "over the samples of the effective batch (one target per sample, e.g. classification). "
+                "'model': transformers' own behaviour, untouched."
+            ),
+            "choices": list(NORMALIZATIONS),
+        },
+    )
+    check_accumulation: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Run trainer.check_accumulation() at the start of train(): compares the gradient of k "
+                "micro-batches with one pass over the same samples on your model and data, restores every "
+                "gradient, weight and RNG state, and warns when the relative error exceeds the tolerance."
+            )
+        },
+    )
+    check_accumulation_tolerance: float | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Relative gradient error above which check_accumulation warns. Unset: chosen from the "
+                "parameter dtype and mixed-precision settings (float64 1e-9, float32 1e-4, bf16/fp16 5e-2)."
+            )
+        },
+    )
+
+    def __post_init__(self):
+        # Cheap, device-free checks first: a wrong value must fail before any distributed setup.
+        if self.loss_normalization not in NORMALIZATIONS:
+            raise ValueError(
+                f"loss_normalization={self.loss_normalization!r} is not one of {list(NORMALIZATIONS)}. "
+                "Use 'tokens' for language modelling, 'samples' for one target per sample, 'model' to keep "
+                "transformers' behaviour."
+            )
+        _require_positive("per_device_train_batch_size", self.per_device_train_batch_size)
+        _require_positive("gradient_accumulation_steps", self.gradient_accumulation_steps)
+        if self.target_batch_size is not None:
+            _require_positive("target_batch_size", self.target_batch_size)
+        if self.check_accumulation_tolerance is not None and not self.check_accumulation_tolerance > 0:
+            raise ValueError(
+                f"check_accumulation_tolerance={self.check_accumulation_tolerance!r} must be > 0 "
+                "(e.g. 1e-4 for float32); leave it unset to choose it from the precision."
+            )
+        super().__post_init__()
+        self._check_target_batch_size()
+
+    def _check_target_batch_size(self) -> None:
+        world = self.world_size
+        derived = self.per_device_train_batch_size * self.gradient_accumulation_steps * world
+        if self.target_batch_size is None or self.target_batch_size == derived:
+            return
+        fix = suggest_accumulation(self.target_batch_size, self.per_device_train_batch_size, world)
+        raise ValueError(
+            f"target_batch_size={self.target_batch_size} but per_device_train_batch_size="
+            f"{self.per_device_train_batch_size} x gradient_accumulation_steps={self.gradient_accumulation_steps}"
+            f" x world size={world} = {derived}. {fix}"
+        )
+
+    @property
+    def effective_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks, as configured now."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+
+def _require_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
+def suggest_accumulation(target: int, micro: int, world: int) -> str:
+    """The sentence telling the user which setting makes micro x accumulation x world equal the target."""
+    if target % (micro * world) == 0:
+        return f"Set gradient_accumulation_steps={target // (micro * world)}."
+    per_rank = target // world if target % world == 0 else None
+    if per_rank is None:
+        return f"target_batch_size must be a multiple of the world size {world}."
+    return (
+        f"{target} is not a multiple of per_device_train_batch_size x world size = {micro * world}; "
+        f"pick a per_device_train_batch_size that divides {per_rank} (e.g. {_largest_divisor_le(per_rank, micro)}) "
+        "and set gradient_accumulation_steps accordingly."
+    )
+
+
+def _largest_divisor_le(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)

@@ -1,0 +1,374 @@
+"""Pure planning: measurements + budget + target -> (micro-batch, accumulation).  Numbers in, numbers out.
+
+Nothing here touches a device.  Three pieces:
+
+* the memory model: peak memory is close to ``a + b * micro`` at realistic lengths; it bends at small
+  micro-batches, where the optimizer step (a fixed cost) sets the peak instead of the activations, so
+  the line is fitted through the measured points nearest the budget, not through all of them;
+* :class:`MicroBatchSearch`, the search policy as a small state machine (``propose`` / ``record``), so the
+  probe, the tests and the benchmark all drive the very same decisions;
+* :func:`plan_batch`: ``micro * accumulation * world == target``, exactly, or a ``ValueError`` that says
+  what to set instead.  The effective batch is never changed silently.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+# The search stops once the largest size verified to fit is at least this fraction of the best estimate
+# of the largest size that fits (the issue's goal): the last few percent would cost one more trial each.
+GOAL_FRACTION = 0.95
+
+
+# --- arithmetic --------------------------------------------------------------------------------------
+def divisors(n: int) -> list[int]:
+    """All positive divisors of ``n`` in increasing order (``divisors(12) == [1, 2, 3, 4, 6, 12]``)."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"divisors() needs a positive integer, got {n!r}")
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i != n // i:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]
+
+
+def nearest_exact_targets(target_batch_size: int, world_size: int) -> tuple[int, ...]:
+    """The multiples of ``world_size`` nearest ``target_batch_size`` (below and above; one if it is one)."""
+    below = (target_batch_size // world_size) * world_size
+    above = below + world_size
+    if below == target_batch_size:
+        return (target_batch_size,)
+    return (below, above) if below >= world_size else (above,)
+
+
+# --- memory model -------------------------------------------------------------------------------------
+def fit_memory_model(points: Iterable[tuple[int, float]], *, tail: int = 2) -> tuple[float, float]:
+    """Least-squares line ``bytes ≈ a + b * micro`` through the ``tail`` largest micro-batch sizes.
+
+    Only the largest sizes are used because the curve bends at small micro-batches (the optimizer step's
+    fixed peak dominates there), and a line through the bend under-estimates the slope, which would
+    over-predict the largest size that fits.  A repeated size keeps its last value.
+    """
+    by_micro: dict[int, float] = {}
+    for micro, value in points:
+        by_micro[int(micro)] = float(value)
+    if len(by_micro) < 2:
+        raise ValueError(f"fit_memory_model needs measurements at two or more micro-batch sizes, got {sorted(by_micro)}")
+    chosen = sorted(by_micro.items())[-max(2, tail) :]
+    n = len(chosen)
+    mean_x = sum(x for x, _ in chosen) / n
+    mean_y = sum(y for _, y in chosen) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in chosen)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in chosen)
+    b = sxy / sxx
+    return mean_y - b * mean_x, b
+
+
+def predict_bytes(model: tuple[float, float], micro: int) -> float:
+    a, b = model
+    return a + b * micro
+
+
+def predict_max_micro(model: tuple[float, float], budget_bytes: float) -> int | None:
+    """Largest micro-batch whose predicted memory is <= ``budget_bytes``; None when memory does not grow.
+
+    A hair of tolerance (1e-9 of a step) keeps an exact formula that lands on the budget from being
+    floored one below by float rounding.
+    """
+    a, b = model
+    if b <= 0:
+        return None
+    return math.floor((budget_bytes - a) / b + 1e-9)
+
+
+# --- the plan -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """micro_batch_size × gradient_accumulation_steps × world_size == target_batch_size, exactly."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+    target_batch_size: int
+
+    def __post_init__(self) -> None:
+        product = self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+        if product != self.target_batch_size:
+            raise ValueError(f"inconsistent plan: {self.describe()} but the product is {product}")
+
+    def describe(self) -> str:
+        return (
+            f"micro {self.micro_batch_size} × accumulation {self.gradient_accumulation_steps} "
+            f"× world {self.world_size} = {self.target_batch_size}"
+        )
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def plan_batch(target_batch_size: int, world_size: int, max_micro_batch_size: int) -> Plan:
+    """The exact plan whose micro-batch is the largest divisor of the per-rank target that fits.
+
+    ``max_micro_batch_size`` is the largest micro-batch that fits in memory (from the probe), or 0 when
+    none does.  Raises ``ValueError`` naming the argument and the fix when no exact plan exists.
+    """
+    for name, value in (("target_batch_size", target_batch_size), ("world_size", world_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if target_batch_size % world_size:
+        options = " or ".join(str(t) for t in nearest_exact_targets(target_batch_size, world_size))
+        raise ValueError(
+            f"target_batch_size={target_batch_size} is not divisible by world_size={world_size}: "
+            f"micro × accumulation × world must equal the target exactly. Set target_batch_size to {options}, "
+            f"or run on a world size that divides {target_batch_size}."
+        )
+    if max_micro_batch_size < 1:
+        raise ValueError(
+            f"no micro-batch fits in memory (max_micro_batch_size={max_micro_batch_size}), so no plan reaches "
+            f"target_batch_size={target_batch_size}. Free memory per sample: enable gradient_checkpointing, "
+            "train LoRA adapters instead of all weights, load the base model in 4-bit, shorten the sequence "
+            "length, or raise the memory budget."
+        )
+    per_rank = target_batch_size // world_size
+    micro = max(d for d in divisors(per_rank) if d <= max_micro_batch_size)
+    return Plan(micro, per_rank // micro, world_size, target_batch_size)
+
+
+def choose_fastest(samples_per_second: dict[int, float], per_rank_target: int, max_micro_batch_size: int) -> int:
+    """``optimize="throughput"``: the fitting divisor of the per-rank target with the most samples/s.
+
+    Ties go to the larger micro-batch (fewer accumulation steps, fewer optimizer-free forward passes).
+    """
+    fitting = [d for d in divisors(per_rank_target) if d <= max_micro_batch_size and d in samples_per_second]
+    if not fitting:
+        raise ValueError("choose_fastest: no timed divisor of the per-rank target fits")
+    return max(fitting, key=lambda d: (samples_per_second[d], d))
+
+
+# --- the search ------------------------------------------------------------------------------------------
+@dataclass
+class Observation:
+    """One trial as the search sees it.
+
+    ``charged_bytes`` is what the budget is compared with (reserved memory when the meter knows it,
+    since that is what the allocator asks the device for; else the peak); None when the step ran out of
+    memory or was not run.  ``baseline_bytes`` is the memory held before the step (weights, optimizer
+    state), ``rounding_bytes`` the meter's bound on what its allocator may add beyond what it reports.
+    """
+
+    micro: int
+    charged_bytes: float | None
+    fits: bool
+    baseline_bytes: float | None = None
+    rounding_bytes: float = 0.0
+    predicted_bytes: float | None = None  # what the line said before the trial, when it said anything
+
+
+@dataclass
+class MicroBatchSearch:
+    """Find the largest micro-batch whose memory is within ``budget_bytes`` in few trials.
+
+    Policy (``propose`` returns the next size, ``record`` feeds the result back, None means done):
+
+    1. measure micro-batch 1 (the warm-up step before it is the caller's and not a trial);
+    2. jump to a size that provably fits if memory is linear with a non-negative intercept above the
+       baseline: then ``peak(m) - baseline <= m * (peak(1) - baseline)``, so
+       ``m = (budget - baseline) / (peak(1) - baseline)`` fits;
+    3. fit a line through the two measured points nearest the budget and jump to the largest size it
+       predicts under ``budget - margin`` (see :meth:`margin_bytes`), but at least to the goal
+       (``GOAL_FRACTION`` of the prediction);
+    4. if a jump runs out of memory although the line said it fits, the line is wrong above the last
+       fitting size: bisect (geometrically) between the largest fit and the smallest failure, then fit
+       again; if the line is flat (both points on the optimizer-step plateau), double instead;
+    5. stop when the largest fitting size is within the goal of the estimate *and* no size in
+       ``must_resolve`` (the divisors of the per-rank target, the sizes the plan can use) lies between
+       the largest fit and the estimate, so the next divisor is known to exceed the budget, measured or
+       predicted (:meth:`next_over`).
+    """
+
+    budget_bytes: float
+    max_micro_batch: int
+    must_resolve: Sequence[int] = ()
+    goal: float = GOAL_FRACTION
+    observations: list[Observation] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive, got {self.budget_bytes}")
+        if self.max_micro_batch < 1:
+            raise ValueError(f"max_micro_batch must be >= 1, got {self.max_micro_batch}")
+        self.must_resolve = sorted({int(d) for d in self.must_resolve if 1 <= d <= self.max_micro_batch})
+        self._pending_prediction: tuple[int, float] | None = None
+
+    # -- state ---------------------------------------------------------------------------------------
+    @property
+    def largest_fit(self) -> int:
+        """Largest size measured to fit, 0 when none has."""
+        return max((o.micro for o in self.observations if o.fits), default=0)
+
+    @property
+    def smallest_failure(self) -> int:
+        """Smallest size known not to fit (measured over budget, out of memory, or refused); else cap + 1."""
+        return min((o.micro for o in self.observations if not o.fits), default=self.max_micro_batch + 1)
+
+    def _measured(self) -> dict[int, float]:
+        return {o.micro: o.charged_bytes for o in self.observations if o.charged_bytes is not None}
+
+    def line(self) -> tuple[float, float] | None:
+        """The memory model from the two measured points nearest the budget, None with fewer than two.
+
+        Nearest means: the largest fitting size plus the smallest measured size above it (an interpolation
+        across the budget) when one was measured, else the two largest measured sizes below it.
+        """
+        measured = self._measured()
+        if len(measured) < 2:
+            return None
+        lo = self.largest_fit
+        above = sorted(m for m in measured if m > lo)
+        below = sorted(m for m in measured if m <= lo)
+        chosen = below[-1:] + above[:1] if above and below else sorted(measured)[-2:]
+        if len(chosen) < 2:
+            chosen = sorted(measured)[-2:]
+        return fit_memory_model([(m, measured[m]) for m in chosen], tail=2)
+
+    def predict(self, micro: int) -> float | None:
+        """Predicted charged bytes at ``micro``; None without a line."""
+        model = self.line()
+        return None if model is None else predict_bytes(model, micro)
+
+    def margin_bytes(self) -> float:
+        """Bytes kept free under the budget when aiming a jump; every term is observed, none is a guess.
+
+        * allocator rounding: a meter reports what was requested (CPU) or what was reserved so far
+          (CUDA); the allocator may round the next size up by up to ``rounding_bytes`` (CUDA: one new
+          20 MiB segment, the caching allocator's ``kLargeBuffer``; CPU: one page per block live at the
+          peak, glibc's mmap rounding), which a line through earlier points cannot see;
+        * model error: the largest amount by which a measured point exceeded what the line predicted
+          for it before it ran (fragmentation growth, the curve bending) in this very probe.
+        A jump aimed under ``budget - margin`` therefore lands inside the budget whenever the next point
+        deviates from the line no more than the worst deviation seen so far.
+        """
+        rounding = max((o.rounding_bytes for o in self.observations), default=0.0)
+        errors = [
+            o.charged_bytes - o.predicted_bytes
+            for o in self.observations
+            if o.charged_bytes is not None and o.predicted_bytes is not None
+        ]
+        return max(rounding, max(errors, default=0.0), 0.0)
+
+    def estimate(self) -> int:
+        """Best estimate of the largest fitting size: the line's prediction, bounded by known failures."""
+        hi = self.smallest_failure
+        model = self.line()
+        if model is None:
+            return hi - 1
+        predicted = predict_max_micro(model, self.budget_bytes)
+        if predicted is None or predicted >= hi:  # flat, or contradicted by a failure: trust measurements
+            return hi - 1
+        return predicted
+
+    def _line_contradicted(self) -> bool:
+        """A size failed that the line says fits (only an out-of-memory failure, which has no value, can)."""
+        hi = self.smallest_failure
+        if hi > self.max_micro_batch:
+            return False
+        model = self.line()
+        predicted = None if model is None else predict_max_micro(model, self.budget_bytes)
+        return predicted is None or predicted >= hi
+
+    def next_over(self) -> tuple[int | None, str]:
+        """The smallest ``must_resolve`` size above the largest fit and how it is known not to fit.
+
+        Returns ``(size, "measured")`` when it was run (or refused) and did not fit, ``(size, "predicted")``
+        when the line puts it over the budget, ``(None, "cap")`` when no candidate is left under the cap.
+        """
+        lo = self.largest_fit
+        candidates = [d for d in self.must_resolve if d > lo] or list(range(lo + 1, self.max_micro_batch + 1))
+        if not candidates:
+            return None, "cap"
+        size = candidates[0]
+        if size >= self.smallest_failure:
+            return size, "measured"
+        return size, "predicted"
+
+    # -- policy --------------------------------------------------------------------------------------
+    def propose(self) -> int | None:
+        """The next micro-batch size to measure, or None when the search is done."""
+        if not self.observations:
+            return 1
+        lo, hi = self.largest_fit, self.smallest_failure
+        if lo == 0 or lo + 1 >= hi:  # nothing fits at 1, or the answer is bracketed exactly
+            return None
+        model = self.line()
+        if self._line_contradicted():  # step 4: no trustworthy line above lo; bisect the bracket
+            est = hi - 1
+            if lo >= self.goal * est - 1e-9 and self._unresolved_divisor(lo, est) is None:
+                return None
+            # Geometric midpoint: a contradicted jump can overshoot by orders of magnitude (a flat line at
+            # the bend); the arithmetic midpoint of [2, 1024) would cost log2 trials walking back down.
+            return self._remember(max(lo + 1, min(hi - 1, math.isqrt(lo * hi))))
+        if model is None:  # step 2
+            return self._remember(min(hi - 1, max(lo + 1, self._safe_jump(lo))))
+        if model[1] <= 0:  # flat: both points sit on the optimizer-step plateau; the line knows nothing yet
+            return self._remember(min(hi - 1, max(2 * lo, self._safe_jump(lo))))
+        est = self.estimate()  # step 3
+        if est <= lo:
+            return None
+        aim = predict_max_micro(model, self.budget_bytes - self.margin_bytes())
+        aim = est if aim is None else aim
+        need = math.ceil(self.goal * est - 1e-9)  # the tolerance keeps 0.95 * 20 from rounding up to 20
+        proposal = max(aim, need) if lo < need else lo
+        top_divisor = self._unresolved_divisor(lo, est)
+        if top_divisor is not None:
+            proposal = max(proposal, top_divisor)
+        proposal = min(proposal, hi - 1)
+        return None if proposal <= lo else self._remember(proposal)
+
+    def record(
+        self,
+        micro: int,
+        charged_bytes: float | None,
+        *,
+        baseline_bytes: float | None = None,
+        rounding_bytes: float = 0.0,
+        fits: bool | None = None,
+    ) -> Observation:
+        """Feed back a trial.  ``charged_bytes=None`` means out of memory (or refused as unsafe).
+
+        ``fits`` defaults to ``charged_bytes <= budget``; pass False to record a size that was refused.
+        """
+        if fits is None:
+            fits = charged_bytes is not None and charged_bytes <= self.budget_bytes
+        predicted = None
+        if self._pending_prediction is not None and self._pending_prediction[0] == micro:
+            predicted = self._pending_prediction[1]
+        self._pending_prediction = None
+        obs = Observation(micro, charged_bytes, fits, baseline_bytes, rounding_bytes, predicted)
+        self.observations.append(obs)
+        return obs
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _safe_jump(self, lo: int) -> int:
+        """Step 2: the size that fits when memory above the baseline grows at most linearly from 0."""
+        first = next(o for o in self.observations if o.micro == lo and o.charged_bytes is not None)
+        base = first.baseline_bytes or 0.0
+        per_sample_upper = (first.charged_bytes - base) / lo
+        if per_sample_upper <= 0:
+            return self.max_micro_batch
+        return math.floor(lo * (self.budget_bytes - base) / (first.charged_bytes - base) + 1e-9)
+
+    def _unresolved_divisor(self, lo: int, est: int) -> int | None:
+        """Largest plan-usable size in (lo, est]: the plan would change if it fits, so it must be tried."""
+        inside = [d for d in self.must_resolve if lo < d <= est]
+        return inside[-1] if inside else None
+
+    def _remember(self, micro: int) -> int:
+        predicted = self.predict(micro)
+        self._pending_prediction = None if predicted is None else (micro, predicted)
+        return micro
