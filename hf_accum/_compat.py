@@ -11,9 +11,14 @@ of its first training step against this prediction at run time.
 
 from __future__ import annotations
 
+from transformers import Trainer
+
+# Older versions ignore the attribute even when a subclass sets it.
+HAS_LOSS_IS_SCALED_FOR_GA = hasattr(Trainer, "loss_is_scaled_for_ga")
+
 
 def trainer_divides_by_accumulation(trainer, num_items_in_batch) -> bool:
-    declared = getattr(trainer, "loss_is_scaled_for_ga", None)
+    declared = getattr(trainer, "loss_is_scaled_for_ga", None) if HAS_LOSS_IS_SCALED_FOR_GA else None
     if declared is not None:
         return not declared
     scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or (

@@ -6,7 +6,8 @@ same samples split into k smaller micro-batches, each cut to its own padded leng
 `training_step`. Dropout is off for both, so the only differences are accumulation arithmetic and floating
 point. Gradients, buffers, RNG states and the train/eval flag are restored; weights are never stepped.
 
-Tolerance: in float64 the two agree to ~1e-12. In float32 reduction order and padding lengths differ between
+Tolerance: in float64 the two agree to ~1e-8 (not 1e-15: Llama-style models run RMSNorm and rotary
+embeddings in float32 even in a float64 model). In float32 reduction order and padding lengths differ between
 the passes, ~1e-6; bf16/fp16 weights or autocast round every matmul to 8-11 mantissa bits, so errors of
 1e-3..1e-2 are expected and only an error of order 1 (e.g. a loss K times too large) means a real bug.
 """
@@ -23,7 +24,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+DEFAULT_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 
 @dataclass
@@ -48,22 +49,23 @@ class AccumulationCheck:
 
 def run_accumulation_check(trainer, num_micro_batches: int | None = None, tolerance: float | None = None):
     model = trainer.model
-    batch = next(iter(trainer.get_train_dataloader()))
-    size = _batch_size(batch)
-    tolerance = tolerance if tolerance is not None else _default_tolerance(model, trainer.args)
-    if size < 2:
-        result = AccumulationCheck(None, tolerance, [size], size, True, "the micro-batch holds 1 sample, so it "
-                                   "cannot be split without running more samples in one pass than planned")
-        logger.warning(str(result))
-        return result
-    k = min(num_micro_batches or min(size, 4), size)
-    chunks = [_trim_padding(c) for c in _split(batch, k)]
     params = [p for p in model.parameters() if p.requires_grad]
-
-    with _restored(trainer, model, params), _dropout_off(model):
-        trainer._window_world = 1  # a local check: no collective, no DDP wrapper
-        one_pass = _window_gradient(trainer, model, params, [batch])
-        accumulated = _window_gradient(trainer, model, params, chunks)
+    tolerance = tolerance if tolerance is not None else _default_tolerance(model, trainer.args)
+    # Everything, including drawing the first batch (the sampler consumes RNG), happens inside the restore.
+    with _restored(trainer, model, params):
+        batch = next(iter(trainer.get_train_dataloader()))
+        size = _batch_size(batch)
+        if size < 2:
+            result = AccumulationCheck(None, tolerance, [size], size, True, "the micro-batch holds 1 sample, so it "
+                                       "cannot be split without running more samples in one pass than planned")
+            logger.warning(str(result))
+            return result
+        k = min(num_micro_batches or min(size, 4), size)
+        chunks = [_trim_padding(c) for c in _split(batch, k)]
+        with _dropout_off(model):
+            trainer._window_world = 1  # a local check: no collective, no DDP wrapper
+            one_pass = _window_gradient(trainer, model, params, [batch])
+            accumulated = _window_gradient(trainer, model, params, chunks)
 
     num = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(accumulated, one_pass)) ** 0.5
     den = sum(float(b.double().pow(2).sum()) for b in one_pass) ** 0.5
@@ -76,10 +78,11 @@ def run_accumulation_check(trainer, num_micro_batches: int | None = None, tolera
 def _window_gradient(trainer, model, params, batches) -> list[torch.Tensor]:
     for p in params:
         p.grad = None
-    trainer._window = trainer._count_window(batches, trainer.args.device)
+    # The same per-window path as the training loop: get_batch_samples counts, training_step scales.
+    batches, num_items = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)
     trainer.current_gradient_accumulation_steps = len(batches)
     for b in batches:
-        trainer.training_step(model, b)
+        trainer.training_step(model, b, num_items)
     return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
 
 

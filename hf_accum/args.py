@@ -53,7 +53,7 @@ class AccumTrainingArguments(TrainingArguments):
         metadata={
             "help": (
                 "Relative gradient error above which check_accumulation warns. Unset: chosen from the "
-                "parameter dtype and mixed-precision settings (float64 1e-9, float32 1e-4, bf16/fp16 5e-2)."
+                "parameter dtype and mixed-precision settings (float64 1e-6, float32 1e-4, bf16/fp16 5e-2)."
             )
         },
     )

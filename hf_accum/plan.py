@@ -59,7 +59,9 @@ def fit_memory_model(points: Iterable[tuple[int, float]], *, tail: int = 2) -> t
     for micro, value in points:
         by_micro[int(micro)] = float(value)
     if len(by_micro) < 2:
-        raise ValueError(f"fit_memory_model needs measurements at two or more micro-batch sizes, got {sorted(by_micro)}")
+        raise ValueError(
+            f"fit_memory_model needs measurements at two or more micro-batch sizes, got {sorted(by_micro)}"
+        )
     chosen = sorted(by_micro.items())[-max(2, tail) :]
     n = len(chosen)
     mean_x = sum(x for x, _ in chosen) / n

@@ -1,0 +1,53 @@
+"""Run under `torchrun --nproc_per_node 2`: trains each requested case with two gloo ranks on CPU and saves,
+per rank, the recorded gradients, weights, micro-batches and logged losses for the test to check."""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.exactness import CASES, StepRecorder, logged_losses, pad_collate, recording  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--trainer", default="accum", choices=["accum", "plain"])
+    parser.add_argument("runs", nargs="+", help="CASE:avg_tokens, e.g. causal_lm:1")
+    opts = parser.parse_args()
+    from transformers import Trainer, TrainingArguments
+
+    from hf_accum import AccumTrainer, AccumTrainingArguments
+
+    rank = int(os.environ["RANK"])
+    for run in opts.runs:
+        name, avg = run.split(":")
+        case = CASES[name]
+        model = case.model()
+        kwargs = dict(
+            output_dir=os.path.join(opts.out, run.replace(":", "_")), per_device_train_batch_size=3,
+            gradient_accumulation_steps=2, num_train_epochs=1, learning_rate=1e-2, max_grad_norm=0.0,
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+            remove_unused_columns=False, ddp_backend="gloo", average_tokens_across_devices=avg == "1", **case.args,
+        )
+        if opts.trainer == "accum":
+            base, args = AccumTrainer, AccumTrainingArguments(loss_normalization=case.normalization, **kwargs)
+        else:
+            base, args = Trainer, TrainingArguments(**kwargs)
+        cls = recording(base if case.mixin is None else type("User", (case.mixin, base), {}))
+        recorder = StepRecorder()
+        trainer = cls(model=model, args=args, train_dataset=case.data(), data_collator=pad_collate,
+                      callbacks=[recorder], **case.trainer_kwargs)
+        trainer.train()
+        torch.save(
+            {"grads": recorder.grads, "weights": recorder.weights, "windows": trainer.windows,
+             "losses": logged_losses(trainer), "avg_flag_after": trainer.args.average_tokens_across_devices},
+            os.path.join(opts.out, f"{run.replace(':', '_')}.rank{rank}.pt"),
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""`trainer.check_accumulation()` on the user's real model and data: it measures, it flags a wrong loss, and it
+leaves no trace (gradients, weights, buffers, RNG)."""
+
+import logging
+import random
+
+import pytest
+import torch
+
+from hf_accum import AccumTrainer, AccumTrainingArguments
+
+from .exactness import MeanCrossEntropyLoss, lm_examples, pad_collate, tiny_llama
+
+
+def make_trainer(tmp_path, cls=AccumTrainer, micro=6, dtype=torch.float64, **kw):
+    args = AccumTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=micro, report_to=[], use_cpu=True,
+        save_strategy="no", disable_tqdm=True, remove_unused_columns=False, **kw,
+    )
+    model = tiny_llama(dtype=dtype, attention_dropout=0.3)  # dropout must be switched off by the check
+    return cls(model=model, args=args, train_dataset=lm_examples(24, seed=5), data_collator=pad_collate)
+
+
+def test_check_passes_and_restores_everything(tmp_path):
+    trainer = make_trainer(tmp_path)
+    model = trainer.model
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    planted = {n: torch.randn_like(p) for n, p in list(model.named_parameters())[:3]}
+    for n, p in model.named_parameters():
+        p.grad = planted[n].clone() if n in planted else None
+    model.eval()
+    torch.manual_seed(123)
+    random.seed(7)
+    cpu_rng, py_rng = torch.get_rng_state(), random.getstate()
+
+    result = trainer.check_accumulation(num_micro_batches=3)
+
+    assert result.passed and result.relative_error < 1e-6, str(result)
+    assert sum(result.micro_batch_sizes) == result.one_pass_size == 6
+    assert max(result.micro_batch_sizes) <= 6  # never more samples in one pass than the planned micro-batch
+    for n, p in model.named_parameters():
+        assert torch.equal(p, weights[n])
+        assert (p.grad is None) if n not in planted else torch.equal(p.grad, planted[n])
+    assert not model.training
+    assert torch.equal(torch.get_rng_state(), cpu_rng) and random.getstate() == py_rng
+    assert model.model.layers[0].self_attn.attention_dropout == 0.3
+
+
+def test_check_flags_a_loss_that_is_k_times_too_large(tmp_path, caplog):
+    # In "model" mode transformers keeps a tutorial-style mean loss un-normalized across micro-batches.
+    trainer = make_trainer(tmp_path, cls=type("User", (MeanCrossEntropyLoss, AccumTrainer), {}),
+                           loss_normalization="model")
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        result = trainer.check_accumulation(num_micro_batches=3)
+    assert not result.passed and result.relative_error > 0.5
+    assert "MISMATCH" in caplog.text
+
+
+def test_same_user_code_is_exact_with_tokens_mode(tmp_path):
+    trainer = make_trainer(tmp_path, cls=type("User", (MeanCrossEntropyLoss, AccumTrainer), {}))
+    assert trainer.check_accumulation(num_micro_batches=3).relative_error < 1e-6
+
+
+def test_float32_tolerance_and_flag_runs_it_at_train_start(tmp_path, caplog):
+    trainer = make_trainer(tmp_path, dtype=torch.float32, check_accumulation=True, max_steps=1)
+    with caplog.at_level(logging.INFO, logger="hf_accum"):
+        trainer.train()
+    assert "accumulation check OK" in caplog.text
+    assert "tolerance 1e-04" in caplog.text
+
+
+def test_micro_batch_of_one_is_skipped_with_reason(tmp_path):
+    result = make_trainer(tmp_path, micro=1).check_accumulation()
+    assert result.skipped_reason and "1 sample" in result.skipped_reason

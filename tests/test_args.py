@@ -1,0 +1,80 @@
+"""`AccumTrainingArguments`: parsed by HfArgumentParser from flags and YAML; bad values fail early and say the fix."""
+
+import pytest
+import torch
+from transformers import HfArgumentParser
+
+from hf_accum import AccumTrainer, AccumTrainingArguments
+
+from .exactness import lm_examples, tiny_llama
+
+
+def make(tmp_path, **kw):
+    return AccumTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
+
+
+def test_cli_flags_and_yaml(tmp_path):
+    parser = HfArgumentParser(AccumTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--target_batch_size", "8", "--per_device_train_batch_size", "2",
+         "--gradient_accumulation_steps", "4", "--loss_normalization", "samples", "--use_cpu", "true"]
+    )
+    assert (args.target_batch_size, args.loss_normalization) == (8, "samples")
+    yaml_file = tmp_path / "args.yaml"
+    yaml_file.write_text(f"output_dir: {tmp_path}\ntarget_batch_size: 6\nper_device_train_batch_size: 3\n"
+                         "gradient_accumulation_steps: 2\nuse_cpu: true\ncheck_accumulation: true\n")
+    (args,) = parser.parse_yaml_file(str(yaml_file))
+    assert (args.target_batch_size, args.check_accumulation, args.loss_normalization) == (6, True, "tokens")
+    with pytest.raises(SystemExit):  # argparse rejects an unknown choice before anything else runs
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--loss_normalization", "mean"])
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"target_batch_size": 10, "per_device_train_batch_size": 4}, "per_device_train_batch_size"),
+        ({"target_batch_size": 8, "per_device_train_batch_size": 2}, "Set gradient_accumulation_steps=4"),
+        ({"target_batch_size": 0}, "target_batch_size=0 must be a positive integer"),
+        ({"target_batch_size": -8}, "target_batch_size=-8 must be a positive integer"),
+        ({"per_device_train_batch_size": 0}, "per_device_train_batch_size=0 must be a positive integer"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0 must be a positive integer"),
+        ({"loss_normalization": "mean"}, "loss_normalization='mean' is not one of"),
+        ({"check_accumulation_tolerance": 0.0}, "check_accumulation_tolerance=0.0 must be > 0"),
+    ],
+)
+def test_bad_arguments_say_the_fix(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        make(tmp_path, **kwargs)
+
+
+def test_consistent_target_is_accepted(tmp_path):
+    args = make(tmp_path, target_batch_size=12, per_device_train_batch_size=3, gradient_accumulation_steps=4)
+    assert args.effective_batch_size == 12
+
+
+def _train(tmp_path, data, **kw):
+    args = make(tmp_path, per_device_train_batch_size=2, max_steps=1, save_strategy="no", disable_tqdm=True,
+                remove_unused_columns=False, **kw)
+    from .exactness import pad_collate
+
+    def collate(examples):
+        batch = pad_collate(examples)
+        return batch if data != "no_labels" else {k: v for k, v in batch.items() if k != "labels"}
+
+    examples = lm_examples(4) if data != "all_masked" else [
+        {"input_ids": e["input_ids"], "labels": [-100] * len(e["labels"])} for e in lm_examples(4)
+    ]
+    trainer = AccumTrainer(model=tiny_llama(torch.float32), args=args, train_dataset=examples, data_collator=collate)
+    weights = [p.detach().clone() for p in trainer.model.parameters()]
+    return trainer, weights
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [("no_labels", "needs a 'labels' tensor in every batch"), ("all_masked", "has no counted labels")],
+)
+def test_batches_without_labels_fail_before_any_forward(tmp_path, data, message):
+    trainer, weights = _train(tmp_path, data)
+    with pytest.raises(ValueError, match=message):
+        trainer.train()
+    assert all(torch.equal(p, w) for p, w in zip(trainer.model.parameters(), weights))  # nothing changed

@@ -1,0 +1,30 @@
+"""Fails when transformers changes how `Trainer.training_step` post-processes the loss (see hf_accum/_compat.py)."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from hf_accum import _compat
+
+from .exactness import tiny_llama
+
+
+@pytest.mark.parametrize(
+    "accepts,num_items,loss_func,declared",
+    [c for c in itertools.product([True, False], [None, 5], [None, "f"], [None, True, False])],
+)
+def test_training_step_division_rule(tmp_path, accepts, num_items, loss_func, declared):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, gradient_accumulation_steps=4)
+    trainer = Trainer(model=tiny_llama(torch.float32), args=args)
+    trainer.model_accepts_loss_kwargs = accepts
+    trainer.compute_loss_func = (lambda *a, **k: None) if loss_func else None
+    if declared is not None:  # set even on versions without the attribute: they must ignore it, and so must we
+        trainer.loss_is_scaled_for_ga = declared
+    trainer.current_gradient_accumulation_steps = 4
+    weight = next(trainer.model.parameters())
+    trainer.compute_loss = lambda model, inputs, **kw: (weight.sum() * 0 + 8.0)
+    returned = float(trainer.training_step(trainer.model, {"input_ids": torch.ones(1, 2, dtype=torch.long)}, num_items))
+    expected = 2.0 if _compat.trainer_divides_by_accumulation(trainer, num_items) else 8.0
+    assert returned == expected
