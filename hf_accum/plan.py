@@ -186,7 +186,7 @@ class MicroBatchSearch:
        predicts under ``budget - margin`` (see :meth:`margin_bytes`), but at least to the goal
        (``GOAL_FRACTION`` of the prediction);
     4. if a jump runs out of memory although the line said it fits, the line is wrong above the last
-       fitting size: bisect (geometrically) between the largest fit and the smallest failure, then fit
+       fitting size: bisect between the largest fit and the smallest failure, then fit
        again; if the line is flat (both points on the optimizer-step plateau), double instead;
     5. stop when the largest fitting size is within the goal of the estimate *and* no size in
        ``must_resolve`` (the divisors of the per-rank target, the sizes the plan can use) lies between
@@ -244,6 +244,18 @@ class MicroBatchSearch:
         model = self.line()
         return None if model is None else predict_bytes(model, micro)
 
+    def last_error_bytes(self) -> float:
+        """How far the latest checked prediction missed: measured minus predicted (0 before any).
+
+        The latest, not the worst: each line is fitted closer to the budget than the one before, so an
+        early line's miss (through the optimizer-step plateau, across an allocator step) says little
+        about the current one.
+        """
+        for o in reversed(self.observations):
+            if o.charged_bytes is not None and o.predicted_bytes is not None:
+                return o.charged_bytes - o.predicted_bytes
+        return 0.0
+
     def margin_bytes(self) -> float:
         """Bytes kept free under the budget when aiming a jump; every term is observed, none is a guess.
 
@@ -251,26 +263,25 @@ class MicroBatchSearch:
           (CUDA); the allocator may round the next size up by up to ``rounding_bytes`` (CUDA: one new
           20 MiB segment, the caching allocator's ``kLargeBuffer``; CPU: one page per block live at the
           peak, glibc's mmap rounding), which a line through earlier points cannot see;
-        * model error: the largest amount by which a measured point exceeded what the line predicted
-          for it before it ran (fragmentation growth, the curve bending) in this very probe.
-        A jump aimed under ``budget - margin`` therefore lands inside the budget whenever the next point
-        deviates from the line no more than the worst deviation seen so far.
+        * model error: how much the latest measured point exceeded what the line predicted for it
+          before it ran (fragmentation growth, the curve bending), in this very probe.
+        A jump aimed under ``budget - margin`` lands inside the budget whenever the next point deviates
+        from the line no more than the last one did and the allocator rounds up no more than its bound.
+        Rounding only ever adds, so the optimistic side of the estimate (:meth:`propose`, step 3) uses
+        the model error alone.
         """
         rounding = max((o.rounding_bytes for o in self.observations), default=0.0)
-        errors = [
-            o.charged_bytes - o.predicted_bytes
-            for o in self.observations
-            if o.charged_bytes is not None and o.predicted_bytes is not None
-        ]
-        return max(rounding, max(errors, default=0.0), 0.0)
+        return max(rounding, self.last_error_bytes(), 0.0)
 
-    def estimate(self) -> int:
-        """Best estimate of the largest fitting size: the line's prediction, bounded by known failures."""
+    def estimate(self, slack_bytes: float = 0.0) -> int:
+        """Estimate of the largest fitting size: the line's prediction for ``budget + slack_bytes``,
+        bounded by known failures.  With ``slack_bytes = |last_error_bytes()|`` it is the optimistic end
+        of what the observed error allows."""
         hi = self.smallest_failure
         model = self.line()
         if model is None:
             return hi - 1
-        predicted = predict_max_micro(model, self.budget_bytes)
+        predicted = predict_max_micro(model, self.budget_bytes + slack_bytes)
         if predicted is None or predicted >= hi:  # flat, or contradicted by a failure: trust measurements
             return hi - 1
         return predicted
@@ -287,8 +298,10 @@ class MicroBatchSearch:
     def next_over(self) -> tuple[int | None, str]:
         """The smallest ``must_resolve`` size above the largest fit and how it is known not to fit.
 
-        Returns ``(size, "measured")`` when it was run (or refused) and did not fit, ``(size, "predicted")``
-        when the line puts it over the budget, ``(None, "cap")`` when no candidate is left under the cap.
+        Returns ``(size, "measured")`` when it, or a smaller size, was run (or refused) and did not fit, ``(size, "predicted")``
+        when the line puts it over the budget, ``(None, "cap")`` when no candidate is left under the cap,
+        and ``(size, "untried")`` when the search stopped within the goal of a size it did not rule out
+        (possible only for a size outside ``must_resolve``: the search resolves every one of those).
         """
         lo = self.largest_fit
         candidates = [d for d in self.must_resolve if d > lo] or list(range(lo + 1, self.max_micro_batch + 1))
@@ -297,7 +310,11 @@ class MicroBatchSearch:
         size = candidates[0]
         if size >= self.smallest_failure:
             return size, "measured"
-        return size, "predicted"
+        predicted = self.predict(size)
+        if predicted is not None and predicted > self.budget_bytes:
+            return size, "predicted"
+        # Only without ``must_resolve``: the search stopped within the goal without ruling this size out.
+        return size, "untried"
 
     # -- policy --------------------------------------------------------------------------------------
     def propose(self) -> int | None:
@@ -312,23 +329,28 @@ class MicroBatchSearch:
             est = hi - 1
             if lo >= self.goal * est - 1e-9 and self._unresolved_divisor(lo, est) is None:
                 return None
-            # Geometric midpoint: a contradicted jump can overshoot by orders of magnitude (a flat line at
-            # the bend); the arithmetic midpoint of [2, 1024) would cost log2 trials walking back down.
-            return self._remember(max(lo + 1, min(hi - 1, math.isqrt(lo * hi))))
+            return self._remember((lo + hi) // 2)
         if model is None:  # step 2
             return self._remember(min(hi - 1, max(lo + 1, self._safe_jump(lo))))
         if model[1] <= 0:  # flat: both points sit on the optimizer-step plateau; the line knows nothing yet
             return self._remember(min(hi - 1, max(2 * lo, self._safe_jump(lo))))
-        est = self.estimate()  # step 3
+        # step 3.  The goal is measured against the optimistic estimate (the line plus its last miss), so
+        # an estimate that is low by that miss still leaves the result within the goal of the truth.  The
+        # jump itself goes no further than the line's own prediction: beyond it is a gamble, taken only
+        # when the sizes the line vouches for are verified and the goal is still not met.
+        central = self.estimate()
+        est = self.estimate(abs(self.last_error_bytes()))
         if est <= lo:
             return None
         aim = predict_max_micro(model, self.budget_bytes - self.margin_bytes())
         aim = est if aim is None else aim
         need = math.ceil(self.goal * est - 1e-9)  # the tolerance keeps 0.95 * 20 from rounding up to 20
-        proposal = max(aim, need) if lo < need else lo
+        proposal = max(aim, min(need, central)) if lo < need else lo
         top_divisor = self._unresolved_divisor(lo, est)
-        if top_divisor is not None:
+        if top_divisor is not None and (top_divisor <= central or proposal <= lo):
             proposal = max(proposal, top_divisor)
+        if proposal <= lo < need:
+            proposal = need
         proposal = min(proposal, hi - 1)
         return None if proposal <= lo else self._remember(proposal)
 

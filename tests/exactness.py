@@ -24,6 +24,7 @@ from transformers import (
     T5ForConditionalGeneration,
     TrainerCallback,
 )
+from transformers.trainer_callback import PrinterCallback
 
 VOCAB = 97
 PAD = 0
@@ -93,10 +94,9 @@ def merge(batches: list[dict]) -> dict:
 # --- models ---------------------------------------------------------------------------------------------------
 def tiny_llama(dtype=torch.float64, seed: int = 0, **overrides) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, **overrides,
-    )
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    cfg = LlamaConfig(vocab_size=VOCAB, pad_token_id=PAD, **{**sizes, **overrides})
     return LlamaForCausalLM(cfg).to(dtype)
 
 
@@ -318,6 +318,7 @@ def run_case(case: Case, base_trainer_cls, output_dir: str, micro: int = 3, accu
     recorder = StepRecorder()
     trainer = cls(model=model, args=args, train_dataset=case.data(), data_collator=pad_collate, callbacks=[recorder],
                   **case.trainer_kwargs)
+    trainer.remove_callback(PrinterCallback)  # keeps benchmark tables readable
     trainer.train()
     ref = reference_run(initial, recorder, trainer.windows, case.kind, label_smoothing=case.label_smoothing)
     return max_step_error(recorder, ref), logged_losses(trainer), ref.losses, trainer
