@@ -25,3 +25,17 @@ def trainer_divides_by_accumulation(trainer, num_items_in_batch) -> bool:
         trainer.compute_loss_func is not None
     )
     return not scaled
+
+
+def enable_checkpointing(model, args) -> None:
+    """Turn on gradient checkpointing as `Trainer.train()` will (5.23 renamed it "activation checkpointing"),
+    so a probe that runs before `train()` measures the memory training will use. Idempotent."""
+    flag = getattr(args, "activation_checkpointing", None)
+    if not (flag if flag is not None else args.gradient_checkpointing):
+        return
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {}
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("every_n_layers", "offload")}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)

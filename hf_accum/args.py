@@ -48,6 +48,48 @@ class AccumTrainingArguments(TrainingArguments):
             )
         },
     )
+    auto_tune: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "With target_batch_size set: before training, measure the peak memory of real training steps and "
+                "choose per_device_train_batch_size and gradient_accumulation_steps (values you pass for them are "
+                "ignored, with a log line). The plan is written to output_dir and reused while nothing that "
+                "changes memory changes. Off: the two are used as given and must multiply to the target."
+            )
+        },
+    )
+    memory_budget: float = field(
+        default=0.9,
+        metadata={"help": "Memory the auto-tuner may plan for, as a fraction (0, 1] of the device's capacity."},
+    )
+    memory_budget_bytes: int | None = field(
+        default=None,
+        metadata={"help": "Memory budget in bytes; overrides memory_budget when set."},
+    )
+    probe_seq_len: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Sequence length the probe measures at (causal LMs). Unset: the longest training example after "
+                "collation, the worst case training will meet."
+            )
+        },
+    )
+    probe_max_micro_batch: int | None = field(
+        default=None,
+        metadata={"help": "Largest micro-batch the probe may try. Unset: the per-rank target."},
+    )
+    auto_tune_optimize: str = field(
+        default="memory",
+        metadata={
+            "help": (
+                "'memory': the largest divisor of the per-rank target that fits. 'throughput': time every "
+                "fitting divisor and take the fastest (more probe steps)."
+            ),
+            "choices": ["memory", "throughput"],
+        },
+    )
     check_accumulation_tolerance: float | None = field(
         default=None,
         metadata={
@@ -75,16 +117,48 @@ class AccumTrainingArguments(TrainingArguments):
                 f"check_accumulation_tolerance={self.check_accumulation_tolerance!r} must be > 0 "
                 "(e.g. 1e-4 for float32); leave it unset to choose it from the precision."
             )
+        self._check_tuner_fields()
         super().__post_init__()
         self._check_target_batch_size()
+
+    @property
+    def tunes(self) -> bool:
+        """Whether train() plans the micro-batch and accumulation itself."""
+        return self.auto_tune and self.target_batch_size is not None
+
+    def _check_tuner_fields(self) -> None:
+        if not 0 < self.memory_budget <= 1:
+            raise ValueError(
+                f"memory_budget={self.memory_budget!r} must be a fraction in (0, 1] of the device's memory "
+                "(e.g. 0.9); for an absolute budget set memory_budget_bytes."
+            )
+        if self.memory_budget_bytes is not None:
+            _require_positive("memory_budget_bytes", self.memory_budget_bytes)
+        if self.probe_seq_len is not None:
+            _require_positive("probe_seq_len", self.probe_seq_len)
+        if self.probe_max_micro_batch is not None:
+            _require_positive("probe_max_micro_batch", self.probe_max_micro_batch)
+        if self.auto_tune_optimize not in ("memory", "throughput"):
+            raise ValueError(f"auto_tune_optimize={self.auto_tune_optimize!r} must be 'memory' or 'throughput'.")
 
     def _check_target_batch_size(self) -> None:
         world = self.world_size
         derived = self.per_device_train_batch_size * self.gradient_accumulation_steps * world
         if self.target_batch_size is None or self.target_batch_size == derived:
             return
+        if self.tunes:
+            if self.target_batch_size % world:
+                from .plan import nearest_exact_targets
+
+                options = " or ".join(map(str, nearest_exact_targets(self.target_batch_size, world)))
+                raise ValueError(
+                    f"target_batch_size={self.target_batch_size} is not divisible by the world size {world}: "
+                    f"micro x accumulation x world must equal it exactly. Set target_batch_size to {options}."
+                )
+            return  # the tuner chooses both; train() logs that the given values are ignored
         fix = suggest_accumulation(self.target_batch_size, self.per_device_train_batch_size, world)
         raise ValueError(
+            "auto_tune is off, so "
             f"target_batch_size={self.target_batch_size} but per_device_train_batch_size="
             f"{self.per_device_train_batch_size} x gradient_accumulation_steps={self.gradient_accumulation_steps}"
             f" x world size={world} = {derived}. {fix}"

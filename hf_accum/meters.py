@@ -129,9 +129,12 @@ def live_tensor_bytes(*holders: Any, device_type: str | None = "cpu") -> int:
 
 
 # --- CPU ---------------------------------------------------------------------------------------------------
-def _cgroup_limit_bytes() -> int | None:
+_CGROUP_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def _cgroup_limit_bytes(paths: Iterable[str] = _CGROUP_LIMIT_FILES) -> int | None:
     """The memory limit of this process's cgroup (v2, then v1); None when unlimited or not found."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    for path in paths:
         try:
             with open(path) as f:
                 text = f.read().strip()

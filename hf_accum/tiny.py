@@ -223,7 +223,9 @@ def build_sft_dataset(n: int, tokenizer, max_length: int = 64, seed: int = 0) ->
 
 
 def build_classification_dataset(n: int, tokenizer, max_length: int = 64, seed: int = 0) -> ListDataset:
-    return ListDataset([tokenize_classification(ex, tokenizer, max_length) for ex in generate_classification_data(n, seed)])
+    return ListDataset(
+        [tokenize_classification(ex, tokenizer, max_length) for ex in generate_classification_data(n, seed)]
+    )
 
 
 # --- collators ---------------------------------------------------------------------------------------

@@ -17,17 +17,14 @@ from transformers import Trainer
 
 from . import _compat
 from .accumulation_check import AccumulationCheck, run_accumulation_check
-from .args import AccumTrainingArguments
 from .loss import Window, count_items, loss_shifts_labels
 
 logger = logging.getLogger(__name__)
 
 
-class AccumTrainer(Trainer):
-    """Drop-in `transformers.Trainer`; pass `AccumTrainingArguments` to choose how the loss is normalized.
-
-    With plain `TrainingArguments` it behaves as `loss_normalization="tokens"`.
-    """
+class AccumulationMixin:
+    """The overrides, as a mixin so other `Trainer` subclasses get them too (e.g. TRL's `SFTTrainer`:
+    `class AccumSFTTrainer(AccumulationMixin, SFTTrainer)`). Must come before the Trainer class in the bases."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -142,6 +139,11 @@ class AccumTrainer(Trainer):
             self.check_accumulation()
         return super().train(*args, **kwargs)
 
-    @property
-    def accum_args(self) -> AccumTrainingArguments | None:
-        return self.args if isinstance(self.args, AccumTrainingArguments) else None
+
+
+class AccumTrainer(AccumulationMixin, Trainer):
+    """Drop-in `transformers.Trainer`; pass `AccumTrainingArguments` to choose how the loss is normalized,
+    and a `target_batch_size` to have the micro-batch and accumulation planned from measured memory.
+
+    With plain `TrainingArguments` it behaves as `loss_normalization="tokens"` and never auto-tunes.
+    """

@@ -1,0 +1,311 @@
+"""probe.py: exact trials against a fake meter; a real tiny Llama on CPU is probed without a trace."""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_accum.meters import CpuMeter, FakeMeter, live_tensor_bytes
+from hf_accum.plan import divisors, plan_batch
+from hf_accum.probe import (
+    NothingFitsError,
+    agree_max_micro_batch,
+    fresh_optimizer_like,
+    make_step_fn,
+    preserved,
+    probe_micro_batches,
+    probe_model,
+    random_token_batch,
+)
+
+MiB = 1 << 20
+SEQ = 32
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config).float()
+
+
+class Recorder:
+    """A step_fn that records the sizes it ran (the warm-up included)."""
+
+    def __init__(self, oom_from: int | None = None):
+        self.ran: list[int] = []
+        self.oom_from = oom_from
+
+    def __call__(self, micro: int) -> None:
+        if self.oom_from is not None and micro >= self.oom_from:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        self.ran.append(micro)
+
+
+# --- exact trials with a fake meter ------------------------------------------------------------------------
+PROBE_TABLE = [
+    # id, memory (bytes of micro), budget, target, sizes measured, max found, plan (micro, accum)
+    ("linear", lambda m: 100 * MiB + 10 * MiB * m, 400 * MiB, 64, [1, 3, 30], 30, (16, 4)),
+    ("fits-all", lambda m: 100 * MiB + 10 * MiB * m, 4000 * MiB, 64, [1, 36, 64], 64, (64, 1)),
+    ("tight", lambda m: 100 * MiB + 10 * MiB * m, 135 * MiB, 48, [1, 2, 3], 3, (3, 16)),
+    ("plateau", lambda m: max(200 * MiB, 100 * MiB + 10 * MiB * m), 400 * MiB, 64, [1, 2, 4, 8, 16, 32, 24, 28, 30], 30, (16, 4)),
+]
+
+
+@pytest.mark.parametrize(
+    "memory, budget, target, expected_calls, expected_max, expected_plan",
+    [row[1:] for row in PROBE_TABLE],
+    ids=[row[0] for row in PROBE_TABLE],
+)
+def test_probe_with_a_fake_meter_tries_exactly(memory, budget, target, expected_calls, expected_max, expected_plan):
+    meter = FakeMeter(memory, capacity_bytes=budget)  # over budget is an out-of-memory error
+    step = Recorder()
+    result = probe_micro_batches(step, meter, budget, target, must_resolve=divisors(target))
+    assert meter.calls == expected_calls
+    assert step.ran[0] == 1 and step.ran[1:] == [t.micro_batch_size for t in result.trials if t.fits]  # warm-up first
+    assert result.max_micro_batch_size == expected_max
+    plan = plan_batch(target, 1, result.max_micro_batch_size)
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == expected_plan
+    assert [t.micro_batch_size for t in result.trials] == expected_calls
+
+
+def test_an_oom_raised_by_the_step_is_a_size_that_does_not_fit_and_the_probe_goes_on():
+    meter = FakeMeter(lambda m: 100 * MiB + 10 * MiB * m, capacity_bytes=10**12)
+    step = Recorder(oom_from=20)  # the step itself runs out of memory from 20 on
+    result = probe_micro_batches(step, meter, 400 * MiB, 64, must_resolve=divisors(64))
+    statuses = {t.micro_batch_size: t.status for t in result.trials}
+    assert statuses == {1: "fits", 3: "fits", 30: "out of memory", 16: "fits", 23: "out of memory", 19: "fits"}
+    assert result.max_micro_batch_size == 19
+    assert (result.next_size, result.next_verdict) == (32, "measured")
+
+
+def test_errors_that_are_not_oom_propagate():
+    def step(micro):
+        if micro > 1:
+            raise ValueError("a bug in the step")
+
+    with pytest.raises(ValueError, match="a bug"):
+        probe_micro_batches(step, FakeMeter(lambda m: m, 10**9), 10**6, 64)
+
+
+def test_a_warmup_that_runs_out_of_memory_means_nothing_fits():
+    result = probe_micro_batches(Recorder(oom_from=1), FakeMeter(lambda m: m, 10**9), 10**6, 8)
+    assert result.max_micro_batch_size == 0 and result.trials[0].status == "out of memory"
+
+
+def test_on_cpu_a_size_predicted_over_the_limit_is_refused_not_run():
+    meter = FakeMeter(lambda m: 100 * MiB + 10 * MiB * m, capacity_bytes=10**12)
+    meter.catches_oom = False  # play the CPU: running out of memory would kill the process
+    step = Recorder()
+    # budget above the limit, so the line's jump (to 90) would cross the limit (500 MiB, 40 samples)
+    result = probe_micro_batches(step, meter, 1000 * MiB, 128, limit_bytes=500 * MiB)
+    refused = [t.micro_batch_size for t in result.trials if t.status == "refused"]
+    assert refused and not set(refused) & set(step.ran)
+    assert all(100 * MiB + 10 * MiB * m <= 500 * MiB for m in step.ran)
+
+
+def test_throughput_mode_times_the_fitting_divisors_and_takes_the_fastest():
+    # per-sample time falls with the micro-batch up to 8, then rises (say, cache effects): 8 is fastest
+    seconds = {1: 1.0, 2: 1.2, 4: 1.6, 8: 2.0, 16: 8.0}
+    meter = FakeMeter(lambda m: 100 * MiB + 10 * MiB * m, 400 * MiB, seconds=lambda m: seconds.get(m, m / 4))
+    result = probe_micro_batches(Recorder(), meter, 400 * MiB, 32, must_resolve=divisors(32), optimize="throughput")
+    assert meter.calls == [1, 3, 30, 2, 4, 8, 16]  # the search, then the divisors not yet measured
+    assert result.max_micro_batch_size == 30
+    assert result.chosen_micro_batch_size == 8
+    assert result.extra["samples_per_second"] == {1: 1.0, 2: 2 / 1.2, 4: 4 / 1.6, 8: 4.0, 16: 2.0}
+
+
+# --- the real thing: a tiny Llama on CPU ----------------------------------------------------------------------
+def _budget_for(model, micro_that_fits: float) -> int:
+    """A budget that fits ``micro_that_fits`` samples, from two measured steps of a copy of the model."""
+    clone = copy.deepcopy(model)
+    opt = torch.optim.AdamW(clone.parameters())
+    step = make_step_fn(clone, opt, random_token_batch(clone, SEQ))
+    step(1)
+    meter = CpuMeter(resident=lambda: live_tensor_bytes(clone, opt))
+    p1, p2 = (meter.measure(lambda m=m: step(m)).peak_bytes for m in (1, 2))
+    return int(p1 + (micro_that_fits - 1) * (p2 - p1))
+
+
+@pytest.fixture(scope="module")
+def probed():
+    model = tiny_llama()
+    model.eval()  # the probe switches to train mode; it must switch back
+    model.model.layers[0].train()  # a mixed state, restored module by module
+    budget = _budget_for(model, 11.5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    rng_before = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    flags_before = [m.training for m in model.modules()]
+    result, plan = probe_model(model, seq_len=SEQ, target_batch_size=32, budget_bytes=budget)
+    rng_after = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    return model, budget, before, rng_before, rng_after, flags_before, result, plan
+
+
+def test_weights_are_bitwise_identical_after_the_probe(probed):
+    model, _, before, *_ = probed
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        assert torch.equal(tensor, after[name]), name
+
+
+def test_rng_state_and_training_flags_are_unchanged(probed):
+    model, _, _, rng_before, rng_after, flags_before, *_ = probed
+    assert torch.equal(rng_before[0], rng_after[0])
+    assert rng_before[1] == rng_after[1]
+    assert all(np.array_equal(a, b) for a, b in zip(rng_before[2][1:3], rng_after[2][1:3]))
+    assert [m.training for m in model.modules()] == flags_before
+
+
+def test_no_gradients_or_optimizer_state_are_left_behind(probed):
+    model, *_ = probed
+    assert all(p.grad is None for p in model.parameters())
+    # what the model holds is exactly its weights and buffers: no state hangs off it
+    assert live_tensor_bytes(model) == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def test_the_plan_is_exact_and_uses_the_largest_fitting_divisor(probed):
+    _, budget, *_, result, plan = probed
+    assert plan.micro_batch_size * plan.gradient_accumulation_steps == 32
+    assert plan.micro_batch_size == max(d for d in divisors(32) if d <= result.max_micro_batch_size)
+    assert 10 <= result.max_micro_batch_size <= 12  # the budget was set for 11.5 samples
+    assert plan.gradient_accumulation_steps > 1
+    assert len(result.measured_trials) <= 4
+    fitting = {t.micro_batch_size: t for t in result.trials if t.fits}
+    assert result.max_micro_batch_size in fitting
+    assert fitting[result.max_micro_batch_size].peak_bytes <= budget
+
+
+def test_the_next_larger_divisor_exceeds_the_budget(probed):
+    model, budget, *_, result, plan = probed
+    nxt = next(d for d in divisors(32) if d > plan.micro_batch_size)
+    assert result.next_size == nxt
+    if result.next_verdict == "measured":  # it, or a smaller size, was run and did not fit
+        assert any(not t.fits and t.micro_batch_size <= nxt for t in result.trials)
+    else:  # predicted by the line: check the prediction, then check it for real
+        assert result.next_verdict == "predicted"
+        a, b = result.fitted
+        assert a + b * nxt > budget
+    clone = copy.deepcopy(model)
+    opt = torch.optim.AdamW(clone.parameters())
+    step = make_step_fn(clone, opt, random_token_batch(clone, SEQ))
+    step(1)
+    meter = CpuMeter(resident=lambda: live_tensor_bytes(clone, opt))
+    assert meter.measure(lambda: step(nxt)).peak_bytes > budget
+
+
+def test_peak_grows_with_the_micro_batch_across_trials(probed):
+    *_, result, _ = probed
+    measured = sorted((t.micro_batch_size, t.peak_bytes) for t in result.trials if t.peak_bytes is not None)
+    assert len(measured) >= 2
+    peaks = [p for _, p in measured]
+    assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)
+
+
+def test_a_lora_model_is_probed_and_left_as_it_was():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result, plan = probe_model(model, seq_len=SEQ, target_batch_size=8, budget_bytes=64 * MiB)
+    assert plan.micro_batch_size == 8 and result.max_micro_batch_size == 8
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_the_callers_optimizer_is_copied_not_touched():
+    model = tiny_llama()
+    real = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    probe_model(model, seq_len=SEQ, target_batch_size=4, budget_bytes=64 * MiB, optimizer=real)
+    assert len(real.state) == 0
+    fresh = fresh_optimizer_like(real)
+    assert type(fresh) is torch.optim.SGD and fresh.param_groups[0]["momentum"] == 0.9 and fresh is not real
+
+
+def test_preserved_restores_after_an_error():
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="boom"), preserved(model):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        torch.rand(3)
+        raise RuntimeError("boom")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_existing_gradients_are_put_back_as_the_same_tensors():
+    model = tiny_llama()
+    ids = torch.randint(0, 256, (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: (p.grad, p.grad.clone()) for n, p in model.named_parameters()}
+    with preserved(model):
+        model(input_ids=ids, labels=ids).loss.backward()  # accumulates into the same tensors
+    for n, p in model.named_parameters():
+        assert p.grad is grads[n][0] and torch.equal(p.grad, grads[n][1])
+
+
+# --- bad input ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"target_batch_size": 10, "world_size": 4}, r"not divisible by world_size=4.*8 or 12"),
+        ({"seq_len": 65}, r"exceeds the model's max_position_embeddings=64"),
+        ({"budget_bytes": 0}, r"budget_bytes=0 must be positive"),
+        ({"budget_bytes": 1 << 60}, r"exceeds what this process can use"),
+        ({"budget_fraction": 1.5}, r"budget_fraction=1.5 must be in \(0, 1\]"),
+        ({"budget_bytes": MiB, "budget_fraction": 0.5}, r"either budget_bytes or budget_fraction"),
+    ],
+)
+def test_bad_input_is_refused_before_any_step(kwargs, match):
+    model = tiny_llama()
+    calls = []
+    args = {"seq_len": SEQ, "target_batch_size": 8, "budget_bytes": 64 * MiB, **kwargs}
+    if "budget_fraction" in kwargs and "budget_bytes" not in kwargs:
+        args.pop("budget_bytes")
+    with pytest.raises(ValueError, match=match):
+        probe_model(model, make_batch=lambda m: calls.append(m), **args)
+    assert calls == []
+
+
+def test_a_model_that_does_not_fit_at_one_says_by_how_much_and_what_helps():
+    model = tiny_llama()
+    with pytest.raises(NothingFitsError, match=r"over the budget.*gradient checkpointing.*LoRA.*4-bit") as info:
+        probe_model(model, seq_len=SEQ, target_batch_size=8, budget_bytes=MiB)
+    assert info.value.result.trials[0].micro_batch_size == 1 and not info.value.result.trials[0].fits
+
+
+# --- data parallel -----------------------------------------------------------------------------------------
+def _agree_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        agreed = agree_max_micro_batch([12, 7][rank])
+        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+            f.write(str(agreed))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_ranks_adopt_the_smallest_maximum():
+    assert agree_max_micro_batch(12) == 12  # not distributed: unchanged
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(_agree_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2)
+        assert [open(os.path.join(tmp, f"rank{r}")).read() for r in (0, 1)] == ["7", "7"]
