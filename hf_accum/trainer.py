@@ -18,6 +18,8 @@ from transformers import Trainer
 from . import _compat
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .loss import Window, count_items, loss_shifts_labels
+from .plan import Plan
+from .tuning import tune
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ class AccumulationMixin:
         self._window: Window | None = None
         self._window_world: int | None = None  # forced data-parallel size (1 inside check_accumulation)
         self._post_checked = False
+        self.plan: Plan | None = None
+        self.probe_result = None
         if self._normalization == "model":
             return
         if self.args.n_gpu > 1:
@@ -134,10 +138,29 @@ class AccumulationMixin:
             tolerance = getattr(self.args, "check_accumulation_tolerance", None)
         return run_accumulation_check(self, num_micro_batches=num_micro_batches, tolerance=tolerance)
 
+    # --- planning ---------------------------------------------------------------------------------------------
+    def apply_plan(self, plan: Plan) -> None:
+        """The one writer of the micro-batch / accumulation state (as transformers' `_update_auto_batch_size`)."""
+        self.args.per_device_train_batch_size = plan.micro_batch_size
+        self.args.gradient_accumulation_steps = plan.gradient_accumulation_steps
+        self._train_batch_size = plan.micro_batch_size  # what get_train_dataloader and train() read
+        self.plan = plan
+
+    def tune(self) -> Plan:
+        """Measure (or reuse the stored plan), plan micro x accumulation x world = target, apply it."""
+        plan, self.probe_result = tune(self)
+        self.apply_plan(plan)
+        return plan
+
     def train(self, *args, **kwargs):
-        if getattr(self.args, "check_accumulation", False):
-            self.check_accumulation()
-        return super().train(*args, **kwargs)
+        try:
+            if getattr(self.args, "tunes", False):
+                self.tune()
+            if getattr(self.args, "check_accumulation", False):
+                self.check_accumulation()
+            return super().train(*args, **kwargs)
+        finally:
+            self._window = None
 
 
 

@@ -62,7 +62,7 @@ PROBE_TABLE = [
     ("linear", lambda m: 100 * MiB + 10 * MiB * m, 400 * MiB, 64, [1, 3, 30], 30, (16, 4)),
     ("fits-all", lambda m: 100 * MiB + 10 * MiB * m, 4000 * MiB, 64, [1, 36, 64], 64, (64, 1)),
     ("tight", lambda m: 100 * MiB + 10 * MiB * m, 135 * MiB, 48, [1, 2, 3], 3, (3, 16)),
-    ("plateau", lambda m: max(200 * MiB, 100 * MiB + 10 * MiB * m), 400 * MiB, 64, [1, 2, 4, 8, 16, 32, 24, 28, 30], 30, (16, 4)),
+    ("plateau", lambda m: max(200 * MiB, 100 * MiB + 10 * MiB * m), 400 * MiB, 64, [1, 2, 4, 8, 16, 34, 25, 30], 30, (16, 4)),
 ]
 
 
@@ -88,7 +88,10 @@ def test_an_oom_raised_by_the_step_is_a_size_that_does_not_fit_and_the_probe_goe
     step = Recorder(oom_from=20)  # the step itself runs out of memory from 20 on
     result = probe_micro_batches(step, meter, 400 * MiB, 64, must_resolve=divisors(64))
     statuses = {t.micro_batch_size: t.status for t in result.trials}
-    assert statuses == {1: "fits", 3: "fits", 30: "out of memory", 16: "fits", 23: "out of memory", 19: "fits"}
+    # the meter's formula says 30 fits, the step disagrees: bisection finds the step's own limit
+    assert statuses == {
+        1: "fits", 3: "fits", 30: "out of memory", 16: "fits", 23: "out of memory", 19: "fits", 21: "out of memory"
+    }
     assert result.max_micro_batch_size == 19
     assert (result.next_size, result.next_verdict) == (32, "measured")
 
@@ -178,7 +181,8 @@ def test_no_gradients_or_optimizer_state_are_left_behind(probed):
     model, *_ = probed
     assert all(p.grad is None for p in model.parameters())
     # what the model holds is exactly its weights and buffers: no state hangs off it
-    assert live_tensor_bytes(model) == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    held = [*model.parameters(), *model.buffers()]
+    assert live_tensor_bytes(model) == sum(t.numel() * t.element_size() for t in held)
 
 
 def test_the_plan_is_exact_and_uses_the_largest_fitting_divisor(probed):
@@ -287,7 +291,7 @@ def test_bad_input_is_refused_before_any_step(kwargs, match):
 def test_a_model_that_does_not_fit_at_one_says_by_how_much_and_what_helps():
     model = tiny_llama()
     with pytest.raises(NothingFitsError, match=r"over the budget.*gradient checkpointing.*LoRA.*4-bit") as info:
-        probe_model(model, seq_len=SEQ, target_batch_size=8, budget_bytes=MiB)
+        probe_model(model, seq_len=SEQ, target_batch_size=8, budget_bytes=100_000)
     assert info.value.result.trials[0].micro_batch_size == 1 and not info.value.result.trials[0].fits
 
 
@@ -307,5 +311,8 @@ def _agree_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 def test_all_ranks_adopt_the_smallest_maximum():
     assert agree_max_micro_batch(12) == 12  # not distributed: unchanged
     with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.spawn(_agree_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2)
+        # fork: the children inherit the imported modules (spawn would re-import transformers, ~10 s each)
+        torch.multiprocessing.start_processes(
+            _agree_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, start_method="fork"
+        )
         assert [open(os.path.join(tmp, f"rank{r}")).read() for r in (0, 1)] == ["7", "7"]

@@ -1,0 +1,90 @@
+"""How a probe is shown: the table, the JSON file and the plot of `hf-accum probe`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .plan import Plan
+from .probe import ProbeResult
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def table(result: ProbeResult, seq_len: int) -> str:
+    rows = ["| micro | peak alloc MiB | peak reserved MiB | step s | samples/s | tokens/s | fits |",
+            "|---:|---:|---:|---:|---:|---:|:---|"]
+    for t in sorted(result.trials, key=lambda t: t.micro_batch_size):
+        sps = t.samples_per_second
+        rows.append(
+            f"| {t.micro_batch_size} | {_mib(t.peak_bytes)} | {_mib(t.reserved_bytes)} | "
+            f"{'-' if t.seconds is None else f'{t.seconds:.3f}'} | {'-' if sps is None else f'{sps:.1f}'} | "
+            f"{'-' if sps is None else f'{sps * seq_len:,.0f}'} | {t.status} |"
+        )
+    return "\n".join(rows)
+
+
+def summary(result: ProbeResult, plan: Plan, seq_len: int) -> str:
+    lines = []
+    if result.fitted is not None:
+        a, b = result.fitted
+        lines.append(f"memory model: peak ≈ {_mib(a)} MiB + {_mib(b)} MiB × micro-batch (seq {seq_len})")
+    lines.append(f"budget {_mib(result.budget_bytes)} MiB of {_mib(result.capacity_bytes)} MiB on {result.device}")
+    lines.append(f"largest micro-batch that fits: {result.max_micro_batch_size}")
+    if result.next_size:
+        lines.append(f"next usable size {result.next_size} does not fit ({result.next_verdict})")
+    lines.append(f"plan: {plan.describe()}  ({plan.target_batch_size * seq_len:,} tokens per optimizer step at "
+                 f"seq {seq_len})")
+    return "\n".join(lines)
+
+
+def to_json(result: ProbeResult, plan: Plan, seq_len: int) -> dict[str, Any]:
+    data = result.to_dict()
+    return {
+        **plan.to_dict(),
+        "max_micro_batch_size": result.max_micro_batch_size,
+        "budget_bytes": result.budget_bytes,
+        "capacity_bytes": result.capacity_bytes,
+        "device": result.device,
+        "seq_len": seq_len,
+        "fitted": data["fitted"],
+        "trials": data["trials"],
+    }
+
+
+def write_json(path: str, result: ProbeResult, plan: Plan, seq_len: int) -> None:
+    with open(path, "w") as f:
+        json.dump(to_json(result, plan, seq_len), f, indent=2, default=str)
+
+
+def write_plot(path: str, result: ProbeResult, plan: Plan) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = sorted((t.micro_batch_size, t.peak_bytes / 2**20, t.fits) for t in result.trials if t.peak_bytes)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.scatter([m for m, _, f in measured if f], [p for _, p, f in measured if f], color="tab:green", label="fits")
+    ax.scatter([m for m, _, f in measured if not f], [p for _, p, f in measured if not f], color="tab:red",
+               marker="x", label="over budget")
+    if result.fitted is not None:
+        top = max([m for m, _, _ in measured] + [plan.micro_batch_size]) + 1
+        a, b = result.fitted
+        ax.plot([0, top], [a / 2**20, (a + b * top) / 2**20], color="gray", linestyle=":", label="fitted a + b·micro")
+    ax.axhline(result.budget_bytes / 2**20, color="tab:orange", linestyle="--", label="budget")
+    chosen = next((p for m, p, _ in measured if m == plan.micro_batch_size), None)
+    if chosen is None and result.fitted is not None:  # a divisor below the measured maximum: on the fitted line
+        chosen = (result.fitted[0] + result.fitted[1] * plan.micro_batch_size) / 2**20
+    if chosen is not None:
+        ax.scatter([plan.micro_batch_size], [chosen], s=160, facecolors="none", edgecolors="black",
+                   label=f"chosen micro {plan.micro_batch_size}")
+    ax.set_xlabel("micro-batch size")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title(plan.describe())
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,110 @@
+"""The tuner inside the trainer: probe -> plan -> apply, the stored plan, and bad input before heavy work."""
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from hf_accum import AccumTrainer, AccumTrainingArguments
+from hf_accum.plan_store import PLAN_FILE
+from hf_accum.probe import NothingFitsError
+from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def make(tmp_path, tok, **kw):
+    defaults = dict(output_dir=str(tmp_path), target_batch_size=16, memory_budget_bytes=8 * MiB, use_cpu=True,
+                    report_to=[], max_steps=2, save_strategy="no", disable_tqdm=True)
+    args = AccumTrainingArguments(**{**defaults, **kw})
+    return AccumTrainer(model=build_model(tokenizer=tok), args=args, train_dataset=build_sft_dataset(48, tok),
+                        data_collator=SFTCollator(tok))
+
+
+def test_plan_is_measured_applied_and_written(tmp_path, tok, caplog):
+    trainer = make(tmp_path, tok, per_device_train_batch_size=4, gradient_accumulation_steps=4)
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with caplog.at_level(logging.INFO, logger="hf_accum"):
+        plan = trainer.tune()
+    assert "ignoring per_device_train_batch_size=4 and gradient_accumulation_steps=4" in caplog.text
+    # The probe never changes the weights.
+    assert all(torch.equal(p, weights[n]) for n, p in trainer.model.named_parameters())
+    result = trainer.probe_result
+    assert plan.micro_batch_size * plan.gradient_accumulation_steps == 16
+    assert plan.gradient_accumulation_steps > 1, "the small budget must force accumulation"
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (
+        plan.micro_batch_size, plan.gradient_accumulation_steps)
+    fits = {t.micro_batch_size: t for t in result.trials if t.status != "refused"}
+    assert fits[plan.micro_batch_size].fits if plan.micro_batch_size in fits else plan.micro_batch_size <= result.max_micro_batch_size
+    assert all(t.peak_bytes <= 8 * MiB for t in result.trials if t.fits)
+    stored = json.loads((tmp_path / PLAN_FILE).read_text())
+    assert stored["plan"] == plan.to_dict()
+    assert stored["key"]["target_batch_size"] == 16 and stored["key"]["budget_bytes"] == 8 * MiB
+
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert trainer.state.train_batch_size == plan.micro_batch_size
+
+
+def test_stored_plan_is_reused_only_when_the_key_matches(tmp_path, tok, caplog):
+    make(tmp_path, tok).tune()
+    again = make(tmp_path, tok)
+    with caplog.at_level(logging.INFO, logger="hf_accum"):
+        plan = again.tune()
+    assert again.probe_result is None and "reusing the plan" in caplog.text
+    assert plan.to_dict() == json.loads((tmp_path / PLAN_FILE).read_text())["plan"]
+    changed = make(tmp_path, tok, memory_budget_bytes=10 * MiB)
+    changed.tune()
+    assert changed.probe_result is not None, "a different budget must be probed again"
+
+
+def test_tuning_off_uses_given_sizes(tmp_path, tok):
+    trainer = make(tmp_path, tok, auto_tune=False, per_device_train_batch_size=4, gradient_accumulation_steps=4)
+    trainer.train()
+    assert trainer.plan is None and trainer.state.train_batch_size == 4
+    assert not os.path.exists(tmp_path / PLAN_FILE)
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"memory_budget": 0.0}, "memory_budget=0.0 must be a fraction in"),
+        ({"memory_budget": 1.5}, "memory_budget=1.5 must be a fraction in"),
+        ({"memory_budget_bytes": -1}, "memory_budget_bytes=-1 must be a positive integer"),
+        ({"probe_seq_len": 0}, "probe_seq_len=0 must be a positive integer"),
+        ({"probe_max_micro_batch": 0}, "probe_max_micro_batch=0 must be a positive integer"),
+        ({"auto_tune_optimize": "speed"}, "auto_tune_optimize='speed' must be"),
+        ({"auto_tune": False, "target_batch_size": 16, "per_device_train_batch_size": 3},
+         "auto_tune is off, so target_batch_size=16"),
+    ],
+)
+def test_bad_tuner_arguments(tmp_path, kw, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        AccumTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
+
+
+def test_budget_above_capacity_fails_before_any_step(tmp_path, tok):
+    trainer = make(tmp_path, tok, memory_budget_bytes=2**60)
+    with pytest.raises(ValueError, match="exceeds what this process can use"):
+        trainer.tune()
+    assert trainer.probe_result is None
+
+
+def test_probe_seq_len_beyond_the_model(tmp_path, tok):
+    trainer = make(tmp_path, tok, probe_seq_len=10_000)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        trainer.tune()
+
+
+def test_nothing_fits_says_by_how_much_and_what_helps(tmp_path, tok):
+    trainer = make(tmp_path, tok, memory_budget_bytes=MiB // 4)
+    with pytest.raises(NothingFitsError, match="gradient checkpointing.*LoRA.*4-bit") as info:
+        trainer.tune()
+    assert "over the budget" in str(info.value)
