@@ -58,3 +58,21 @@ def test_two_ranks_match_one_pass(accum_runs, run):
             torch.testing.assert_close(g0[n], g1[n], rtol=0, atol=0)
     assert ranks[0]["losses"] == pytest.approx(ref.losses, rel=1e-6)
     assert ranks[0]["avg_flag_after"] is False  # overridden (and logged) in favour of our exact counting
+
+
+@pytest.mark.slow
+def test_ranks_with_different_budgets_agree_on_the_most_constrained_plan(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           os.path.join(ROOT, "tests", "ddp_tune_worker.py"), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "KINETO_LOG_LEVEL": "3"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    import json
+
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r1["local_max"] < r0["local_max"], "rank 1 has the tighter budget"
+    assert r0["agreed_max"] == r1["agreed_max"] == r1["local_max"]
+    assert r0["plan"] == r1["plan"]
+    plan = r0["plan"]
+    assert plan["world_size"] == 2 and plan["micro_batch_size"] * plan["gradient_accumulation_steps"] * 2 == 16
+    assert r0["steps"] == r1["steps"] == 2

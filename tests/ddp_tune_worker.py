@@ -1,0 +1,34 @@
+"""Run under `torchrun --nproc_per_node 2`: each rank probes with its own memory budget (rank 1 tighter, as a
+GPU shared with another process would be); both must adopt the same, most constrained plan and train."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main():
+    out = sys.argv[1]
+    from hf_accum import AccumTrainer, AccumTrainingArguments
+    from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
+
+    rank = int(os.environ["RANK"])
+    tok = build_tokenizer()
+    budget = [12, 7][rank] * 2**20
+    args = AccumTrainingArguments(
+        output_dir=os.path.join(out, f"rank{rank}"), target_batch_size=16, memory_budget_bytes=budget,
+        use_cpu=True, ddp_backend="gloo", report_to=[], max_steps=2, save_strategy="no", disable_tqdm=True,
+    )
+    trainer = AccumTrainer(model=build_model(tokenizer=tok), args=args, train_dataset=build_sft_dataset(64, tok),
+                           data_collator=SFTCollator(tok))
+    trainer.train()
+    result = trainer.probe_result
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"plan": trainer.plan.to_dict(), "steps": trainer.state.global_step,
+                   "local_max": result.extra.get("local_max_micro_batch_size", result.max_micro_batch_size),
+                   "agreed_max": result.max_micro_batch_size}, f)
+
+
+if __name__ == "__main__":
+    main()
