@@ -32,8 +32,10 @@ def test_cli_flags_and_yaml(tmp_path):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"target_batch_size": 10, "per_device_train_batch_size": 4}, "per_device_train_batch_size"),
-        ({"target_batch_size": 8, "per_device_train_batch_size": 2}, "Set gradient_accumulation_steps=4"),
+        ({"target_batch_size": 10, "per_device_train_batch_size": 4, "auto_tune": False},
+         "pick a per_device_train_batch_size that divides 10"),
+        ({"target_batch_size": 8, "per_device_train_batch_size": 2, "auto_tune": False},
+         "Set gradient_accumulation_steps=4"),
         ({"target_batch_size": 0}, "target_batch_size=0 must be a positive integer"),
         ({"target_batch_size": -8}, "target_batch_size=-8 must be a positive integer"),
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size=0 must be a positive integer"),
@@ -48,8 +50,14 @@ def test_bad_arguments_say_the_fix(tmp_path, kwargs, message):
 
 
 def test_consistent_target_is_accepted(tmp_path):
-    args = make(tmp_path, target_batch_size=12, per_device_train_batch_size=3, gradient_accumulation_steps=4)
+    args = make(tmp_path, target_batch_size=12, per_device_train_batch_size=3, gradient_accumulation_steps=4,
+                auto_tune=False)
     assert args.effective_batch_size == 12
+
+
+def test_with_auto_tune_the_batch_settings_are_outputs(tmp_path):
+    args = make(tmp_path, target_batch_size=10, per_device_train_batch_size=4)  # no error: the tuner decides
+    assert args.tunes
 
 
 def _train(tmp_path, data, **kw):

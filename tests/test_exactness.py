@@ -49,7 +49,7 @@ def test_model_mode_is_transformers_behaviour(tmp_path):
 
 def test_target_batch_size_and_single_window(tmp_path):
     err, logged, ref_losses, trainer = run_case(
-        CASES["causal_lm"], AccumTrainer, str(tmp_path), micro=2, accum=3, target_batch_size=6
+        CASES["causal_lm"], AccumTrainer, str(tmp_path), micro=2, accum=3, target_batch_size=6, auto_tune=False
     )
     assert err <= TOL
     assert [len(w) for w in trainer.windows] == [3, 3, 2]
