@@ -1,16 +1,17 @@
 """Our probe vs the batch-size searches people use today, all driven by one meter on a CPU Llama.
 
-    python benchmarks/bench_probe.py                 # 8 configurations x 3 budgets (~2-3 min on 2 CPU cores)
+    python benchmarks/bench_probe.py                 # 8 configurations x 3 budgets (a few minutes on 2 CPU cores)
     python benchmarks/bench_probe.py --json out.json # also write every row
 
 Each configuration (full fine-tune / LoRA, gradient checkpointing off / on, sequence 128 / 512) of a small
-Llama built from config is measured once per micro-batch size with the real CpuMeter (a warm-up step first),
-from 1 up to the first size over the largest budget; the strategies are then replayed against that cache,
-so they see identical numbers.  A size over the budget counts as an out-of-memory error; sizes beyond the
-measured range are over every budget (memory grows with the micro-batch; the scan checks it does).
+Llama built from config runs real steps (AdamW with foreach=True, as on CUDA) through the real CpuMeter after
+one warm-up step, each micro-batch size at most once (a cache per configuration and size); the strategies
+are replayed against that cache, so they all see identical numbers.  A size over the budget counts as an
+out-of-memory error.  Sizes whose fate memory's monotonicity already settles are not run (the script checks
+the measured peaks are monotone), which keeps the whole run to a few minutes on 2 CPU cores.
 
-Budgets are 1.6x, 3.7x and 9.5x each configuration's peak at micro-batch 1, so every configuration is
-searched in a tight, a middling and a roomy budget.  The target batch is 64 (the search's cap).
+Budgets are 1.6x, 3.7x and 9.5x each configuration's peak at micro-batch 1: a tight, a middling and a roomy
+budget for every configuration.  The target batch is 64 (the search's cap).
 
 Strategies (all start after the same warm-up, which no one is charged for):
   ours     hf_accum.probe.probe_micro_batches with the plan's divisors of 64 to resolve
@@ -20,10 +21,10 @@ Strategies (all start after the same warm-up, which no one is charged for):
            (one step per trial here; Lightning's default is 3, which would triple its sample-steps)
   exhaust  every size from 1 up to the first that does not fit: the true maximum
 
-Figures: trials (steps measured), sample-steps (sum of the micro-batch sizes run, OOMs included), wall
-time (the cached step times of the trials run; an OOM trial is charged a whole step at its size, time
-extrapolated linearly past the measured range) and found max / true max.  The table shows ours in
-absolute numbers and every other strategy as a ratio to ours.
+Figures: trials (steps run), sample-steps (sum of the micro-batch sizes run, OOMs included), wall time
+(step seconds from a robust line through the measured step times, since single timings on a shared machine
+are noisy; an OOM trial is charged a whole step at its size) and found max / true max.  The table shows ours
+in absolute numbers and every other strategy as a ratio to ours.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -55,13 +56,14 @@ MiB = 1 << 20
 
 # --- the model and its configurations ------------------------------------------------------------------
 def small_llama() -> LlamaForCausalLM:
-    """Layer activations dominate (as in real LLMs), so checkpointing and LoRA change the curve."""
+    """Layer activations dominate (as in real LLMs, unlike a toy whose logits dominate), so checkpointing
+    and LoRA change the curve; small enough that a step at micro-batch 18 x 512 tokens takes ~1 s on CPU."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=6,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=512,
@@ -87,7 +89,9 @@ class Config:
             from peft import LoraConfig, get_peft_model
 
             model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        # foreach=True, the CUDA default (CPU defaults to a per-tensor loop): its step allocates temporaries
+        # the size of the parameters, the fixed peak that bends real curves at small micro-batches
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
         return model, opt
 
 
@@ -95,50 +99,59 @@ CONFIGS = [Config(lora, ckpt, seq) for seq in (128, 512) for lora in (False, Tru
 
 
 # --- the measured curve, and a meter that replays it ---------------------------------------------------------
-@dataclass
 class Curve:
-    """One configuration's measurements at micro-batch 1..len; ``limit``: the first size over the largest
-    budget (all larger sizes are over every budget)."""
+    """One configuration's step, measured lazily and at most once per micro-batch size.
 
-    measurements: dict[int, Measurement] = field(default_factory=dict)
-    seconds_model: tuple[float, float] = (0.0, 0.0)
-    scan_seconds: float = 0.0
-    monotone: bool = True
+    Whether a size fits a budget is read off the cache when memory's monotonicity settles it (a smaller
+    size over the budget, or a larger one within it); only otherwise is the size measured.  So sizes far
+    over every budget (x0.9 and halving start at 64) are never run, and the scan stays short.
+    """
 
-    def peak(self, micro: int) -> float:
-        return self.measurements[micro].peak_bytes if micro in self.measurements else math.inf
+    def __init__(self, config: Config) -> None:
+        self.model, self.opt = config.build()
+        self.step = make_step_fn(self.model, self.opt, random_token_batch(self.model, config.seq_len))
+        self.meter = CpuMeter(resident=lambda: live_tensor_bytes(self.model, self.opt))
+        self.step(1)  # warm-up: the optimizer state
+        self.measurements: dict[int, Measurement] = {}
+        self.measuring_seconds = 0.0
+
+    def measure(self, micro: int) -> Measurement:
+        if micro not in self.measurements:
+            start = time.perf_counter()
+            self.measurements[micro] = self.meter.measure(lambda: self.step(micro))
+            self.measuring_seconds += time.perf_counter() - start
+        return self.measurements[micro]
+
+    def fits(self, micro: int, budget: float) -> bool:
+        if any(m <= micro and x.peak_bytes > budget for m, x in self.measurements.items()):
+            return False
+        if any(m >= micro and x.peak_bytes <= budget for m, x in self.measurements.items()):
+            return True
+        return self.measure(micro).peak_bytes <= budget
+
+    def true_max(self, budget: float) -> int:
+        """The largest size that fits (bisection over the monotone curve; the table calls it 'exhaust')."""
+        if not self.fits(1, budget):
+            return 0
+        lo, hi = 1, TARGET + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(mid, budget) else (lo, mid)
+        return lo
+
+    @property
+    def monotone(self) -> bool:
+        peaks = [self.measurements[m].peak_bytes for m in sorted(self.measurements)]
+        return all(a <= b for a, b in zip(peaks, peaks[1:]))
 
     def seconds(self, micro: int) -> float:
-        if micro in self.measurements:
-            return self.measurements[micro].seconds
-        c, d = self.seconds_model
-        return c + d * micro
-
-
-def measure_curve(config: Config, stop_factor: float) -> Curve:
-    model, opt = config.build()
-    step = make_step_fn(model, opt, random_token_batch(model, config.seq_len))
-    meter = CpuMeter(resident=lambda: live_tensor_bytes(model, opt))
-    start = time.perf_counter()
-    step(1)  # warm-up: the optimizer state
-    curve = Curve()
-    micro = 1
-    while micro <= TARGET:
-        m = meter.measure(lambda micro=micro: step(micro))
-        curve.measurements[micro] = m
-        if m.peak_bytes > stop_factor * curve.measurements[1].peak_bytes:
-            break
-        micro += 1
-    curve.scan_seconds = time.perf_counter() - start
-    peaks = [curve.measurements[m].peak_bytes for m in sorted(curve.measurements)]
-    curve.monotone = all(a <= b for a, b in zip(peaks, peaks[1:]))
-    xs = sorted(curve.measurements)[-4:]
-    if len(xs) >= 2:  # step time past the measured range, for the OOM trials of the strategies from 64
-        ys = [curve.measurements[x].seconds for x in xs]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        d = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        curve.seconds_model = (my - d * mx, d)
-    return curve
+        """Step seconds from a Theil-Sen line through every measured (micro, seconds): single timings on a
+        shared 2-core machine are noisy, and an OOM trial past the measured range needs a value anyway."""
+        points = sorted((m, x.seconds) for m, x in self.measurements.items())
+        slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1 :]]
+        d = statistics.median(slopes) if slopes else 0.0
+        c = statistics.median(y - d * x for x, y in points)
+        return max(c + d * micro, 0.0)
 
 
 class ReplayMeter(Meter):
@@ -151,11 +164,11 @@ class ReplayMeter(Meter):
         self.log: list[tuple[int, bool]] = []  # (micro, fitted) in the order run
 
     def measure(self, fn: Callable[[], object], *, micro_batch_size: int | None = None) -> Measurement:
-        fits = self.curve.peak(micro_batch_size) <= self.budget
+        fits = self.curve.fits(micro_batch_size, self.budget)
         self.log.append((micro_batch_size, fits))
         if not fits:
             raise torch.OutOfMemoryError(f"CUDA out of memory (replayed): micro-batch {micro_batch_size}")
-        return self.curve.measurements[micro_batch_size]
+        return self.curve.measure(micro_batch_size)
 
     def time(self, fn: Callable[[], object], *, micro_batch_size: int | None = None) -> float:
         return 0.0  # the warm-up, which no strategy is charged for
@@ -171,11 +184,9 @@ def ours(meter: ReplayMeter) -> int:
 
 
 def _fits(meter: ReplayMeter, micro: int) -> bool:
-    try:
-        meter.measure(lambda: None, micro_batch_size=micro)
-    except torch.OutOfMemoryError:
-        return False
-    return True
+    fits = meter.curve.fits(micro, meter.budget)  # the others need no memory figures, only fit or OOM
+    meter.log.append((micro, fits))
+    return fits
 
 
 def halve(meter: ReplayMeter) -> int:
@@ -220,7 +231,7 @@ def lightning_binsearch(meter: ReplayMeter, init_val: int = 2, max_trials: int =
             size = (high + low) // 2
             if high - low <= 1:
                 break
-    return size if meter.curve.peak(size) <= meter.budget else 0
+    return size if meter.curve.fits(size, meter.budget) else 0
 
 
 def exhaustive(meter: ReplayMeter) -> int:
@@ -250,21 +261,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every row here")
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
 
     rows = []
     for config in CONFIGS:
-        curve = measure_curve(config, max(BUDGET_FACTORS))
-        p1 = curve.measurements[1].peak_bytes
-        print(
-            f"# {config.name}: measured micro 1..{max(curve.measurements)} in {curve.scan_seconds:.1f} s, "
-            f"peak(1) {p1 / MiB:.1f} MiB, monotone={curve.monotone}",
-            flush=True,
-        )
+        curve = Curve(config)
+        p1 = curve.measure(1).peak_bytes
         for factor in BUDGET_FACTORS:
             budget = factor * p1
+            curve.true_max(budget)  # first, so the strategies' over-budget sizes are settled without a run
             results = {name: run_strategy(curve, budget, fn) for name, fn in STRATEGIES.items()}
             rows.append({"config": config.name, "factor": factor, "budget_bytes": budget, **results})
+        print(
+            f"# {config.name}: peak(1) {p1 / MiB:.1f} MiB, measured {len(curve.measurements)} sizes "
+            f"{sorted(curve.measurements)} in {curve.measuring_seconds:.1f} s, monotone={curve.monotone}",
+            flush=True,
+        )
+        del curve
 
     print_table(rows)
     if args.json:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .batches import batch_size, split_even
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
@@ -54,14 +56,14 @@ def run_accumulation_check(trainer, num_micro_batches: int | None = None, tolera
     # Everything, including drawing the first batch (the sampler consumes RNG), happens inside the restore.
     with _restored(trainer, model, params):
         batch = next(iter(trainer.get_train_dataloader()))
-        size = _batch_size(batch)
+        size = batch_size(batch)
         if size < 2:
             result = AccumulationCheck(None, tolerance, [size], size, True, "the micro-batch holds 1 sample, so it "
                                        "cannot be split without running more samples in one pass than planned")
             logger.warning(str(result))
             return result
         k = min(num_micro_batches or min(size, 4), size)
-        chunks = [_trim_padding(c) for c in _split(batch, k)]
+        chunks = split_even(batch, k)
         with _dropout_off(model):
             trainer._window_world = 1  # a local check: no collective, no DDP wrapper
             one_pass = _window_gradient(trainer, model, params, [batch])
@@ -70,7 +72,7 @@ def run_accumulation_check(trainer, num_micro_batches: int | None = None, tolera
     num = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(accumulated, one_pass)) ** 0.5
     den = sum(float(b.double().pow(2).sum()) for b in one_pass) ** 0.5
     rel = num / den if den > 0 else float(num > 0)
-    result = AccumulationCheck(rel, tolerance, [_batch_size(c) for c in chunks], size, rel <= tolerance)
+    result = AccumulationCheck(rel, tolerance, [batch_size(c) for c in chunks], size, rel <= tolerance)
     (logger.info if result.passed else logger.warning)(str(result))
     return result
 
@@ -84,34 +86,6 @@ def _window_gradient(trainer, model, params, batches) -> list[torch.Tensor]:
     for b in batches:
         trainer.training_step(model, b, num_items)
     return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-
-
-def _batch_size(batch) -> int:
-    return next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
-
-
-def _split(batch, k: int) -> list[dict]:
-    size = _batch_size(batch)
-    bounds = [round(i * size / k) for i in range(k + 1)]
-    return [
-        {key: v[lo:hi] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == size else v for key, v in batch.items()}
-        for lo, hi in zip(bounds[:-1], bounds[1:])
-    ]
-
-
-def _trim_padding(batch: dict) -> dict:
-    """Cut trailing columns that are padding in every row (right padding), so micro-batches get different lengths."""
-    mask = batch.get("attention_mask")
-    if mask is None or mask.dim() != 2:
-        return batch
-    labels = batch.get("labels")
-    keep = mask.bool().any(0)
-    if labels is not None and labels.dim() == 2 and labels.shape == mask.shape:
-        keep = keep | labels.ne(-100).any(0)
-    nz = keep.nonzero()
-    length = int(nz.max()) + 1 if len(nz) else mask.shape[1]
-    seq = mask.shape[1]
-    return {k: v[:, :length] if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == seq else v for k, v in batch.items()}
 
 
 def _default_tolerance(model: nn.Module, args) -> float:
@@ -168,6 +142,7 @@ def _restored(trainer, model: nn.Module, params):
 
             np.random.set_state(np_rng)
         trainer._window = None
+        trainer._window_batches = []
         trainer._window_world = None
         if ga is None:
             with contextlib.suppress(AttributeError):

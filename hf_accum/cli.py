@@ -127,12 +127,37 @@ def _run_probe(args: argparse.Namespace) -> int:
 
 # --- train -------------------------------------------------------------------------------------------
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="run a recipe (a name from recipes/ or a YAML path) with key=value overrides")
+    p = sub.add_parser(
+        "train", help="run a recipe (a name from recipes/ or a YAML path) with key=value overrides",
+        description="Run a LoRA / QLoRA recipe: probe memory, plan micro-batch x accumulation x world = "
+                    "target_batch_size, train, save the adapter and run_summary.json in output_dir.",
+        epilog="Overrides: section.key=value (model.dtype=bfloat16, lora.r=32, training.learning_rate=1e-4), a bare "
+               "key when one section has it (max_steps=100), model=HUB_ID_OR_DIR, dataset=HUB_ID_OR_FILE. Values "
+               "are YAML scalars. Recipes: lora_sft, qlora_sft, lora_classification (see recipes/*.yaml).",
+    )
+    p.add_argument("recipe", help="recipe name (e.g. lora_sft) or path of a recipe YAML file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of recipe keys")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved recipe (after overrides) and exit without training")
     p.set_defaults(func=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    raise SystemExit("hf-accum train: not implemented yet")
+    try:
+        from .recipes import RecipeError, format_recipe, load_recipe, run_recipe
+    except ImportError as exc:  # pyyaml / datasets live in the `recipes` extra
+        raise SystemExit(
+            f"hf-accum train: {exc}; install the recipe dependencies: pip install 'hf-accum[recipes]'"
+        ) from None
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        if args.print_config:
+            print(format_recipe(recipe), end="")
+            return 0
+        run_recipe(recipe)
+    except RecipeError as exc:  # a key or value of the recipe: the message says what to set
+        raise SystemExit(f"hf-accum train: {exc}") from None
+    return 0
 
 
 # --- dispatch ----------------------------------------------------------------------------------------

@@ -82,4 +82,6 @@ class Window:
 
     def scale(self, local_items: torch.Tensor) -> torch.Tensor:
         """Factor turning a micro-batch mean over ``local_items`` into its exact share of the window loss."""
-        return local_items.to(self.items.device) * self.world / self.items
+        # In float64 (MPS has none): integer tensors divide into float32, rounding the share at 1e-8 relative.
+        dtype = torch.float32 if self.items.device.type == "mps" else torch.float64
+        return local_items.to(self.items.device, dtype) * self.world / self.items.to(dtype)

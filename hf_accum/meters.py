@@ -12,10 +12,12 @@ much memory does this process need to run this step?".
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,9 +167,6 @@ class CpuMeter(Meter):
     catches_oom = False
 
     def __init__(self, resident: Callable[[], int] | None = None) -> None:
-        # Kineto logs two INFO lines to stderr per profiling session; a probe runs dozens.  Level 3 keeps
-        # errors.  setdefault: a user who set the variable keeps their choice.
-        os.environ.setdefault("KINETO_LOG_LEVEL", "3")
         self.resident = resident
         self.page_bytes = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -175,10 +174,16 @@ class CpuMeter(Meter):
         from torch.profiler import ProfilerActivity, profile
 
         baseline = int(self.resident()) if self.resident is not None else 0
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+        with _quiet_native_stderr():
+            prof.start()
+        try:
             start = time.perf_counter()
             fn()
             seconds = time.perf_counter() - start
+        finally:
+            with _quiet_native_stderr():
+                prof.stop()
         delta, live_blocks = replay_memory_events(prof)
         # glibc serves large blocks with mmap, rounded up to a page; each block live at the peak can thus
         # hold up to one page more than requested.  That is the rounding bound the search keeps free.
@@ -208,6 +213,30 @@ class CpuMeter(Meter):
         import platform
 
         return {**super().describe(), "device": f"cpu ({platform.processor() or platform.machine()})"}
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 while the profiler starts or stops.
+
+    Kineto prints five INFO lines per profiling session from C++ ("STAGE: Completed Stage: Warm Up",
+    "profiler_start", ...); a probe runs a dozen sessions.  Its ``KINETO_LOG_LEVEL`` is read once, when
+    torch is imported, so it cannot be set from here.  Only the start and stop calls are wrapped: errors
+    and warnings of the measured step itself still reach the terminal.
+    """
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to redirect (a daemon): nothing to silence
+        yield
+        return
+    sys.stderr.flush()
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def replay_memory_events(prof: Any) -> tuple[int, int]:

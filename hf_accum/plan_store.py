@@ -57,6 +57,15 @@ def _jsonable(value):
     return json.loads(json.dumps(value, default=str, sort_keys=True))
 
 
+def load_stored_plan(folder: str) -> Plan | None:
+    """The plan stored in ``folder`` (an output_dir or a checkpoint), whatever its key."""
+    try:
+        with open(os.path.join(folder, PLAN_FILE)) as f:
+            return Plan(**json.load(f)["plan"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def load_plan(output_dir: str, key: dict[str, Any]) -> Plan | None:
     """The stored plan if its key equals ``key``; None when absent, unreadable or stale."""
     path = os.path.join(output_dir, PLAN_FILE)

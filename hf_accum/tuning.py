@@ -27,7 +27,8 @@ def default_meter(model: torch.nn.Module) -> Meter:
     return CudaMeter(device) if device.type == "cuda" else CpuMeter()
 
 
-def tune(trainer) -> tuple[Plan, ProbeResult | None]:
+def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
+    """Returns the plan, what the probe measured (None when the stored plan was reused) and the plan's key."""
     args = trainer.args
     _log_ignored_batch_settings(args)
     meter = default_meter(trainer.model)
@@ -40,7 +41,7 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None]:
     if plan is not None:
         logger.info("hf_accum: reusing the plan in %s (nothing that changes memory changed): %s",
                     args.output_dir, plan.describe())
-        return plan, None
+        return plan, None, key
 
     _compat.enable_checkpointing(trainer.model, args)  # as train() will, so the probe measures it
     optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, trainer.model)
@@ -67,7 +68,7 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None]:
                 plan.describe(), result.max_micro_batch_size, budget)
     if args.should_save:
         save_plan(args.output_dir, key, plan, result.to_dict())
-    return plan, result
+    return plan, result, key
 
 
 def probe_batches(trainer) -> tuple[Callable[[int], dict[str, Any]], int]:

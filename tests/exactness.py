@@ -100,6 +100,16 @@ def tiny_llama(dtype=torch.float64, seed: int = 0, **overrides) -> LlamaForCausa
     return LlamaForCausalLM(cfg).to(dtype)
 
 
+def tiny_gpt2(dtype=torch.float64, seed: int = 0):
+    """Float64 all the way through (Llama runs RMSNorm in float32): for tests that compare runs to 1e-10."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=PAD)
+    return GPT2LMHeadModel(cfg).to(dtype)
+
+
 def tiny_llama_cls(dtype=torch.float64, seed: int = 0, num_labels: int = 3) -> LlamaForSequenceClassification:
     torch.manual_seed(seed)
     cfg = LlamaConfig(

@@ -1,0 +1,158 @@
+"""Recipes: every YAML loads and validates, overrides resolve or fail listing the valid keys, and each recipe
+trains on CPU (planned with accumulation > 1, loss clearly falling), saves an adapter that reloads onto a fresh base
+with the same logits, and writes its run summary."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from hf_accum import recipes
+from hf_accum.cli import main
+from hf_accum.recipes import RecipeError, apply_overrides, load_recipe, resolve_key
+
+NAMES = ["lora_sft", "qlora_sft", "lora_classification"]
+
+
+def test_the_three_recipes_ship_and_open_with_their_command():
+    assert set(NAMES) <= set(recipes.available_recipes())
+    for name in NAMES:
+        path = recipes.recipe_path(name)
+        with open(path) as f:
+            assert f.readline().strip() == f"# hf-accum train {name}"
+        text = path.read_text()
+        assert "micro" in text and "accumulation" in text and "tokens per optimizer step" in text.lower()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_recipe_loads_and_validates(name):
+    recipe = load_recipe(name)
+    args = recipe.validate()  # HfArgumentParser.parse_dict(AccumTrainingArguments), extra keys refused
+    lora = recipe.lora_config()
+    assert args.target_batch_size and args.tunes and args.memory_budget_bytes
+    assert recipes.checkpointing_enabled(args) and args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert recipe.data.dataset == "tiny" and recipe.model.name == "tiny"  # offline defaults
+    if recipe.model.task == "seq_cls":
+        assert args.loss_normalization == "samples" and lora.task_type == "SEQ_CLS"
+    else:
+        assert args.loss_normalization == "tokens" and lora.task_type == "CAUSAL_LM"
+    if name == "qlora_sft":
+        assert recipe.model.quantization["load_in_4bit"] and recipe.model.quantization["bnb_4bit_quant_type"] == "nf4"
+
+
+def test_overrides_resolve_dotted_bare_and_aliased_keys_with_yaml_values():
+    config = recipes.read_yaml(recipes.recipe_path("qlora_sft"))
+    out = apply_overrides(config, [
+        "max_steps=7", "learning_rate=1e-4", "r=4", "lora.target_modules=[q_proj,v_proj]",
+        "model=someone/model", "dataset=data.jsonl", "model.quantization.bnb_4bit_quant_type=fp4",
+        "training.report_to=null",
+    ])
+    assert out["training"]["max_steps"] == 7 and out["training"]["learning_rate"] == 1e-4
+    assert out["lora"]["r"] == 4 and out["lora"]["target_modules"] == ["q_proj", "v_proj"]
+    assert out["model"]["name"] == "someone/model" and out["data"]["dataset"] == "data.jsonl"
+    assert out["model"]["quantization"]["bnb_4bit_quant_type"] == "fp4"
+    assert out["training"]["report_to"] is None
+    assert config["training"]["max_steps"] != 7  # the original is left alone
+
+
+@pytest.mark.parametrize("key", ["lora.rank", "bogus", "training.learning_rat", "optimizer.lr"])
+def test_an_unknown_key_is_an_error_that_lists_the_valid_ones(key):
+    with pytest.raises(RecipeError) as info:
+        load_recipe("lora_sft", [f"{key}=1"])
+    message = str(info.value)
+    assert f"unknown key {key!r}" in message
+    for valid in ("model: name, task", "lora: ", " r,", "training: output_dir", "target_batch_size", "data: dataset"):
+        assert valid in message
+    if key == "lora.rank":
+        assert "Did you mean lora.r" in message
+
+
+def test_ambiguous_and_nested_keys_say_what_to_write():
+    with pytest.raises(RecipeError, match=r"data\.seed or training\.seed"):
+        resolve_key("seed")
+    with pytest.raises(RecipeError, match=r"model\.quantization accepts .*bnb_4bit_quant_type"):
+        resolve_key("model.quantization.quant_type")
+
+
+def test_the_cli_reports_recipe_errors_without_a_traceback(capsys):
+    with pytest.raises(SystemExit, match=r"hf-accum train: unknown key 'lora\.rank'"):
+        main(["train", "lora_sft", "lora.rank=3"])
+    with pytest.raises(SystemExit, match=r"unknown recipe 'nope'.*lora_sft"):
+        main(["train", "nope"])
+    assert main(["train", "lora_sft", "max_steps=3", "--print-config"]) == 0
+    assert "max_steps: 3" in capsys.readouterr().out
+
+
+def test_4bit_without_bitsandbytes_says_what_to_install(monkeypatch):
+    recipe = load_recipe("qlora_sft")
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes -> ImportError
+    with pytest.raises(RecipeError, match=r"needs bitsandbytes.*pip install 'hf-accum\[qlora\]'.*lora_sft"):
+        recipes.build_model(recipe, recipes.build_tokenizer(recipe))
+
+
+# --- the runs ------------------------------------------------------------------------------------------------
+# Fewer steps than the recipes' defaults, still enough that the loss drop is large and unambiguous.
+RUN_OVERRIDES = {
+    "lora_sft": ["max_steps=30", "disable_tqdm=true"],
+    "qlora_sft": ["max_steps=30", "disable_tqdm=true"],
+    "lora_classification": ["max_steps=30", "disable_tqdm=true"],
+}
+MIN_DROP = {"lora_sft": 1.0, "qlora_sft": 1.0, "lora_classification": 0.3}  # nats, first vs last logged window
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def run(request, tmp_path_factory):
+    name = request.param
+    out = tmp_path_factory.mktemp(name)
+    return recipes.run_recipe(name, [*RUN_OVERRIDES[name], f"output_dir={out}"], say=lambda _msg: None)
+
+
+def test_the_plan_accumulates_and_is_what_trained(run):
+    plan = run.summary["plan"]
+    assert plan["gradient_accumulation_steps"] > 1
+    assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] * plan["world_size"] == (
+        plan["target_batch_size"]
+    )
+    assert run.trainer.args.per_device_train_batch_size == plan["micro_batch_size"]
+    assert run.trainer.probe_result is not None and run.summary["peak_memory_bytes"] > 0
+
+
+def test_the_loss_falls_clearly(run):
+    losses = [h["loss"] for h in run.summary["losses"]]
+    assert len(losses) >= 6
+    first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2  # logging_steps 5: the first and last 10 steps
+    assert last < first - MIN_DROP[run.recipe.name], losses
+
+
+def test_the_summary_is_written(run):
+    with open(os.path.join(run.output_dir, recipes.SUMMARY_FILE)) as f:
+        summary = json.load(f)
+    for key in ("plan", "peak_memory_bytes", "tokens_per_second", "first_loss", "last_loss", "wall_seconds",
+                "tokens_per_optimizer_step", "probe"):
+        assert summary[key] is not None, key
+    assert summary["tokens_per_second"] > 0 and summary["steps"] == 30
+    assert summary["first_loss"] == summary["losses"][0]["loss"]
+
+
+def test_the_saved_adapter_reloads_onto_a_fresh_base_with_the_same_logits(run):
+    reloaded, tok = recipes.load_trained(run.output_dir)
+    assert reloaded is not run.model
+    rows = run.trainer.train_dataset.rows[:6]
+    batch = run.trainer.data_collator(rows)
+    batch.pop("labels")
+    run.model.eval()
+    reloaded.eval()
+    with torch.no_grad():
+        want, got = run.model(**batch).logits, reloaded(**batch).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    if run.recipe.model.task == "seq_cls":
+        # The head is new: it is saved with the adapter (modules_to_save), or a reload would get a random one.
+        from safetensors.torch import load_file
+
+        saved = load_file(os.path.join(run.output_dir, "adapter_model.safetensors"))
+        assert any(".score." in k for k in saved), sorted(saved)
+        fresh = recipes.build_model(run.recipe, tok, num_labels=2)
+        with torch.no_grad():
+            assert not torch.allclose(fresh.eval()(**batch).logits, want, atol=1e-3)

@@ -1,0 +1,71 @@
+"""TRL: `AccumSFTTrainer` / `AccumSFTConfig` get hf_accum's tuner and exact normalization inside SFTTrainer."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+from transformers import HfArgumentParser  # noqa: E402
+from transformers.trainer_callback import PrinterCallback  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+from hf_accum import AccumTrainingArguments, tiny  # noqa: E402
+from hf_accum.trainer import AccumulationMixin  # noqa: E402
+from hf_accum.trl import AccumSFTConfig, AccumSFTTrainer  # noqa: E402
+
+from .exactness import StepRecorder, max_step_error, recording, reference_run  # noqa: E402
+
+
+def test_config_is_both_dataclasses_and_parses_from_a_dict(tmp_path):
+    assert AccumSFTConfig.__mro__.index(SFTConfig) < AccumSFTConfig.__mro__.index(AccumTrainingArguments)
+    assert issubclass(AccumSFTTrainer, AccumulationMixin) and issubclass(AccumSFTTrainer, SFTTrainer)
+    assert AccumSFTTrainer.__mro__.index(AccumulationMixin) < AccumSFTTrainer.__mro__.index(SFTTrainer)
+    names = {f.name for f in dataclasses.fields(AccumSFTConfig)}
+    assert {"max_length", "packing", "target_batch_size", "loss_normalization", "memory_budget_bytes"} <= names
+    (args,) = HfArgumentParser(AccumSFTConfig).parse_dict(
+        {"output_dir": str(tmp_path), "target_batch_size": 12, "max_length": 64, "use_cpu": True, "bf16": False}
+    )
+    assert (args.target_batch_size, args.max_length, args.loss_normalization, args.tunes) == (12, 64, "tokens", True)
+    with pytest.raises(ValueError, match="loss_normalization='mean' is not one of"):  # our checks run too
+        AccumSFTConfig(output_dir=str(tmp_path), loss_normalization="mean", use_cpu=True, bf16=False)
+
+
+def test_sft_trainer_plans_the_batch_and_its_gradients_are_one_pass_over_the_effective_batch(tmp_path):
+    tok = tiny.build_tokenizer()
+    rows = tiny.generate_instruction_data(24, seed=1)  # completions of 1 to ~30 characters
+    data = Dataset.from_list([{"prompt": r["prompt"], "completion": r["response"]} for r in rows])
+    model = tiny.build_model("causal_lm", tokenizer=tok, dtype=torch.float64, hidden_size=32)
+    initial = copy.deepcopy(model)
+    args = AccumSFTConfig(
+        output_dir=str(tmp_path), target_batch_size=12, probe_max_micro_batch=4,  # the plan: micro 4 x accum 3
+        num_train_epochs=1, learning_rate=1e-2, max_grad_norm=0.0, logging_steps=1, report_to=[],
+        save_strategy="no", use_cpu=True, bf16=False, seed=0, disable_tqdm=True, max_length=64,
+    )
+    recorder = StepRecorder()
+    trainer = recording(AccumSFTTrainer)(
+        model=model, args=args, train_dataset=data, processing_class=tok, callbacks=[recorder]
+    )
+    trainer.remove_callback(PrinterCallback)
+
+    plan = trainer.tune()
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (4, 3)
+    assert trainer.probe_result is not None and trainer.probe_result.trials
+    # the probe ran TRL's compute_loss, but none of its steps show up in TRL's logged metrics
+    assert trainer._total_train_tokens == 0 and not any(trainer._metrics["train"].values())
+    trainer.train()
+
+    assert trainer.args.per_device_train_batch_size == 4 and trainer.args.gradient_accumulation_steps == 3
+    assert [len(w) for w in trainer.windows] == [3, 3]  # 24 samples = 2 optimizer steps of 4 x 3
+    assert all(b["input_ids"].shape[0] == 4 for w in trainer.windows for b in w)
+    assert trainer._normalization == "tokens" and trainer.args.average_tokens_across_devices is False
+    ref = reference_run(initial, recorder, trainer.windows, "causal")
+    assert max_step_error(recorder, ref) < 1e-6  # float64 model; RMSNorm/rotary in float32 give ~1e-7
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert logged == pytest.approx(ref.losses, rel=1e-6)
+    assert trainer.state.log_history[0]["num_tokens"] == sum(
+        int(b["attention_mask"].sum()) for b in trainer.windows[0]
+    )
