@@ -39,3 +39,4 @@ def enable_checkpointing(model, args) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
     elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+

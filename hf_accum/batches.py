@@ -45,3 +45,10 @@ def trim_padding(batch: dict) -> dict:
     length = int(nz.max()) + 1 if len(nz) else mask.shape[1]
     seq = mask.shape[1]
     return {k: v[:, :length] if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == seq else v for k, v in batch.items()}
+
+
+def sliver(batch: dict) -> dict:
+    """One sample, two positions: the smallest forward that still touches every parameter."""
+    return {
+        k: (v[:1, :2] if v.dim() >= 2 else v[:1]) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()
+    }

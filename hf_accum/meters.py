@@ -159,8 +159,11 @@ class CpuMeter(Meter):
     kineto results are read instead and replayed in time order; the running maximum is the peak.  The
     counts are the bytes requested, so the same step gives the same peak to the byte.
 
-    Tensors allocated before the step (weights, gradients, optimizer state) produce no events;
-    ``resident`` returns their bytes (see :func:`live_tensor_bytes`) and is added as the baseline.
+    Tensors allocated before the step (weights, gradients, optimizer state) produce no events, not even
+    when they are freed during it (torch warns once: "Memory block of unknown size was allocated before
+    the profiling started"); ``resident`` returns their bytes (see :func:`live_tensor_bytes`) and is
+    added as the baseline.  A resident tensor freed mid-step is therefore still counted after its free:
+    the error is on the safe side, and the probe's step keeps its gradients (zeroed, not freed) anyway.
     """
 
     name = "cpu"
@@ -243,7 +246,7 @@ def replay_memory_events(prof: Any) -> tuple[int, int]:
     """Peak of the running sum of CPU ``[memory]`` events of a finished profiler, and blocks live then.
 
     The peak is relative to the start of profiling (never below 0: the start itself is a candidate).
-    Frees of tensors allocated before profiling appear as negative events, so the sum can dip below 0.
+    Frees of blocks allocated before profiling are not recorded (see :class:`CpuMeter`).
     """
     from torch.profiler import DeviceType
 

@@ -27,6 +27,7 @@ from .oom import free_memory, is_oom
 from .plan import MicroBatchSearch, Plan, choose_fastest, divisors, nearest_exact_targets, plan_batch
 
 StepFn = Callable[[int], Any]
+MakeBatch = Callable[[int, int], dict[str, Any]]  # (micro_batch_size, seq_len) -> collated batch
 Log = Callable[[str], None]
 
 DEFAULT_BUDGET_FRACTION = 0.9
@@ -357,25 +358,27 @@ def _default_forward(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Ten
 def make_step_fn(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    make_batch: Callable[[int], dict[str, Any]],
+    make_batch: MakeBatch,
     *,
+    seq_len: int,
     forward: Callable[[torch.nn.Module, dict[str, Any]], torch.Tensor] | None = None,
     autocast_dtype: torch.dtype | None = None,
     max_grad_norm: float | None = None,
 ) -> StepFn:
-    """``step_fn(micro)``: one real training step at that micro-batch size.
+    """``step_fn(micro)``: one real training step at that micro-batch size and ``seq_len``.
 
-    ``make_batch(micro)`` returns the collated batch (on the model's device) at the worst-case length.
-    ``forward(model, batch)`` returns the loss (default: ``model(**batch).loss``); a trainer passes its
-    ``compute_loss``.  The gradients are zeroed, not freed, after the step: during an accumulation window
-    every micro-step but the first starts with all gradients allocated, which is the peak to plan for.
+    ``make_batch(micro, seq_len)`` returns the collated batch, on the model's device, every sequence at
+    the worst-case length.  ``forward(model, batch)`` returns the loss (default: ``model(**batch).loss``);
+    a trainer passes its ``compute_loss``.  The gradients are zeroed, not freed, after the step: during
+    an accumulation window every micro-step but the first starts with all gradients allocated, which is
+    the peak to plan for.
     """
     fwd = forward or _default_forward
     device_type = next(model.parameters()).device.type
 
     def step_fn(micro: int) -> None:
         model.train()
-        batch = make_batch(micro)
+        batch = make_batch(micro, seq_len)
         ctx = (
             torch.autocast(device_type=device_type, dtype=autocast_dtype)
             if autocast_dtype is not None
@@ -393,12 +396,12 @@ def make_step_fn(
     return step_fn
 
 
-def random_token_batch(model: torch.nn.Module, seq_len: int) -> Callable[[int], dict[str, Any]]:
+def random_token_batch(model: torch.nn.Module) -> MakeBatch:
     """``make_batch`` for a causal LM: random ids, every position a label (the worst case: no padding)."""
     vocab = int(model.config.vocab_size)
     device = next(model.parameters()).device
 
-    def make_batch(micro: int) -> dict[str, Any]:
+    def make_batch(micro: int, seq_len: int) -> dict[str, Any]:
         ids = torch.randint(0, vocab, (micro, seq_len), device=device)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
@@ -436,7 +439,7 @@ def probe_model(
     world_size: int = 1,
     budget_bytes: int | None = None,
     budget_fraction: float | None = None,
-    make_batch: Callable[[int], dict[str, Any]] | None = None,
+    make_batch: MakeBatch | None = None,
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
     optimizer_kwargs: dict[str, Any] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
@@ -496,7 +499,8 @@ def probe_model(
         step_fn = make_step_fn(
             model,
             opt,
-            make_batch or random_token_batch(model, seq_len),
+            make_batch or random_token_batch(model),
+            seq_len=seq_len,
             forward=forward,
             autocast_dtype=autocast_dtype,
             max_grad_norm=max_grad_norm,

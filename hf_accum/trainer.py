@@ -20,7 +20,7 @@ from transformers import Trainer, TrainerCallback
 
 from . import _compat
 from .accumulation_check import AccumulationCheck, run_accumulation_check
-from .batches import split
+from .batches import sliver, split
 from .loss import Window, count_items, loss_shifts_labels
 from .oom import free_memory, is_oom
 from .plan import Plan, divisors
@@ -48,6 +48,7 @@ class AccumulationMixin:
         self._micro_index = 0
         self._window_returned: list[torch.Tensor] = []
         self._oom_pending = False
+        self._drain_then_restart = False
         self._split_micro: int | None = None  # micro-batch in force after an OOM, below the dataloader's
         self._plan_key: dict | None = None
         self._post_checked = False
@@ -121,16 +122,21 @@ class AccumulationMixin:
         return total
 
     def _guarded_step(self, model, inputs, final: bool):
+        if final and self._agree_on_restart(self._oom_pending):
+            # Agreed before the final forward: under DDP that forward runs collectives (buffer broadcast) that a
+            # rank skipping it would mismatch.
+            raise _Restart()
         if self._oom_pending:  # this window is re-run anyway: skip to the final step, where ranks agree
-            if final:
-                self._agree_on_restart(True)
-                raise _Restart()
             return torch.zeros((), device=self.args.device)
         sync = contextlib.nullcontext() if final else self.accelerator.no_sync(model)
         oom = False
         try:
             with sync:
-                return self._exact_step(model, inputs, final=final)
+                returned = self._exact_step(model, inputs, final=final)
+            if self._drain_then_restart:  # the aborted synchronized iteration is complete on every rank
+                self._drain_then_restart = False
+                raise _Restart()
+            return returned
         except _Restart:
             raise
         except Exception as exc:
@@ -188,6 +194,8 @@ class AccumulationMixin:
         raw: list[torch.Tensor] = []
 
         def compute_loss(*args, **kwargs):
+            # Taken before the call: transformers' compute_loss pops "labels" out of the dict it is given.
+            small = sliver(args[1]) if agree and self._world() > 1 else None
             try:
                 out = original(*args, **kwargs)
             except Exception as exc:
@@ -198,13 +206,23 @@ class AccumulationMixin:
                 oom = False
             if oom:
                 free_memory()
-                self._agree_on_restart(True)  # exactly one exchange per rank and window, as the others do
-                raise _Restart()
-            if agree and self._agree_on_restart(False):
-                raise _Restart()
+                self._agree_on_restart(True)  # exactly one exchange per rank here, as the others do
+                if self._world() == 1:
+                    raise _Restart()
+                # The other ranks finished a gradient-synchronizing DDP forward and their reducers now expect
+                # its backward: complete that iteration here too, on a one-sample, two-token sliver (the
+                # window's gradients are cleared before the re-run anyway), then restart.
+                out = original(args[0], small, *args[2:], **kwargs)
+                self._drain_then_restart = True
+            elif agree and self._agree_on_restart(False):
+                if self._world() == 1:
+                    raise _Restart()
+                self._drain_then_restart = True
             loss, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
             raw.append(loss.detach())
             loss = loss * scale.to(loss.device, loss.dtype)
+            if self._drain_then_restart:
+                loss = loss * 0
             return (loss, *rest) if rest is not None else loss
 
         self.compute_loss = compute_loss
@@ -233,8 +251,8 @@ class AccumulationMixin:
         return self._window.world if self._window is not None else self.accelerator.num_processes
 
     def _agree_on_restart(self, mine: bool) -> bool:
-        """All-reduce (max) of "I ran out of memory in this window": one tiny collective per optimizer step, which
-        every rank reaches exactly once, at the window's final forward."""
+        """All-reduce (max) of "I ran out of memory in this window". Every rank reaches it at the same two points
+        of each window: just before and just after the final forward (two tiny collectives per optimizer step)."""
         if self._world() == 1:
             return mine
         t = torch.tensor(float(mine), device=self.args.device)

@@ -76,3 +76,42 @@ def test_ranks_with_different_budgets_agree_on_the_most_constrained_plan(tmp_pat
     plan = r0["plan"]
     assert plan["world_size"] == 2 and plan["micro_batch_size"] * plan["gradient_accumulation_steps"] * 2 == 16
     assert r0["steps"] == r1["steps"] == 2
+
+
+def _torchrun(script, *argv, timeout=600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           os.path.join(ROOT, "tests", script), *map(str, argv)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "KINETO_LOG_LEVEL": "3"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", [3, 4], ids=["mid-window", "final-forward"])
+def test_one_ranks_oom_switches_both_ranks_and_matches_a_clean_run(tmp_path, call):
+    proc = _torchrun("ddp_oom_worker.py", "forward", tmp_path, call)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    import json
+
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["plan"] == r1["plan"] == {"micro_batch_size": 2, "gradient_accumulation_steps": 4, "world_size": 2,
+                                        "target_batch_size": 16}
+    assert r0["steps"] == r1["steps"] == [3, 3]
+    for r in (0, 1):
+        w = torch.load(tmp_path / f"weights.rank{r}.pt")
+        num = sum(float((w["hit"][k] - w["clean"][k]).pow(2).sum()) for k in w["hit"])
+        den = sum(float(v.pow(2).sum()) for v in w["clean"].values())
+        assert (num / den) ** 0.5 <= 1e-10
+    assert (proc.stderr + proc.stdout).count("out of memory at step 1") == 2  # logged by both ranks
+
+
+@pytest.mark.slow
+def test_oom_in_the_synchronized_backward_stops_all_ranks_cleanly(tmp_path):
+    import time
+
+    start = time.monotonic()
+    proc = _torchrun("ddp_oom_worker.py", "backward", tmp_path, timeout=300)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 240, "no hang"
+    out = proc.stdout + proc.stderr
+    assert "inside the gradient-synchronizing backward" in out
+    assert "per_device_train_batch_size=2 and gradient_accumulation_steps=4" in out

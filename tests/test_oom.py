@@ -13,8 +13,10 @@ from hf_accum.oom import free_memory, is_oom
         RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 79.15 GiB total capacity)"),
         RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
         RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
-        RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
-                     "you tried to allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)"),
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)"
+        ),
         RuntimeError("MPS backend out of memory (MPS allocated: 1.00 GB)"),
         RuntimeError("HIP out of memory. Tried to allocate 2.00 GiB"),
         MemoryError(),

@@ -58,7 +58,14 @@ def staircase(a, b, step):  # reserved memory grows in whole allocator segments
 # --- arithmetic ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "n, expected",
-    [(1, [1]), (2, [1, 2]), (12, [1, 2, 3, 4, 6, 12]), (16, [1, 2, 4, 8, 16]), (37, [1, 37]), (36, [1, 2, 3, 4, 6, 9, 12, 18, 36])],
+    [
+        (1, [1]),
+        (2, [1, 2]),
+        (12, [1, 2, 3, 4, 6, 12]),
+        (16, [1, 2, 4, 8, 16]),
+        (37, [1, 37]),
+        (36, [1, 2, 3, 4, 6, 9, 12, 18, 36]),
+    ],
 )
 def test_divisors(n, expected):
     assert divisors(n) == expected
@@ -174,13 +181,20 @@ def test_fit_needs_two_sizes():
 
 @pytest.mark.parametrize(
     "model, budget, expected",
-    [((100, 10), 400, 30), ((100, 10), 399, 29), ((100.0, 0.1), 100.3, 3), ((100, 0), 400, None), ((500, 10), 400, -10)],
+    [
+        ((100, 10), 400, 30),
+        ((100, 10), 399, 29),
+        ((100.0, 0.1), 100.3, 3),
+        ((100, 0), 400, None),
+        ((500, 10), 400, -10),
+    ],
 )
 def test_predict_max_micro(model, budget, expected):
     assert predict_max_micro(model, budget) == expected
 
 
 # --- the search: exact sizes tried ---------------------------------------------------------------------
+# fmt: off
 SEARCH_TABLE = [
     # id, memory, budget, max micro, must resolve, baseline, rounding, sizes tried, found
     # linear from 1: 1, the provable-fit jump (400 / 110 -> 3), then the line's prediction, exact
@@ -213,6 +227,7 @@ SEARCH_TABLE = [
     # reserved memory in 20 MiB segments: the line through two steps overshoots once
     ("staircase", staircase(100 * MiB, 10 * MiB, 20 * MiB), 777 * MiB, 1024, (), 0, 0, [1, 6, 55, 66, 60, 63], 63),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize(

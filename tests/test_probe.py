@@ -17,6 +17,7 @@ from hf_accum.plan import divisors, plan_batch
 from hf_accum.probe import (
     NothingFitsError,
     agree_max_micro_batch,
+    agree_on_rates,
     fresh_optimizer_like,
     make_step_fn,
     preserved,
@@ -57,6 +58,7 @@ class Recorder:
 
 
 # --- exact trials with a fake meter ------------------------------------------------------------------------
+# fmt: off
 PROBE_TABLE = [
     # id, memory (bytes of micro), budget, target, sizes measured, max found, plan (micro, accum)
     ("linear", lambda m: 100 * MiB + 10 * MiB * m, 400 * MiB, 64, [1, 3, 30], 30, (16, 4)),
@@ -64,6 +66,7 @@ PROBE_TABLE = [
     ("tight", lambda m: 100 * MiB + 10 * MiB * m, 135 * MiB, 48, [1, 2, 3], 3, (3, 16)),
     ("plateau", lambda m: max(200 * MiB, 100 * MiB + 10 * MiB * m), 400 * MiB, 64, [1, 2, 4, 8, 16, 34, 25, 30], 30, (16, 4)),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize(
@@ -90,7 +93,13 @@ def test_an_oom_raised_by_the_step_is_a_size_that_does_not_fit_and_the_probe_goe
     statuses = {t.micro_batch_size: t.status for t in result.trials}
     # the meter's formula says 30 fits, the step disagrees: bisection finds the step's own limit
     assert statuses == {
-        1: "fits", 3: "fits", 30: "out of memory", 16: "fits", 23: "out of memory", 19: "fits", 21: "out of memory"
+        1: "fits",
+        3: "fits",
+        30: "out of memory",
+        16: "fits",
+        23: "out of memory",
+        19: "fits",
+        21: "out of memory",
     }
     assert result.max_micro_batch_size == 19
     assert (result.next_size, result.next_verdict) == (32, "measured")
@@ -137,7 +146,7 @@ def _budget_for(model, micro_that_fits: float) -> int:
     """A budget that fits ``micro_that_fits`` samples, from two measured steps of a copy of the model."""
     clone = copy.deepcopy(model)
     opt = torch.optim.AdamW(clone.parameters())
-    step = make_step_fn(clone, opt, random_token_batch(clone, SEQ))
+    step = make_step_fn(clone, opt, random_token_batch(clone), seq_len=SEQ)
     step(1)
     meter = CpuMeter(resident=lambda: live_tensor_bytes(clone, opt))
     p1, p2 = (meter.measure(lambda m=m: step(m)).peak_bytes for m in (1, 2))
@@ -209,7 +218,7 @@ def test_the_next_larger_divisor_exceeds_the_budget(probed):
         assert a + b * nxt > budget
     clone = copy.deepcopy(model)
     opt = torch.optim.AdamW(clone.parameters())
-    step = make_step_fn(clone, opt, random_token_batch(clone, SEQ))
+    step = make_step_fn(clone, opt, random_token_batch(clone), seq_len=SEQ)
     step(1)
     meter = CpuMeter(resident=lambda: live_tensor_bytes(clone, opt))
     assert meter.measure(lambda: step(nxt)).peak_bytes > budget
@@ -284,7 +293,7 @@ def test_bad_input_is_refused_before_any_step(kwargs, match):
     if "budget_fraction" in kwargs and "budget_bytes" not in kwargs:
         args.pop("budget_bytes")
     with pytest.raises(ValueError, match=match):
-        probe_model(model, make_batch=lambda m: calls.append(m), **args)
+        probe_model(model, make_batch=lambda m, s: calls.append(m), **args)
     assert calls == []
 
 
@@ -302,17 +311,20 @@ def _agree_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         agreed = agree_max_micro_batch([12, 7][rank])
+        rates = agree_on_rates([{1: 10.0, 2: 20.0, 4: 30.0}, {1: 12.0, 2: 15.0}][rank])
         with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
-            f.write(str(agreed))
+            f.write(f"{agreed} {sorted(rates.items())}")
     finally:
         dist.destroy_process_group()
 
 
-def test_all_ranks_adopt_the_smallest_maximum():
+def test_all_ranks_adopt_the_smallest_maximum_and_the_slowest_rates():
     assert agree_max_micro_batch(12) == 12  # not distributed: unchanged
     with tempfile.TemporaryDirectory() as tmp:
         # fork: the children inherit the imported modules (spawn would re-import transformers, ~10 s each)
         torch.multiprocessing.start_processes(
             _agree_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, start_method="fork"
         )
-        assert [open(os.path.join(tmp, f"rank{r}")).read() for r in (0, 1)] == ["7", "7"]
+        # the max: the smallest; the rates: the slowest rank's, on sizes every rank timed
+        expected = "7 [(1, 10.0), (2, 15.0)]"
+        assert [open(os.path.join(tmp, f"rank{r}")).read() for r in (0, 1)] == [expected, expected]

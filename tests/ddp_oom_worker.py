@@ -1,0 +1,67 @@
+"""Run under `torchrun --nproc_per_node 2`. Modes:
+- forward CALL: rank 1's forward number CALL raises an OOM (3: mid-window, 4: the window's final forward); then a clean run with the smaller micro-batch from the start.
+  Saves both runs' final weights and plans per rank.
+- backward: rank 1 raises an OOM inside the window's final, gradient-synchronizing backward (must stop cleanly).
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.exactness import lm_examples, pad_collate, sum_over_items_loss, tiny_gpt2  # noqa: E402
+from tests.test_oom_recovery import OOMAt  # noqa: E402
+
+
+class OOMInBackward:
+    def __init__(self, module, call):
+        self.call, self.count = call, 0
+        module.register_full_backward_hook(self)
+
+    def __call__(self, module, grad_input, grad_output):
+        self.count += 1
+        if self.count == self.call:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected in the synchronized backward)")
+
+
+def train(out, micro, accum, inject=None):
+    from transformers.trainer_callback import PrinterCallback
+
+    from hf_accum import AccumTrainer, AccumTrainingArguments
+
+    model = tiny_gpt2()
+    args = AccumTrainingArguments(
+        output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+        target_batch_size=micro * accum * 2, auto_tune=False, num_train_epochs=1, learning_rate=1e-2,
+        max_grad_norm=0.0, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+        remove_unused_columns=False, ddp_backend="gloo", logging_steps=1,
+    )
+    trainer = AccumTrainer(model=model, args=args, train_dataset=lm_examples(48, seed=4), data_collator=pad_collate,
+                           compute_loss_func=sum_over_items_loss)
+    trainer.remove_callback(PrinterCallback)
+    if inject is not None:
+        inject(model)
+    trainer.train()
+    return trainer
+
+
+def main():
+    mode, out = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    if mode == "forward":
+        call = int(sys.argv[3])
+        hit = train(os.path.join(out, "hit"), 4, 2, (lambda m: OOMAt(m, [call])) if rank == 1 else None)
+        clean = train(os.path.join(out, "clean"), 2, 4)
+        torch.save({"hit": hit.model.state_dict(), "clean": clean.model.state_dict()},
+                   os.path.join(out, f"weights.rank{rank}.pt"))
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"plan": hit.plan.to_dict(), "steps": [hit.state.global_step, clean.state.global_step]}, f)
+    else:
+        train(os.path.join(out, "hit"), 4, 2, (lambda m: OOMInBackward(m.lm_head, 2)) if rank == 1 else None)
+
+
+if __name__ == "__main__":
+    main()
