@@ -345,15 +345,17 @@ class AccumulationMixin:
 
     def _check_output_dir(self, resume_from_checkpoint) -> Plan | None:
         """A run's checkpoints belong to its target batch: resuming or continuing with another is an error.
-        Returns the stored plan of the checkpoint (or output_dir) when it is compatible."""
-        where = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else self.args.output_dir
-        stored = load_stored_plan(where)
+        Returns the plan stored with the checkpoint resumed from (or the output_dir's last one)."""
+        from transformers.trainer_utils import get_last_checkpoint
+
+        if isinstance(resume_from_checkpoint, str):
+            where = resume_from_checkpoint
+        else:
+            where = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        stored = load_stored_plan(where) if where else None
         target = getattr(self.args, "target_batch_size", None) or self.args.per_device_train_batch_size * (
             self.args.gradient_accumulation_steps * self.args.world_size)
-        has_run = resume_from_checkpoint or any(
-            name.startswith("checkpoint-") for name in (os.listdir(where) if os.path.isdir(where) else [])
-        )
-        if stored is not None and has_run and stored.target_batch_size != target:
+        if stored is not None and stored.target_batch_size != target:
             raise ValueError(
                 f"{where} holds a run trained with target_batch_size={stored.target_batch_size}, but "
                 f"target_batch_size={target} now. Resume with target_batch_size={stored.target_batch_size}, or "

@@ -54,3 +54,20 @@ def test_probe_bad_input_says_the_fix(argv, message, monkeypatch):
     with pytest.raises(SystemExit) as info:
         main(["probe", *argv])
     assert message in str(info.value)
+
+
+def test_quantization_without_bitsandbytes_says_what_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as if not installed
+    with pytest.raises(SystemExit, match=r"needs bitsandbytes, which is not installed: pip install 'hf-accum\[qlora\]'"):
+        main(["probe", "--load-in-4bit"])
+
+
+def test_8bit_on_a_machine_without_cuda_is_refused_before_loading():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: 8-bit is allowed")
+    with pytest.raises(SystemExit, match="8-bit .* needs a CUDA GPU; on CPU use --load-in-4bit"):
+        main(["probe", "--load-in-8bit"])

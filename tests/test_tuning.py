@@ -108,3 +108,22 @@ def test_nothing_fits_says_by_how_much_and_what_helps(tmp_path, tok):
     with pytest.raises(NothingFitsError, match="gradient checkpointing.*LoRA.*4-bit") as info:
         trainer.tune()
     assert "over the budget" in str(info.value)
+
+
+def test_probe_seq_len_needs_a_causal_lm(tmp_path, tok):
+    from hf_accum.tiny import ClassificationCollator, build_classification_dataset
+
+    args = AccumTrainingArguments(output_dir=str(tmp_path), target_batch_size=8, probe_seq_len=32, use_cpu=True,
+                                  report_to=[], loss_normalization="samples")
+    trainer = AccumTrainer(model=build_model("seq_cls", tokenizer=tok), args=args,
+                           train_dataset=build_classification_dataset(16, tok), data_collator=ClassificationCollator(tok))
+    with pytest.raises(ValueError, match="probe_seq_len=32 builds random causal-LM batches.*Leave probe_seq_len unset"):
+        trainer.tune()
+
+
+def test_examples_longer_than_the_model_are_refused_before_probing(tmp_path, tok):
+    trainer = make(tmp_path, tok)
+    trainer.model.config.max_position_embeddings = 8  # the tiny data has longer examples
+    with pytest.raises(ValueError, match="beyond the model's max_position_embeddings=8. Truncate examples"):
+        trainer.tune()
+    assert trainer.probe_result is None
