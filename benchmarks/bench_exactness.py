@@ -93,7 +93,7 @@ def main():
     opts = parser.parse_args()
 
     print("## Exactness (float64): relative error vs one pass over the whole effective batch\n")
-    print(f"| case | Trainer grad | Trainer loss | AccumTrainer grad | AccumTrainer loss |")
+    print("| case | Trainer grad | Trainer loss | AccumTrainer grad | AccumTrainer loss |")
     print("|---|---|---|---|---|")
     for name, tg, tl, ag, al in ([] if opts.skip_exactness else exactness_rows(opts.skip_ddp)):
         print(f"| {name} | {tg:.2e} | {tl:.2e} | {ag:.2e} | {al:.2e} |")

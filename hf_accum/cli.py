@@ -12,7 +12,6 @@ import sys
 
 from . import __version__
 
-
 # --- probe -------------------------------------------------------------------------------------------
 # The offline default must exercise the search: 24 MiB is below what micro-batch 32 of the tiny model needs at
 # seq 256 on CPU, so the plan needs accumulation > 1.

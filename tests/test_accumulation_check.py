@@ -4,7 +4,6 @@ leaves no trace (gradients, weights, buffers, RNG)."""
 import logging
 import random
 
-import pytest
 import torch
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
