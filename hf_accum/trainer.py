@@ -98,8 +98,8 @@ class AccumulationMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self._normalization == "model":
             return super().training_step(model, inputs, num_items_in_batch)
-        if self._window is None or not self._window_batches:
-            # Called outside the Trainer loop (by a user, or check_accumulation): the window is this batch.
+        if not self._window_batches:  # called outside the Trainer loop: the window is this one batch
+            self._window = self._count_window([inputs], self.args.device)
             return self._exact_step(model, inputs)
         last = self._micro_index == len(self._window_batches) - 1
         self._micro_index += 1
@@ -166,8 +166,6 @@ class AccumulationMixin:
         raise _Restart()
 
     def _exact_step(self, model, inputs, final: bool = False):
-        if self._window is None:
-            self._window = self._count_window([inputs], self.args.device)
         local = count_items(inputs, self._normalization, self._shift)
         # Every loss path divides by num_items_in_batch (or its own count, the same number): a micro-batch mean.
         # Clamped so an all-masked micro-batch gives 0 instead of 0/0 on paths that divide by it.
