@@ -24,8 +24,9 @@ Strategies (all start after the same warm-up, which no one is charged for):
   exhaust  every size from 1 up to the first that does not fit: the true maximum
 
 Figures: trials (steps run), sample-steps (sum of the micro-batch sizes run, OOMs included), wall time
-(step seconds from a robust line through the measured step times, since single timings on a shared machine
-are noisy; an OOM trial is charged a whole step at its size) and found max / true max.  The table shows ours
+(step seconds from a robust line through the measured step times -- each the faster of two unprofiled runs
+-- since single timings on a shared machine are noisy; an OOM trial is charged a whole step at its size)
+and found max / true max.  The table shows ours
 in absolute numbers and every other strategy as a ratio to ours.
 """
 
@@ -114,16 +115,21 @@ class Curve:
 
     def __init__(self, config: Config) -> None:
         self.model, self.opt = config.build()
-        self.step = make_step_fn(self.model, self.opt, random_token_batch(self.model), seq_len=config.seq_len)
+        self.step = make_step_fn(self.model, self.opt, random_token_batch(self.model, config.seq_len))
         self.meter = CpuMeter(resident=lambda: live_tensor_bytes(self.model, self.opt))
         self.step(1)  # warm-up: the optimizer state
+        self.meter.measure(lambda: self.step(1))  # and the profiler's first session, slow once per process
         self.measurements: dict[int, Measurement] = {}
+        self.step_seconds: dict[int, float] = {}
         self.measuring_seconds = 0.0
 
     def measure(self, micro: int) -> Measurement:
         if micro not in self.measurements:
             start = time.perf_counter()
             self.measurements[micro] = self.meter.measure(lambda: self.step(micro))
+            # the step time: the faster of two runs without the profiler (noise on a shared machine only
+            # ever adds time, and a training step runs unprofiled)
+            self.step_seconds[micro] = min(self.meter.time(lambda: self.step(micro)) for _ in range(2))
             self.measuring_seconds += time.perf_counter() - start
         return self.measurements[micro]
 
@@ -134,15 +140,13 @@ class Curve:
             return True
         return self.measure(micro).peak_bytes <= budget
 
-    def true_max(self, budget: float) -> int:
-        """The largest size that fits ('exhaust' in the table): a guess from the first two sizes, galloping
-        away from it until the answer is bracketed, then bisection.  The guess only saves measurements:
-        the answer is the size measured (or settled) to fit next to one that does not."""
+    def true_max(self, budget: float, guess: int) -> int:
+        """The largest size that fits ('exhaust' in the table): gallop from ``guess`` (ours' answer, run
+        first) until the answer is bracketed, then bisect.  The guess only saves measurements: the answer
+        is the size measured (or settled) to fit next to one measured (or settled) not to."""
         if not self.fits(1, budget):
             return 0
         lo, hi = 1, TARGET + 1  # lo fits, hi does not
-        slope = self.measure(2).peak_bytes - self.measure(1).peak_bytes
-        guess = TARGET if slope <= 0 else int(1 + (budget - self.measure(1).peak_bytes) // slope)
         guess, step = min(max(guess, 1), TARGET), 1
         if self.fits(guess, budget):
             lo = guess
@@ -166,12 +170,16 @@ class Curve:
 
     def seconds(self, micro: int) -> float:
         """Step seconds from a Theil-Sen line through every measured (micro, seconds): single timings on a
-        shared 2-core machine are noisy, and an OOM trial past the measured range needs a value anyway."""
-        points = sorted((m, x.seconds) for m, x in self.measurements.items())
+        shared 2-core machine are noisy, and an OOM trial past the measured range needs a value anyway.
+        A step never gets cheaper with more samples, so a negative slope (noise) falls back to time
+        proportional to the micro-batch."""
+        points = sorted(self.step_seconds.items())
         slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1 :]]
         d = statistics.median(slopes) if slopes else 0.0
+        if d <= 0:
+            return micro * statistics.median(y / x for x, y in points)
         c = statistics.median(y - d * x for x, y in points)
-        return max(c + d * micro, 0.0)
+        return max(c + d * micro, d * micro)
 
 
 class ReplayMeter(Meter):
@@ -291,8 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         p1 = curve.measure(1).peak_bytes
         for factor in BUDGET_FACTORS:
             budget = factor * p1
-            curve.true_max(budget)  # first, so the strategies' over-budget sizes are settled without a run
-            results = {name: run_strategy(curve, budget, fn) for name, fn in STRATEGIES.items()}
+            results = {"ours": run_strategy(curve, budget, ours)}
+            # the truth next, so the other strategies' over-budget sizes are settled without a run
+            curve.true_max(budget, guess=results["ours"]["found"])
+            results.update({name: run_strategy(curve, budget, fn) for name, fn in STRATEGIES.items() if name != "ours"})
             rows.append({"config": config.name, "factor": factor, "budget_bytes": budget, **results})
         print(
             f"# {config.name}: peak(1) {p1 / MiB:.1f} MiB, measured {len(curve.measurements)} sizes "
@@ -316,7 +326,7 @@ def print_table(rows: list[dict]) -> None:
     others = [s for s in STRATEGIES if s != "ours"]
     head = f"{'config':<16}{'budget':>8}{'true':>5} | {'ours: trials':>12}{'steps':>6}{'sec':>7}{'found':>6}"
     for s in others:
-        head += f" | {s + ': trials×':>15}{'steps×':>7}{'sec×':>6}{'found':>6}"
+        head += f" | {s + ': trials×':>15}{'steps×':>8}{'sec×':>8}{'found':>6}"
     print()
     print("Found max as found/true; other strategies' trials, sample-steps and seconds as ratios to ours.")
     print(head)
@@ -331,8 +341,8 @@ def print_table(rows: list[dict]) -> None:
         for s in others:
             x = r[s]
             line += (
-                f" | {_ratio(x['trials'], o['trials']):>15}{_ratio(x['sample_steps'], o['sample_steps']):>7}"
-                f"{_ratio(x['seconds'], o['seconds']):>6}{_ratio(x['found'], true):>6}"
+                f" | {_ratio(x['trials'], o['trials']):>15}{_ratio(x['sample_steps'], o['sample_steps']):>8}"
+                f"{_ratio(x['seconds'], o['seconds']):>8}{_ratio(x['found'], true):>6}"
             )
         print(line)
     print("-" * len(head))
@@ -350,7 +360,7 @@ def print_table(rows: list[dict]) -> None:
         steps = gmean([r[s]["sample_steps"] / r["ours"]["sample_steps"] for r in rows])
         secs = gmean([r[s]["seconds"] / r["ours"]["seconds"] for r in rows])
         found = min(r[s]["found"] / r["exhaust"]["found"] for r in rows if r["exhaust"]["found"])
-        summary += f" | {trials:>15.2f}{steps:>7.2f}{secs:>6.2f}{found:>6.2f}"
+        summary += f" | {trials:>15.2f}{steps:>8.2f}{secs:>8.2f}{found:>6.2f}"
     print(summary)
     print("(ours: mean trials, sample-steps and seconds, and the worst found/true; others: geometric means of the")
     print(" ratios to ours and their worst found/true.  'exhaust' found/true is 1 by definition.)")

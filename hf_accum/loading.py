@@ -81,7 +81,8 @@ def add_lora(model, *, r: int = 8, alpha: int | None = None, target_modules: lis
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if quantized:
-        # use_gradient_checkpointing=False: the caller decides checkpointing; this keeps only the input-grad hook.
+        # peft's k-bit preparation (casts non-quantized weights to float32; the probe measures what that costs).
+        # use_gradient_checkpointing=False: the caller decides checkpointing and the input-grad hook with it.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     config = LoraConfig(r=r, lora_alpha=alpha or 2 * r, target_modules=target_modules or "all-linear",
                         lora_dropout=0.0, task_type="CAUSAL_LM")

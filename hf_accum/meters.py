@@ -150,6 +150,17 @@ def _cgroup_limit_bytes(paths: Iterable[str] = _CGROUP_LIMIT_FILES) -> int | Non
     return None
 
 
+def _cgroup_usage_bytes() -> int | None:
+    """Memory charged to this process's cgroup now (v2, then v1); None when not found."""
+    for path in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
+        try:
+            with open(path) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 class CpuMeter(Meter):
     """Exact peak tensor memory of a CPU step from the profiler's allocation events.
 
@@ -206,11 +217,15 @@ class CpuMeter(Meter):
         return min(total, limit) if limit is not None else total
 
     def unavailable_bytes(self) -> int:
-        """RAM held by everything but this process (and the page cache it cannot reclaim)."""
+        """RAM held by everything but this process: on the machine, and inside its cgroup when limited."""
         import psutil
 
         own = psutil.Process().memory_info().rss
-        return max(0, self.capacity_bytes() - psutil.virtual_memory().available - own)
+        held = self.capacity_bytes() - psutil.virtual_memory().available - own
+        usage = _cgroup_usage_bytes()
+        if usage is not None and _cgroup_limit_bytes() is not None:
+            held = max(held, usage - own)
+        return max(0, held)
 
     def describe(self) -> dict[str, Any]:
         import platform

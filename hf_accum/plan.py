@@ -184,7 +184,9 @@ class MicroBatchSearch:
        ``m = (budget - baseline) / (peak(1) - baseline)`` fits;
     3. fit a line through the two measured points nearest the budget and jump to the largest size it
        predicts under ``budget - margin`` (see :meth:`margin_bytes`), but at least to the goal
-       (``GOAL_FRACTION`` of the prediction);
+       (``GOAL_FRACTION`` of the prediction); when a point over the budget was measured (CPU meters
+       report one instead of failing) the line is a chord across the budget, and the estimate is the
+       midpoint of the chord's and the fitting points' predictions (:meth:`estimate`);
     4. if a jump runs out of memory although the line said it fits, the line is wrong above the last
        fitting size: bisect between the largest fit and the smallest failure, then fit
        again; if the line is flat (both points on the optimizer-step plateau), double instead;
@@ -239,6 +241,13 @@ class MicroBatchSearch:
             chosen = sorted(measured)[-2:]
         return fit_memory_model([(m, measured[m]) for m in chosen], tail=2)
 
+    def _line_below(self) -> tuple[float, float] | None:
+        """The line through the two largest sizes measured to fit, None with fewer than two."""
+        fitting = sorted((o.micro, o.charged_bytes) for o in self.observations if o.fits)
+        if len({m for m, _ in fitting}) < 2:
+            return None
+        return fit_memory_model(fitting, tail=2)
+
     def predict(self, micro: int) -> float | None:
         """Predicted charged bytes at ``micro``; None without a line."""
         model = self.line()
@@ -284,6 +293,15 @@ class MicroBatchSearch:
         predicted = predict_max_micro(model, self.budget_bytes + slack_bytes)
         if predicted is None or predicted >= hi:  # flat, or contradicted by a failure: trust measurements
             return hi - 1
+        below = self._line_below()
+        if below is not None and below != model:
+            # The line is a chord across the budget.  On a curved memory curve the chord and the line
+            # through the two largest fitting points err to opposite sides (convex: the chord predicts too
+            # few samples, the extrapolation too many), so the truth lies between them; the midpoint keeps
+            # a far over-budget point from making the search crawl up in steps of one.
+            extrapolated = predict_max_micro(below, self.budget_bytes + slack_bytes)
+            extrapolated = hi - 1 if extrapolated is None else extrapolated  # flat below: no bound from it
+            predicted = (predicted + min(max(extrapolated, predicted), hi - 1)) // 2
         return predicted
 
     def _line_contradicted(self) -> bool:
@@ -298,13 +316,15 @@ class MicroBatchSearch:
     def next_over(self) -> tuple[int | None, str]:
         """The smallest ``must_resolve`` size above the largest fit and how it is known not to fit.
 
-        Returns ``(size, "measured")`` when it, or a smaller size, was run (or refused) and did not fit, ``(size, "predicted")``
-        when the line puts it over the budget, ``(None, "cap")`` when no candidate is left under the cap,
-        and ``(size, "untried")`` when the search stopped within the goal of a size it did not rule out
-        (possible only for a size outside ``must_resolve``: the search resolves every one of those).
+        Returns ``(size, "measured")`` when it, or a smaller size, was run (or refused) and did not fit;
+        ``(size, "predicted")`` when the line puts it over the budget; ``(None, "cap")`` when no candidate
+        is left under the cap; ``(size, "untried")`` when the search stopped within the goal below a size
+        it did not rule out (only without ``must_resolve``, whose sizes the search always resolves).
+        Without ``must_resolve`` the candidates are all sizes.
         """
         lo = self.largest_fit
-        candidates = [d for d in self.must_resolve if d > lo] or list(range(lo + 1, self.max_micro_batch + 1))
+        pool = self.must_resolve or range(1, self.max_micro_batch + 1)
+        candidates = [d for d in pool if d > lo]
         if not candidates:
             return None, "cap"
         size = candidates[0]

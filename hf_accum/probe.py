@@ -27,7 +27,7 @@ from .oom import free_memory, is_oom
 from .plan import MicroBatchSearch, Plan, choose_fastest, divisors, nearest_exact_targets, plan_batch
 
 StepFn = Callable[[int], Any]
-MakeBatch = Callable[[int, int], dict[str, Any]]  # (micro_batch_size, seq_len) -> collated batch
+MakeBatch = Callable[[int], dict[str, Any]]  # micro_batch_size -> collated batch at the worst-case length
 Log = Callable[[str], None]
 
 DEFAULT_BUDGET_FRACTION = 0.9
@@ -140,6 +140,8 @@ def probe_micro_batches(
         except Exception as exc:
             if not is_oom(exc):
                 raise
+            result.warmup_seconds = None
+        if result.warmup_seconds is None:  # outside the except block: its traceback no longer pins memory
             free_memory()
             trials.append(Trial(1, None, None, None, False, "out of memory"))
             return result
@@ -162,12 +164,15 @@ def _run_trial(
         search.record(micro, None, fits=False)
         say(f"micro-batch {micro}: refused, predicted {_gib(predicted)} > limit {_gib(limit_bytes)}")
         return Trial(micro, None, None, None, False, "refused", predicted)
+    m = None
     try:
         m = meter.measure(lambda: step_fn(micro), micro_batch_size=micro)
     except Exception as exc:
         if not is_oom(exc):
             raise
-        del exc  # its traceback holds the failed step's frames, and with them its activations
+    if m is None:
+        # Freed here, after the except block: until it ends, the exception's traceback keeps the failed
+        # step's frames, and with them its activations, alive.
         free_memory()
         search.record(micro, None)
         say(f"micro-batch {micro}: out of memory")
@@ -360,15 +365,14 @@ def make_step_fn(
     optimizer: torch.optim.Optimizer,
     make_batch: MakeBatch,
     *,
-    seq_len: int,
     forward: Callable[[torch.nn.Module, dict[str, Any]], torch.Tensor] | None = None,
     autocast_dtype: torch.dtype | None = None,
     max_grad_norm: float | None = None,
 ) -> StepFn:
-    """``step_fn(micro)``: one real training step at that micro-batch size and ``seq_len``.
+    """``step_fn(micro)``: one real training step at that micro-batch size.
 
-    ``make_batch(micro, seq_len)`` returns the collated batch, on the model's device, every sequence at
-    the worst-case length.  ``forward(model, batch)`` returns the loss (default: ``model(**batch).loss``);
+    ``make_batch(micro)`` returns the collated batch, on the model's device, every sequence at the
+    worst-case length.  ``forward(model, batch)`` returns the loss (default: ``model(**batch).loss``);
     a trainer passes its ``compute_loss``.  The gradients are zeroed, not freed, after the step: during
     an accumulation window every micro-step but the first starts with all gradients allocated, which is
     the peak to plan for.
@@ -378,7 +382,7 @@ def make_step_fn(
 
     def step_fn(micro: int) -> None:
         model.train()
-        batch = make_batch(micro, seq_len)
+        batch = make_batch(micro)
         ctx = (
             torch.autocast(device_type=device_type, dtype=autocast_dtype)
             if autocast_dtype is not None
@@ -396,12 +400,12 @@ def make_step_fn(
     return step_fn
 
 
-def random_token_batch(model: torch.nn.Module) -> MakeBatch:
+def random_token_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
     """``make_batch`` for a causal LM: random ids, every position a label (the worst case: no padding)."""
     vocab = int(model.config.vocab_size)
     device = next(model.parameters()).device
 
-    def make_batch(micro: int, seq_len: int) -> dict[str, Any]:
+    def make_batch(micro: int) -> dict[str, Any]:
         ids = torch.randint(0, vocab, (micro, seq_len), device=device)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
@@ -499,8 +503,7 @@ def probe_model(
         step_fn = make_step_fn(
             model,
             opt,
-            make_batch or random_token_batch(model),
-            seq_len=seq_len,
+            make_batch or random_token_batch(model, seq_len),
             forward=forward,
             autocast_dtype=autocast_dtype,
             max_grad_norm=max_grad_norm,

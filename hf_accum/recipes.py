@@ -80,6 +80,9 @@ class ModelSection:
     attn_implementation: str | None = None
     tiny: dict[str, Any] = field(default_factory=dict)
     """name=tiny: keyword arguments of `hf_accum.tiny.build_model` (hidden_size, num_layers, num_heads, seed)."""
+    cpu_threads: int | None = None
+    """On CPU: torch.set_num_threads for the run (restored after); None: torch's default (one per core). A tiny
+    model's matmuls are too small to split: 1 thread is fastest, and on shared cores 2 were 10-100x slower."""
 
 
 @dataclass
@@ -369,10 +372,10 @@ def _check_sections(recipe: Recipe) -> None:
             f"model.quantization={m.quantization!r} must be a mapping of BitsAndBytesConfig arguments "
             "(e.g. {load_in_4bit: true, bnb_4bit_quant_type: nf4}) or null"
         )
-    for name in ("max_length", "num_examples"):
-        value = getattr(d, name)
+    for section, name, value in (("data", "max_length", d.max_length), ("data", "num_examples", d.num_examples),
+                                 ("model", "cpu_threads", m.cpu_threads)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise RecipeError(f"data.{name}={value!r} must be a positive integer")
+            raise RecipeError(f"{section}.{name}={value!r} must be a positive integer")
     if "output_dir" not in recipe.training:
         raise RecipeError("training.output_dir is not set: add output_dir to the recipe or pass output_dir=DIR")
 
@@ -395,7 +398,10 @@ def build_tokenizer(recipe: Recipe):
         return tiny.build_tokenizer()
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(m.name, revision=m.revision, trust_remote_code=m.trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(m.name, revision=m.revision, trust_remote_code=m.trust_remote_code)
+    except OSError as exc:
+        raise _not_loadable(m.name, exc) from exc
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise RecipeError(f"tokenizer of {m.name!r} has neither a pad nor an eos token; add a pad token to it")
@@ -596,9 +602,22 @@ def _from_pretrained(m: ModelSection, source: str, dtype, num_labels: int, token
     try:
         hf_logging.disable_progress_bar()
         return cls.from_pretrained(source, **kwargs)
+    except OSError as exc:
+        raise _not_loadable(m.name, exc) from exc
     finally:
         hf_logging.enable_progress_bar()
         hf_logging.set_verbosity(verbosity)
+
+
+def _not_loadable(name: str, exc: Exception) -> RecipeError:
+    where = "a local directory" if os.path.isdir(name) else "a hub id"
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    reason = (str(exc).splitlines() or [repr(exc)])[0].rstrip(".")
+    return RecipeError(
+        f"model.name={name!r} could not be loaded as {where}: {reason}. Give a "
+        f"directory saved with save_pretrained, a hub id reachable from here{' (HF_HUB_OFFLINE is set)' if offline else ''}"
+        ", or tiny for the built-in offline model."
+    )
 
 
 def checkpointing_enabled(args) -> bool:
@@ -669,8 +688,33 @@ def run_recipe(
     args = recipe.validate()
     main_process = args.process_index == 0
     say = say or (print if main_process else (lambda _msg: None))
+    with _cpu_threads(recipe.model.cpu_threads, args):
+        return _run(recipe, args, say, callbacks, start, main_process)
+
+
+@contextlib.contextmanager
+def _cpu_threads(n: int | None, args):
+    import torch
+
+    if n is None or not (args.use_cpu or not torch.cuda.is_available()):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(recipe: Recipe, args, say, callbacks, start: float, main_process: bool) -> RecipeRun:
     say(f"recipe {recipe.name}" + (f" ({recipe.path})" if recipe.path else ""))
 
+    from transformers import set_seed
+
+    # Seeded before the model is built: the LoRA matrices (and a new head) are initialized from the global RNG,
+    # which the Trainer only seeds later, in its __init__. Without this two runs of a recipe differ.
+    set_seed(args.seed)
     tokenizer = build_tokenizer(recipe)
     data = build_data(recipe, tokenizer)
     model = build_model(recipe, tokenizer, num_labels=data.num_labels, use_cpu=args.use_cpu)
@@ -678,7 +722,7 @@ def run_recipe(
     trainable, total = _count_parameters(model)
     say(
         f"model {recipe.model.name} ({type(model.get_base_model()).__name__}"
-        + (f", 4-bit {recipe.model.quantization.get('bnb_4bit_quant_type', 'fp4')}" if recipe.model.quantization else "")
+        + _quantization_text(recipe.model.quantization)
         + f"), LoRA r={model.peft_config['default'].r}: {trainable:,} trainable of {total:,} parameters"
     )
     unit = "target tokens" if recipe.model.task == "causal_lm" else "labels"
@@ -727,6 +771,9 @@ def run_recipe(
     with _quiet_deprecations():
         result = trainer.train()
     train_seconds = result.metrics.get("train_runtime")
+    if trainer.plan is not None and trainer.plan.to_dict() != plan_dict:  # out of memory mid-run: a smaller micro
+        say(f"the plan was lowered during training (out of memory): {trainer.plan.describe()}")
+        plan_dict = trainer.plan.to_dict()
     losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h and "step" in h]
     tokens = getattr(trainer.state, "num_input_tokens_seen", 0) or None
     if tokens is None:  # include_num_input_tokens_seen is off: estimate from the data
@@ -754,6 +801,7 @@ def run_recipe(
         "tokens_seen": tokens,
         "train_seconds": train_seconds,
         "tokens_per_second": tokens / train_seconds if train_seconds else None,
+        "train_loss": result.metrics.get("train_loss"),  # mean over all steps
         "first_loss": losses[0][1] if losses else None,
         "last_loss": losses[-1][1] if losses else None,
         "losses": [{"step": s, "loss": v} for s, v in losses],
@@ -854,6 +902,14 @@ def _reset_cuda_peak(model) -> Callable[[], int] | None:
         return None
     torch.cuda.reset_peak_memory_stats(device)
     return lambda: int(torch.cuda.max_memory_allocated(device))
+
+
+def _quantization_text(quantization: dict[str, Any] | None) -> str:
+    if not quantization:
+        return ""
+    if quantization.get("load_in_4bit"):
+        return f", 4-bit {quantization.get('bnb_4bit_quant_type', 'fp4')}"
+    return ", 8-bit" if quantization.get("load_in_8bit") else ""
 
 
 def _budget_text(args) -> str:

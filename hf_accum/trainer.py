@@ -316,7 +316,7 @@ class AccumulationMixin:
             self._train_batch_size = plan.micro_batch_size  # what get_train_dataloader and train() read
             self._split_micro = None
         self.plan = plan
-        if self.args.should_save and (in_training_loop or self._plan_key is not None):
+        if in_training_loop and self.args.should_save:  # tune() saved the plan it applies, with its probe
             save_plan(self.args.output_dir, self._plan_key or {}, plan, None)
 
     def tune(self) -> Plan:
@@ -328,7 +328,7 @@ class AccumulationMixin:
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         try:
             stored = self._check_output_dir(resume_from_checkpoint)
-            if getattr(self.args, "tunes", False):
+            if getattr(self.args, "tunes", False) and self.plan is None:  # a tune() before train() counts
                 self.tune()
             elif stored is not None and resume_from_checkpoint:
                 self.apply_plan(stored)  # the plan in force when the checkpoint was written (maybe downgraded)

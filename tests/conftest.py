@@ -3,6 +3,10 @@
 import pytest
 import torch
 
+# The tests' models are tiny: on a shared 2-core machine two intra-op threads contend and make them 10-100x
+# slower than one. One thread also makes float results independent of the machine's core count.
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` are skipped, with the reason, on machines without CUDA."""

@@ -146,7 +146,7 @@ def _budget_for(model, micro_that_fits: float) -> int:
     """A budget that fits ``micro_that_fits`` samples, from two measured steps of a copy of the model."""
     clone = copy.deepcopy(model)
     opt = torch.optim.AdamW(clone.parameters())
-    step = make_step_fn(clone, opt, random_token_batch(clone), seq_len=SEQ)
+    step = make_step_fn(clone, opt, random_token_batch(clone, SEQ))
     step(1)
     meter = CpuMeter(resident=lambda: live_tensor_bytes(clone, opt))
     p1, p2 = (meter.measure(lambda m=m: step(m)).peak_bytes for m in (1, 2))
@@ -218,7 +218,7 @@ def test_the_next_larger_divisor_exceeds_the_budget(probed):
         assert a + b * nxt > budget
     clone = copy.deepcopy(model)
     opt = torch.optim.AdamW(clone.parameters())
-    step = make_step_fn(clone, opt, random_token_batch(clone), seq_len=SEQ)
+    step = make_step_fn(clone, opt, random_token_batch(clone, SEQ))
     step(1)
     meter = CpuMeter(resident=lambda: live_tensor_bytes(clone, opt))
     assert meter.measure(lambda: step(nxt)).peak_bytes > budget
@@ -293,7 +293,7 @@ def test_bad_input_is_refused_before_any_step(kwargs, match):
     if "budget_fraction" in kwargs and "budget_bytes" not in kwargs:
         args.pop("budget_bytes")
     with pytest.raises(ValueError, match=match):
-        probe_model(model, make_batch=lambda m, s: calls.append(m), **args)
+        probe_model(model, make_batch=lambda m: calls.append(m), **args)
     assert calls == []
 
 
@@ -328,3 +328,42 @@ def test_all_ranks_adopt_the_smallest_maximum_and_the_slowest_rates():
         # the max: the smallest; the rates: the slowest rank's, on sizes every rank timed
         expected = "7 [(1, 10.0), (2, 15.0)]"
         assert [open(os.path.join(tmp, f"rank{r}")).read() for r in (0, 1)] == [expected, expected]
+
+
+# --- CUDA ---------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_real_cuda_oom_is_caught_freed_and_the_probe_goes_on():
+    from hf_accum.meters import CudaMeter
+
+    meter = CudaMeter()
+    chunk = 4 << 30  # each sample "needs" 4 GiB
+
+    def step(micro):
+        buf = torch.empty(micro * chunk, dtype=torch.uint8, device="cuda")
+        buf.fill_(1)
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    free = torch.cuda.mem_get_info()[0]
+    # a budget beyond the device, so the search's jumps meet real out-of-memory errors
+    result = probe_micro_batches(step, meter, 2 * meter.capacity_bytes(), 256)
+    assert any(t.status == "out of memory" for t in result.trials)
+    assert 1 <= result.max_micro_batch_size <= free // chunk
+    assert torch.cuda.memory_allocated() == before  # nothing of the failed steps is left
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_probe_model_on_cuda_plans_exactly_and_leaves_no_trace():
+    model = tiny_llama().cuda()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.cuda.get_rng_state()
+    torch.cuda.synchronize()
+    budget = torch.cuda.memory_allocated() + 256 * MiB
+    result, plan = probe_model(model, seq_len=SEQ, target_batch_size=64, budget_bytes=budget)
+    assert plan.micro_batch_size * plan.gradient_accumulation_steps == 64
+    assert all(t.reserved_bytes is not None for t in result.trials if t.fits)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert torch.equal(rng, torch.cuda.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
