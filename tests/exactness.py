@@ -100,6 +100,14 @@ def tiny_llama(dtype=torch.float64, seed: int = 0, **overrides) -> LlamaForCausa
     return LlamaForCausalLM(cfg).to(dtype)
 
 
+def probe_llama(seed: int = 0) -> LlamaForCausalLM:
+    """float32 Llama with a 256-token vocabulary for the meter and probe tests (memory, not exactness)."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).float()
+
+
 def tiny_gpt2(dtype=torch.float64, seed: int = 0):
     """Float64 all the way through (Llama runs RMSNorm in float32): for tests that compare runs to 1e-10."""
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -4,33 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_accum.meters import CpuMeter, CudaMeter, FakeMeter, _cgroup_limit_bytes, live_tensor_bytes
 from hf_accum.oom import is_oom
 
+from .exactness import probe_llama
+
 MiB = 1 << 20
 SEQ = 32
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config).float()
-
 
 @pytest.fixture
 def trained():
     """A tiny Llama, its AdamW with state already allocated, and a step function of the micro-batch."""
-    model = tiny_llama()
+    model = probe_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(micro: int, plant: int = 0) -> None:
@@ -163,7 +149,7 @@ def test_cuda_meter_sees_a_planted_allocation():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_peak_grows_with_the_micro_batch():
-    model = tiny_llama().cuda()
+    model = probe_llama().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(micro):

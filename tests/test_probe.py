@@ -10,7 +10,6 @@ import tempfile
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_accum.meters import CpuMeter, FakeMeter, live_tensor_bytes
 from hf_accum.plan import divisors, plan_batch
@@ -26,23 +25,10 @@ from hf_accum.probe import (
     random_token_batch,
 )
 
+from .exactness import probe_llama
+
 MiB = 1 << 20
 SEQ = 32
-
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config).float()
-
 
 class Recorder:
     """A step_fn that records the sizes it ran (the warm-up included)."""
@@ -155,7 +141,7 @@ def _budget_for(model, micro_that_fits: float) -> int:
 
 @pytest.fixture(scope="module")
 def probed():
-    model = tiny_llama()
+    model = probe_llama()
     model.eval()  # the probe switches to train mode; it must switch back
     model.model.layers[0].train()  # a mixed state, restored module by module
     budget = _budget_for(model, 11.5)
@@ -235,7 +221,7 @@ def test_peak_grows_with_the_micro_batch_across_trials(probed):
 def test_a_lora_model_is_probed_and_left_as_it_was():
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+    model = get_peft_model(probe_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result, plan = probe_model(model, seq_len=SEQ, target_batch_size=8, budget_bytes=64 * MiB)
     assert plan.micro_batch_size == 8 and result.max_micro_batch_size == 8
@@ -243,7 +229,7 @@ def test_a_lora_model_is_probed_and_left_as_it_was():
 
 
 def test_the_callers_optimizer_is_copied_not_touched():
-    model = tiny_llama()
+    model = probe_llama()
     real = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     probe_model(model, seq_len=SEQ, target_batch_size=4, budget_bytes=64 * MiB, optimizer=real)
     assert len(real.state) == 0
@@ -252,7 +238,7 @@ def test_the_callers_optimizer_is_copied_not_touched():
 
 
 def test_preserved_restores_after_an_error():
-    model = tiny_llama()
+    model = probe_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(RuntimeError, match="boom"), preserved(model):
         with torch.no_grad():
@@ -264,7 +250,7 @@ def test_preserved_restores_after_an_error():
 
 
 def test_existing_gradients_are_put_back_as_the_same_tensors():
-    model = tiny_llama()
+    model = probe_llama()
     ids = torch.randint(0, 256, (1, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     grads = {n: (p.grad, p.grad.clone()) for n, p in model.named_parameters()}
@@ -287,7 +273,7 @@ def test_existing_gradients_are_put_back_as_the_same_tensors():
     ],
 )
 def test_bad_input_is_refused_before_any_step(kwargs, match):
-    model = tiny_llama()
+    model = probe_llama()
     calls = []
     args = {"seq_len": SEQ, "target_batch_size": 8, "budget_bytes": 64 * MiB, **kwargs}
     if "budget_fraction" in kwargs and "budget_bytes" not in kwargs:
@@ -298,7 +284,7 @@ def test_bad_input_is_refused_before_any_step(kwargs, match):
 
 
 def test_a_model_that_does_not_fit_at_one_says_by_how_much_and_what_helps():
-    model = tiny_llama()
+    model = probe_llama()
     with pytest.raises(NothingFitsError, match=r"over the budget.*gradient checkpointing.*LoRA.*4-bit") as info:
         probe_model(model, seq_len=SEQ, target_batch_size=8, budget_bytes=100_000)
     assert info.value.result.trials[0].micro_batch_size == 1 and not info.value.result.trials[0].fits
@@ -356,7 +342,7 @@ def test_a_real_cuda_oom_is_caught_freed_and_the_probe_goes_on():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_probe_model_on_cuda_plans_exactly_and_leaves_no_trace():
-    model = tiny_llama().cuda()
+    model = probe_llama().cuda()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.cuda.get_rng_state()
     torch.cuda.synchronize()
