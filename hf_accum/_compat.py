@@ -27,11 +27,16 @@ def trainer_divides_by_accumulation(trainer, num_items_in_batch) -> bool:
     return not scaled
 
 
-def enable_checkpointing(model, args) -> None:
-    """Turn on gradient checkpointing as `Trainer.train()` will (5.23 renamed it "activation checkpointing"),
-    so a probe that runs before `train()` measures the memory training will use. Idempotent."""
+def checkpointing_enabled(args) -> bool:
+    """Gradient checkpointing asked for, under either name (5.23 renamed it "activation checkpointing")."""
     flag = getattr(args, "activation_checkpointing", None)
-    if not (flag if flag is not None else args.gradient_checkpointing):
+    return bool(flag if flag is not None else args.gradient_checkpointing)
+
+
+def enable_checkpointing(model, args) -> None:
+    """Turn on gradient checkpointing as `Trainer.train()` will, so a probe that runs before `train()` measures
+    the memory training will use. Idempotent."""
+    if not checkpointing_enabled(args):
         return
     kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {}
     kwargs = {k: v for k, v in kwargs.items() if k not in ("every_n_layers", "offload")}

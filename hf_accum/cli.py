@@ -73,19 +73,24 @@ def _run_probe(args: argparse.Namespace) -> int:
     _check_probe_args(args)  # before any model is loaded
     import torch
 
-    from .loading import add_lora, check_quantization, load_causal_lm
+    from .loading import add_lora, load_model, require_bitsandbytes
     from .probe import NothingFitsError, probe_model
     from .probe_report import summary, table, write_json, write_plot
 
+    quantization = None
     try:
-        check_quantization(args.load_in_4bit, args.load_in_8bit)
-    except ValueError as exc:
-        raise SystemExit(f"hf-accum probe: {exc}") from None
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"loading {args.model} on {device} ...", flush=True)
-    try:
-        model, _ = load_causal_lm(args.model, load_in_4bit=args.load_in_4bit, load_in_8bit=args.load_in_8bit,
-                                  device=device)
+        if args.load_in_4bit or args.load_in_8bit:
+            require_bitsandbytes("--load-in-4bit/--load-in-8bit", "probe without quantization")
+            if args.load_in_8bit and not torch.cuda.is_available():
+                raise ValueError("8-bit (LLM.int8) training needs a CUDA GPU; on CPU use --load-in-4bit (NF4) or neither")
+            quantization = (
+                {"load_in_8bit": True} if args.load_in_8bit else
+                {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                 "bnb_4bit_compute_dtype": torch.bfloat16 if args.bf16 else torch.float32}
+            )
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        print(f"loading {args.model} on {device} ...", flush=True)
+        model = load_model(args.model, quantization=quantization, device=device)
     except ValueError as exc:
         raise SystemExit(f"hf-accum probe: {exc}") from None
     quantized = args.load_in_4bit or args.load_in_8bit

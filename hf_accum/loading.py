@@ -1,83 +1,102 @@
 """Loading the model a user names: the built-in offline `tiny`, a local directory saved with `save_pretrained`,
-or a hub id; with optional 4/8-bit quantization (bitsandbytes) and LoRA (peft). Errors say what to do."""
+or a hub id; optionally with a 4/8-bit base (bitsandbytes). Used by the recipes and by `hf-accum probe`.
+Errors say what to do instead."""
 
 from __future__ import annotations
 
 import os
+import tempfile
+from typing import Any
 
 import torch
 
 TINY = "tiny"
 
 
-def check_quantization(load_in_4bit: bool, load_in_8bit: bool) -> None:
-    """Fail before loading anything when the quantization request cannot run here."""
-    if load_in_4bit and load_in_8bit:
-        raise ValueError("choose one of --load-in-4bit / --load-in-8bit, not both")
-    if not (load_in_4bit or load_in_8bit):
-        return
+def require_bitsandbytes(what: str, instead: str) -> None:
+    """Fail before loading anything when quantization is asked for and bitsandbytes cannot be imported."""
     try:
         import bitsandbytes  # noqa: F401
-    except ImportError:
+    except ImportError as exc:
         raise ValueError(
-            "4/8-bit loading needs bitsandbytes, which is not installed: pip install 'hf-accum[qlora]'"
+            f"{what} needs bitsandbytes, which is not installed ({exc}): pip install 'hf-accum[qlora]' "
+            f"(bitsandbytes >= 0.45; on CPU it runs NF4 training too), or {instead}."
         ) from None
-    if load_in_8bit and not torch.cuda.is_available():
-        raise ValueError("8-bit (LLM.int8) training needs a CUDA GPU; on CPU use --load-in-4bit (NF4) or neither")
 
 
-def load_causal_lm(name: str = TINY, *, load_in_4bit: bool = False, load_in_8bit: bool = False,
-                   dtype: torch.dtype | None = None, device: str | torch.device | None = None):
-    """The model and its tokenizer (None where it has none)."""
-    check_quantization(load_in_4bit, load_in_8bit)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
 
-    quant = None
-    if load_in_4bit or load_in_8bit:
-        compute = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
-        quant = BitsAndBytesConfig(load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
-                                   bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
-    if name == TINY:
-        from . import tiny
 
-        tokenizer = tiny.build_tokenizer()
-        model = tiny.build_model(tokenizer=tokenizer, dtype=dtype)
-        if quant is None:
-            return model.to(device or "cpu"), tokenizer
-        import tempfile
+def not_loadable(label: str, name: str, exc: Exception) -> ValueError:
+    where = "a local directory" if os.path.isdir(name) else "a hub id"
+    reason = (str(exc).splitlines() or [repr(exc)])[0].rstrip(".")
+    return ValueError(
+        f"{label}={name!r} could not be loaded as {where}: {reason}. Give a directory saved with save_pretrained, "
+        f"a hub id reachable from here{' (HF_HUB_OFFLINE is set)' if offline() else ''}, or {TINY} for the "
+        "built-in offline model."
+    )
 
-        # Quantization happens at load time, so the tiny model goes through save_pretrained/from_pretrained.
-        with tempfile.TemporaryDirectory() as tmp:
-            model.save_pretrained(tmp)
-            model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=quant, device_map=_map(device))
-        return model, tokenizer
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+
+def load_model(name: str = TINY, *, task: str = "causal_lm", dtype=None, quantization: dict[str, Any] | None = None,
+               device=None, num_labels: int = 2, tokenizer=None, tiny: dict[str, Any] | None = None,
+               label: str = "model", **from_pretrained: Any):
+    """The base model, quantized when ``quantization`` (BitsAndBytesConfig keywords) is given; not yet peft-wrapped.
+
+    ``task``: "causal_lm" or "seq_cls". ``tiny``: keywords of `hf_accum.tiny.build_model`.
+    """
+    from transformers import BitsAndBytesConfig
+
+    extra = dict(from_pretrained)
+    if quantization is not None:
+        target = device if device is not None else (torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+        extra.update(quantization_config=BitsAndBytesConfig(**quantization), device_map={"": target})
+    if name != TINY:
+        return _from_pretrained(label, name, name, task, dtype, num_labels, tokenizer, **extra)
+    from . import tiny as tiny_models
+
+    base = tiny_models.build_model(task, tokenizer=tokenizer, num_labels=num_labels,
+                                   dtype=None if dtype == "auto" or quantization else dtype, **(tiny or {}))
+    if quantization is None:
+        return base if device is None else base.to(device)
+    # Quantization happens at load time, so a model built from config goes through save/from_pretrained.
+    with tempfile.TemporaryDirectory(prefix="hf_accum_tiny_") as tmp:
+        base.save_pretrained(tmp)
+        del base
+        return _from_pretrained(label, name, tmp, task, dtype, num_labels, tokenizer, **extra)
+
+
+def _from_pretrained(label, name, source, task, dtype, num_labels, tokenizer, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if offline():
+        kwargs.setdefault("local_files_only", True)
+    if task == "seq_cls":
+        cls = AutoModelForSequenceClassification
+        kwargs.update(num_labels=num_labels)
+        if tokenizer is not None:
+            kwargs["pad_token_id"] = tokenizer.pad_token_id
+    else:
+        cls = AutoModelForCausalLM
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "newly initialized: score.weight" warning is expected: LoRA trains it
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, quantization_config=quant, dtype=dtype,
-                                                     device_map=_map(device) if quant else None,
-                                                     local_files_only=offline)
+        hf_logging.disable_progress_bar()
+        return cls.from_pretrained(source, **kwargs)
     except OSError as exc:
-        where = "a local directory" if os.path.isdir(name) else "a hub id"
-        raise ValueError(
-            f"could not load model {name!r} as {where}: {exc.__class__.__name__}: {str(exc).splitlines()[0]}. "
-            f"Pass a directory saved with save_pretrained, a hub id reachable from here (the hub is "
-            f"{'off: HF_HUB_OFFLINE=1' if offline else 'consulted'}), or '{TINY}' for the built-in offline model."
-        ) from None
-    if quant is None and device is not None:
-        model = model.to(device)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline)
-    except (OSError, ValueError):
-        tokenizer = None
-    return model, tokenizer
-
-
-def _map(device) -> dict | None:
-    return {"": str(device)} if device is not None else None
+        raise not_loadable(label, name, exc) from None
+    finally:
+        hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(verbosity)
 
 
 def add_lora(model, *, r: int = 8, alpha: int | None = None, target_modules: list[str] | None = None,
              quantized: bool = False):
+    """LoRA as `hf-accum probe --lora` measures it (the recipes configure theirs from the YAML)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if quantized:

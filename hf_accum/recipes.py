@@ -34,13 +34,15 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ._compat import checkpointing_enabled
+from .loading import load_model, not_loadable, require_bitsandbytes
 
 logger = logging.getLogger(__name__)
 
@@ -401,7 +403,7 @@ def build_tokenizer(recipe: Recipe):
     try:
         tok = AutoTokenizer.from_pretrained(m.name, revision=m.revision, trust_remote_code=m.trust_remote_code)
     except OSError as exc:
-        raise _not_loadable(m.name, exc) from exc
+        raise RecipeError(str(not_loadable("model.name", m.name, exc))) from None
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise RecipeError(f"tokenizer of {m.name!r} has neither a pad nor an eos token; add a pad token to it")
@@ -494,15 +496,12 @@ def tokenize_messages(messages: list[dict[str, str]], tokenizer, max_length: int
         raise RecipeError("rows with chat messages need a tokenizer with a chat template; use prompt/response columns")
     if messages[-1].get("role") != "assistant":
         raise RecipeError(f"the last chat message must be the assistant's (the target), got {messages[-1].get('role')!r}")
-    head = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
-    if not full.startswith(head):
-        raise RecipeError(
-            "the chat template renders the conversation differently with and without the answer, so the prompt mask "
-            "cannot be placed; use prompt/response columns (data.prompt_field / data.response_field) instead"
-        )
-    prompt_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
-    target_ids = tokenizer(full[len(head) :], add_special_tokens=False)["input_ids"]
+    from .tiny import chat_prompt_and_target
+
+    try:
+        prompt_ids, target_ids = chat_prompt_and_target(messages, tokenizer)
+    except ValueError as exc:
+        raise RecipeError(f"{exc} (data.prompt_field / data.response_field)") from None
     ids = (prompt_ids + target_ids)[:max_length]
     labels = ([-100] * len(prompt_ids) + target_ids)[:max_length]
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
@@ -539,90 +538,26 @@ def _torch_dtype(name: str | None):
     return dtype
 
 
-def require_bitsandbytes() -> None:
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError as exc:
-        raise RecipeError(
-            f"model.quantization needs bitsandbytes to load the base in 4-bit, and it cannot be imported ({exc}). "
-            "Install it with `pip install 'hf-accum[qlora]'` (bitsandbytes >= 0.45; on CPU it runs NF4 training too), "
-            "or train LoRA on the unquantized base: `hf-accum train lora_sft`, or set model.quantization=null."
-        ) from exc
-
-
 def build_model(recipe: Recipe, tokenizer, *, num_labels: int | None = None, use_cpu: bool = False):
     """The base model (quantized when `model.quantization` is set), not yet wrapped by peft."""
     import torch
 
     m = recipe.model
-    num_labels = num_labels or m.num_labels or 2
-    dtype = _torch_dtype(m.dtype)
-    if m.quantization is None:
-        if m.name == "tiny":
-            from . import tiny
-
-            return tiny.build_model(m.task, tokenizer=tokenizer, dtype=None if dtype == "auto" else dtype,
-                                    num_labels=num_labels, **m.tiny)
-        return _from_pretrained(m, m.name, dtype, num_labels, tokenizer)
-
-    require_bitsandbytes()
-    from transformers import BitsAndBytesConfig
-
-    quant = BitsAndBytesConfig(**m.quantization)
-    device = "cpu" if use_cpu or not torch.cuda.is_available() else torch.cuda.current_device()
-    extra = {"quantization_config": quant, "device_map": {"": device}}
-    if m.name != "tiny":
-        return _from_pretrained(m, m.name, dtype, num_labels, tokenizer, **extra)
-    # A model built from config is quantized the documented way: save it, load it back with a quantization_config.
-    from . import tiny
-
-    base = tiny.build_model(m.task, tokenizer=tokenizer, num_labels=num_labels, **m.tiny)
-    with tempfile.TemporaryDirectory(prefix="hf_accum_tiny_") as tmp:
-        base.save_pretrained(tmp)
-        del base
-        return _from_pretrained(m, tmp, dtype, num_labels, tokenizer, **extra)
-
-
-def _from_pretrained(m: ModelSection, source: str, dtype, num_labels: int, tokenizer, **extra):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-    from transformers.utils import logging as hf_logging
-
-    kwargs = dict(revision=m.revision, trust_remote_code=m.trust_remote_code, **extra)
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    if m.attn_implementation:
-        kwargs["attn_implementation"] = m.attn_implementation
-    if m.task == "seq_cls":
-        cls = AutoModelForSequenceClassification
-        kwargs.update(num_labels=num_labels, pad_token_id=tokenizer.pad_token_id)
-    else:
-        cls = AutoModelForCausalLM
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the "newly initialized: score.weight" warning is expected: LoRA trains it
     try:
-        hf_logging.disable_progress_bar()
-        return cls.from_pretrained(source, **kwargs)
-    except OSError as exc:
-        raise _not_loadable(m.name, exc) from exc
-    finally:
-        hf_logging.enable_progress_bar()
-        hf_logging.set_verbosity(verbosity)
-
-
-def _not_loadable(name: str, exc: Exception) -> RecipeError:
-    where = "a local directory" if os.path.isdir(name) else "a hub id"
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    reason = (str(exc).splitlines() or [repr(exc)])[0].rstrip(".")
-    return RecipeError(
-        f"model.name={name!r} could not be loaded as {where}: {reason}. Give a "
-        f"directory saved with save_pretrained, a hub id reachable from here{' (HF_HUB_OFFLINE is set)' if offline else ''}"
-        ", or tiny for the built-in offline model."
-    )
-
-
-def checkpointing_enabled(args) -> bool:
-    flag = getattr(args, "activation_checkpointing", None)
-    return bool(flag if flag is not None else args.gradient_checkpointing)
+        if m.quantization is not None:
+            require_bitsandbytes("model.quantization", "train LoRA on the unquantized base: `hf-accum train "
+                                 "lora_sft`, or set model.quantization=null")
+        return load_model(
+            m.name, task=m.task, dtype=_torch_dtype(m.dtype), quantization=m.quantization,
+            device="cpu" if use_cpu and m.quantization is not None or not torch.cuda.is_available() else None,
+            num_labels=num_labels or m.num_labels or 2, tokenizer=tokenizer, tiny=m.tiny, label="model.name",
+            revision=m.revision, trust_remote_code=m.trust_remote_code or None,
+            attn_implementation=m.attn_implementation,
+        )
+    except RecipeError:
+        raise
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
 
 
 def configure_checkpointing_for_lora(args) -> bool:

@@ -168,6 +168,23 @@ def generate_classification_data(n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 
 # --- tokenization ------------------------------------------------------------------------------------
+def chat_prompt_and_target(messages: list[dict[str, str]], tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids of a chat rendered with the tokenizer's template, split before the last (assistant) turn.
+
+    Rendered with and without the answer so the mask boundary is where the template puts it, whatever its
+    role markers; a template that renders the prompt differently in the two cases cannot be split.
+    """
+    head = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    if not full.startswith(head):
+        raise ValueError(
+            "the chat template renders the conversation differently with and without the answer, so the prompt "
+            "mask cannot be placed; use prompt/response text without the chat template instead"
+        )
+    prompt_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+    return prompt_ids, tokenizer(full[len(head) :], add_special_tokens=False)["input_ids"]
+
+
 def tokenize_sft(example: dict[str, str], tokenizer, max_length: int | None = None) -> dict[str, list[int]]:
     """input_ids / attention_mask / labels for one {"prompt", "response"} pair, prompt tokens labelled -100.
 
@@ -178,16 +195,8 @@ def tokenize_sft(example: dict[str, str], tokenizer, max_length: int | None = No
     """
     prompt, response = example["prompt"], example["response"]
     if getattr(tokenizer, "chat_template", None):
-        user = [{"role": "user", "content": prompt}]
-        head = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=False)
-        if not full.startswith(head):
-            raise ValueError(
-                "tokenize_sft: the chat template renders the prompt differently with and without the answer, so "
-                "the prompt mask cannot be placed; pass a tokenizer without chat_template (set it to None) instead"
-            )
-        prompt_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
-        target_ids = tokenizer(full[len(head) :], add_special_tokens=False)["input_ids"]
+        chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        prompt_ids, target_ids = chat_prompt_and_target(chat, tokenizer)
     else:
         prompt_ids = tokenizer(prompt + "\n", add_special_tokens=False)["input_ids"]
         if tokenizer.bos_token_id is not None:

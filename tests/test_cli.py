@@ -44,7 +44,7 @@ import pytest  # noqa: E402
         (["--budget-bytes", "0"], "--budget-bytes=0 must be a positive integer"),
         (["--target-batch", "9", "--world-size", "2"], "use --target-batch 8 or 10"),
         (["--seq-len", "0"], "--seq-len=0 must be a positive integer"),
-        (["--model", "/nonexistent/model-dir"], "could not load model '/nonexistent/model-dir'"),
+        (["--model", "/nonexistent/model-dir"], "model='/nonexistent/model-dir' could not be loaded as a hub id"),
         (["--seq-len", "5000"], "exceeds the model's max_position_embeddings=4096"),
         (["--budget-bytes", "100000"], "even micro-batch 1 does not fit"),
     ],
@@ -60,7 +60,7 @@ def test_quantization_without_bitsandbytes_says_what_to_install(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as if not installed
-    with pytest.raises(SystemExit, match=r"needs bitsandbytes, which is not installed: pip install 'hf-accum\[qlora\]'"):
+    with pytest.raises(SystemExit, match=r"needs bitsandbytes, which is not installed.*pip install 'hf-accum\[qlora\]'"):
         main(["probe", "--load-in-4bit"])
 
 
