@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .loss import IGNORE_INDEX
+
 
 def batch_size(batch) -> int:
     return next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
@@ -40,7 +42,7 @@ def trim_padding(batch: dict) -> dict:
     labels = batch.get("labels")
     keep = mask.bool().any(0)
     if labels is not None and labels.dim() == 2 and labels.shape == mask.shape:
-        keep = keep | labels.ne(-100).any(0)
+        keep = keep | labels.ne(IGNORE_INDEX).any(0)
     nz = keep.nonzero()
     length = int(nz.max()) + 1 if len(nz) else mask.shape[1]
     seq = mask.shape[1]

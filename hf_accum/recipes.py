@@ -43,6 +43,7 @@ from typing import Any
 
 from ._compat import checkpointing_enabled
 from .loading import load_model, not_loadable, require_bitsandbytes
+from .loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -503,7 +504,7 @@ def tokenize_messages(messages: list[dict[str, str]], tokenizer, max_length: int
     except ValueError as exc:
         raise RecipeError(f"{exc} (data.prompt_field / data.response_field)") from None
     ids = (prompt_ids + target_ids)[:max_length]
-    labels = ([-100] * len(prompt_ids) + target_ids)[:max_length]
+    labels = ([IGNORE_INDEX] * len(prompt_ids) + target_ids)[:max_length]
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
 

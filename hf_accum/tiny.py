@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-IGNORE_INDEX = -100  # the label value transformers' loss functions skip
+from .loss import IGNORE_INDEX  # the label value transformers' loss functions skip
+
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 
 # Turns are "Q: ...\n" then "A: ...</s>"; the generation prompt ends with "A: " so everything after it is target.
