@@ -45,3 +45,22 @@ def enable_checkpointing(model, args) -> None:
     elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
 
+
+
+def set_train_batch_size(trainer, micro: int) -> None:
+    """The batch size `Trainer.get_train_dataloader` and `train()` read is the private `_train_batch_size`
+    (set from the arguments in `__init__`); a plan applied after `__init__` must set it too."""
+    trainer._train_batch_size = micro
+
+
+def window_policy(trainer, collectives_in_compute_loss: bool):
+    """``stop`` where some forward or backward runs collectives, so one rank may not skip it: FSDP / DeepSpeed
+    (accelerate's distributed type), parameters already sharded as DTensors (FSDP2 applied at load), or a
+    trainer whose `compute_loss` gathers metrics; ``rerun`` otherwise (one process, DDP)."""
+    from accelerate.utils import DistributedType
+
+    from .protocol import Policy
+
+    sharded_engine = trainer.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    dtensor = any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())
+    return Policy.STOP if sharded_engine or dtensor or collectives_in_compute_loss else Policy.RERUN

@@ -2,9 +2,12 @@
 
 It takes the first batch of the training dataloader (exactly the planned micro-batch, so it never runs more
 samples in one pass than training will), computes the gradient of one pass over it, then the gradient of the
-same samples split into k smaller micro-batches, each cut to its own padded length, through the trainer's real
-`training_step`. Dropout is off for both, so the only differences are accumulation arithmetic and floating
-point. Gradients, buffers, RNG states and the train/eval flag are restored; weights are never stepped.
+same samples cut into k smaller chunks by the window engine -- the cut training uses after an OOM, by the
+batch's unit (rows, padding-free sequences, preference pairs), trimmed only where that is exact -- through the
+trainer's real `training_step`, under the autocast training runs under. Dropout is off for both, so the only
+differences are accumulation arithmetic and floating point. Where the engine cannot cut the batch (one unit, an
+indivisible batch) the check says so instead of guessing. Gradients, buffers, RNG states and the train/eval
+flag are restored; weights are never stepped.
 
 Tolerance: in float64 the two agree to ~1e-8 (not 1e-15: Llama-style models run RMSNorm and rotary
 embeddings in float32 even in a float64 model). In float32 reduction order and padding lengths differ between
@@ -22,7 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .batches import batch_size, split_even
+from .protocol import Local, Policy, WindowProtocol
+from .units import UNIT_NAME, IndivisibleBatch
+from .window import WindowEngine, using
 
 logger = logging.getLogger(__name__)
 
@@ -55,36 +60,48 @@ def run_accumulation_check(trainer, num_micro_batches: int | None = None, tolera
     tolerance = tolerance if tolerance is not None else _default_tolerance(model, trainer.args)
     # Everything, including drawing the first batch (the sampler consumes RNG), happens inside the restore.
     with _restored(trainer, model, params):
-        batch = next(iter(trainer.get_train_dataloader()))
-        size = batch_size(batch)
+        batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+        trained = trainer._window_engine(batch)
+        # A local engine (no collective, no DDP wrapper) that cuts exactly as training does.
+        engine = WindowEngine(trained.cutter, trained.mode, WindowProtocol(Local(), Policy.RERUN),
+                              device=trainer.args.device)
+        size = engine.cutter.units(batch)
+        reason = None
         if size < 2:
-            result = AccumulationCheck(None, tolerance, [size], size, True, "the micro-batch holds 1 sample, so it "
-                                       "cannot be split without running more samples in one pass than planned")
+            reason = (f"the micro-batch holds 1 {UNIT_NAME[engine.cutter.unit]}, so it cannot be cut without running more "
+                      "in one pass than planned")
+        else:
+            k = min(num_micro_batches or min(size, 4), size)
+            try:
+                chunks = engine.cutter.cut_even(batch, k, engine.mode)
+            except IndivisibleBatch as exc:
+                reason = f"the batch cannot be cut exactly: {exc}"
+        if reason is not None:
+            result = AccumulationCheck(None, tolerance, [size], size, True, reason)
             logger.warning(str(result))
             return result
-        k = min(num_micro_batches or min(size, 4), size)
-        chunks = split_even(batch, k)
-        with _dropout_off(model):
-            trainer._window_world = 1  # a local check: no collective, no DDP wrapper
-            one_pass = _window_gradient(trainer, model, params, [batch])
-            accumulated = _window_gradient(trainer, model, params, chunks)
+        with _dropout_off(model), trainer.accelerator.autocast(), using(trainer, engine):
+            one_pass = _window_gradient(trainer, engine, model, params, [batch])
+            accumulated = _window_gradient(trainer, engine, model, params, chunks)
 
     num = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(accumulated, one_pass)) ** 0.5
     den = sum(float(b.double().pow(2).sum()) for b in one_pass) ** 0.5
     rel = num / den if den > 0 else float(num > 0)
-    result = AccumulationCheck(rel, tolerance, [batch_size(c) for c in chunks], size, rel <= tolerance)
+    result = AccumulationCheck(rel, tolerance, [engine.cutter.units(c) for c in chunks], size, rel <= tolerance)
     (logger.info if result.passed else logger.warning)(str(result))
     return result
 
 
-def _window_gradient(trainer, model, params, batches) -> list[torch.Tensor]:
+def _window_gradient(trainer, engine, model, params, batches) -> list[torch.Tensor]:
     for p in params:
         p.grad = None
-    # The same per-window path as the training loop: get_batch_samples counts, training_step scales.
+    # The same per-window path as the training loop: get_batch_samples counts (through the engine swapped in),
+    # training_step scales.
     batches, num_items = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)
     trainer.current_gradient_accumulation_steps = len(batches)
     for b in batches:
         trainer.training_step(model, b, num_items)
+    engine.end()
     return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
 
 
@@ -141,9 +158,6 @@ def _restored(trainer, model: nn.Module, params):
             import numpy as np
 
             np.random.set_state(np_rng)
-        trainer._window = None
-        trainer._window_batches = []
-        trainer._window_world = None
         if ga is None:
             with contextlib.suppress(AttributeError):
                 del trainer.current_gradient_accumulation_steps

@@ -31,29 +31,74 @@ IGNORE_INDEX = -100
 NORMALIZATIONS = ("tokens", "samples", "model")
 
 
+@dataclass(frozen=True)
+class LabelSpec:
+    """Which labels of a batch count: the key (``args.label_names[0]``, else ``labels``), the ignore index the
+    model's loss skips, and whether that loss compares position i with label i+1 (causal LMs)."""
+
+    key: str = "labels"
+    ignore_index: int = IGNORE_INDEX
+    shift: bool = False
+
+    def count(self, batch: Mapping) -> torch.Tensor:
+        """Counted labels of one batch (``"tokens"`` mode)."""
+        if "shift_labels" in batch:  # padding-free collators give the shifted targets directly
+            labels = batch["shift_labels"]
+        else:
+            labels = batch.get(self.key)
+            if labels is None:
+                raise ValueError(
+                    f"loss_normalization='tokens' needs a {self.key!r} tensor in every batch, but a batch has only "
+                    f"{sorted(batch.keys())}. Use a collator that sets labels (e.g. "
+                    "DataCollatorForLanguageModeling(tokenizer, mlm=False) for language modelling), set label_names "
+                    "to the key that holds them, or set loss_normalization='samples' (one target per sample)."
+                )
+            if self.shift:
+                labels = labels[..., 1:]
+        return labels.ne(self.ignore_index).sum()
+
+
 def count_items(batch: Mapping, mode: str, shift: bool) -> torch.Tensor:
-    """Number of counted labels (``"tokens"``) or samples (``"samples"``) in one collated micro-batch."""
+    """Counted labels (``"tokens"``) or rows (``"samples"``) of a padded batch with the default label spec."""
     if mode == "samples":
-        ref = batch.get("labels")
-        if ref is None:
-            ref = batch.get("input_ids")
-        if ref is None:
-            ref = next(v for v in batch.values() if torch.is_tensor(v))
+        ref = next(v for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
         return torch.tensor(ref.shape[0], device=ref.device)
-    if "shift_labels" in batch:  # padding-free collators give the shifted targets directly
-        labels = batch["shift_labels"]
-    else:
-        labels = batch.get("labels")
-        if labels is None:
+    return LabelSpec(shift=shift).count(batch)
+
+
+# Models whose own loss skips another label value than -100, read from a named config field, and divides by the
+# number of labels it kept (so hf_accum can drive it exactly once it counts the same labels). Allow-list: a new
+# entry needs a test against an independent reference (tests/test_labels.py).
+_IGNORE_INDEX_FIELDS = {
+    "segformer": "semantic_loss_ignore_index",
+}
+
+
+def label_spec(model: nn.Module, label_names: list[str] | None, *, custom_loss: bool) -> LabelSpec:
+    """The `LabelSpec` for ``model``; refuses a model whose own loss skips labels hf_accum does not know.
+
+    ``custom_loss``: the loss comes from a `compute_loss` override or `compute_loss_func` (their contract is
+    the documented one: -100 skipped, divide by ``num_items_in_batch``), not from the model."""
+    from transformers import PreTrainedModel
+
+    key = label_names[0] if label_names else "labels"
+    shift = loss_shifts_labels(model)
+    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    config = getattr(inner, "config", None)
+    if config is None or custom_loss:
+        return LabelSpec(key, IGNORE_INDEX, shift)
+    known = _IGNORE_INDEX_FIELDS.get(getattr(config, "model_type", None))
+    if known is not None and getattr(config, "num_labels", 2) > 1:
+        return LabelSpec(key, int(getattr(config, known)), shift)
+    for name, value in sorted(config.to_dict().items()):
+        if "ignore_index" in name and isinstance(value, int) and value != IGNORE_INDEX:
             raise ValueError(
-                "loss_normalization='tokens' needs a 'labels' tensor in every batch, but a batch has only "
-                f"{sorted(batch.keys())}. Use a collator that sets labels (e.g. "
-                "DataCollatorForLanguageModeling(tokenizer, mlm=False)), or set loss_normalization='samples' "
-                "(one target per sample) or 'model'."
+                f"{type(inner).__name__} computes its loss skipping label {value} (config.{name}), which hf_accum "
+                "cannot count exactly for this model. Set loss_normalization='model' (transformers' own, inexact "
+                f"accumulation), or pass compute_loss_func that skips -100 and divides by num_items_in_batch "
+                f"(and use -100 for the labels to skip)."
             )
-        if shift:
-            labels = labels[..., 1:]
-    return labels.ne(IGNORE_INDEX).sum()
+    return LabelSpec(key, IGNORE_INDEX, shift)
 
 
 def loss_shifts_labels(model: nn.Module) -> bool:

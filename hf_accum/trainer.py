@@ -1,60 +1,64 @@
 """`AccumTrainer`: transformers' `Trainer` with exact loss normalization over the accumulation window, a
 memory-planned micro-batch, and recovery from out-of-memory errors mid-training.
 
-It keeps the Trainer's own loop and per-window batch fetching; the overrides are thin and call `super()`:
-- `get_batch_samples` counts the window's labels (all ranks) once per optimizer step and keeps its batches;
-- `training_step` scales each micro-batch's loss to its exact share of the window loss (see `loss.py`); on an
-  OOM it moves to a smaller micro-batch and re-runs the window from its start (see `_recover`);
+`AccumulationMixin` is a thin adapter: the window engine (`window.py`, which knows no Trainer) cuts and runs
+each window and owns the rank-agreement protocol (`protocol.py`); the overrides below only hand it the Trainer's
+pieces, each calling `super()`:
+- `get_batch_samples` begins the window (its count on every rank);
+- `training_step` runs one loaded batch through the engine, which calls back `_chunk_step` per chunk;
+- `_chunk_step` is the Trainer's own `training_step` on one chunk, its loss scaled by the chunk's exact share
+  (the one place the user's `compute_loss` is wrapped: `_loss_scaled`);
 - `train` plans (probe or stored plan), optionally checks accumulation, then calls `super().train()`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
+import weakref
 
 import torch
 from transformers import Trainer, TrainerCallback
 
 from . import _compat
 from .accumulation_check import AccumulationCheck, run_accumulation_check
-from .batches import sliver, split
-from .loss import Window, count_items, loss_shifts_labels
+from .loss import LabelSpec, label_spec
 from .oom import free_memory, is_oom
 from .plan import Plan, divisors
 from .plan_store import PLAN_FILE, load_stored_plan, save_plan
+from .protocol import Local, StopTraining, TorchDistributed, WindowProtocol
 from .tuning import tune
+from .units import detect_unit, make_cutter
+from .window import WindowEngine
 
 logger = logging.getLogger(__name__)
 
 
-class _Restart(Exception):
-    """Some rank ran out of memory in this window: every rank re-runs it with a smaller micro-batch."""
-
-
 class AccumulationMixin:
     """The overrides, as a mixin so other `Trainer` subclasses get them too (e.g. TRL's `SFTTrainer`:
-    `class AccumSFTTrainer(AccumulationMixin, SFTTrainer)`). Must come before the Trainer class in the bases."""
+    `class AccumSFTTrainer(AccumulationMixin, SFTTrainer)`). Must come before the Trainer class in the bases.
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._normalization = getattr(self.args, "loss_normalization", "tokens")
-        self._shift = loss_shifts_labels(self.model)
-        self._window: Window | None = None
-        self._window_world: int | None = None  # forced data-parallel size (1 inside check_accumulation)
-        self._window_batches: list = []
-        self._micro_index = 0
-        self._window_returned: list[torch.Tensor] = []
-        self._oom_pending = False
-        self._drain_then_restart = False
-        self._split_micro: int | None = None  # micro-batch in force after an OOM, below the dataloader's
-        self._plan_key: dict | None = None
-        self._post_checked = False
+    Subclasses declare what one unit of their batches is (`batch_unit`: None detects rows or padding-free
+    sequences from the batch; "pairs" for TRL's [chosen; rejected] preference batches) and whether their
+    `compute_loss` runs collectives (TRL gathers metrics there), which rules out skipping forwards on one rank.
+    """
+
+    batch_unit: str | None = None
+    collectives_in_compute_loss: bool = False
+
+    def __init__(self, model=None, args=None, *more, **kwargs):
+        # The caller's arguments object is never written to: the tuner and OOM recovery change our copy.
+        super().__init__(model, copy.copy(args) if args is not None else None, *more, **kwargs)
         self.plan: Plan | None = None
         self.probe_result = None
-        self.add_callback(_PlanInCheckpoints(self))
+        self._plan_key: dict | None = None
+        self._engine: WindowEngine | None = None
+        self._post_checked = False
+        if getattr(self.args, "target_batch_size", None):  # only runs with a target have a plan to keep
+            self.add_callback(_PlanInCheckpoints(self))
         if self._normalization == "model":
             return
         if self.args.n_gpu > 1:
@@ -63,164 +67,84 @@ class AccumulationMixin:
                 f"(n_gpu={self.args.n_gpu}). Launch one process per GPU with `torchrun` or `accelerate launch` "
                 "(DDP/FSDP), or set loss_normalization='model'."
             )
-        if self.args.average_tokens_across_devices:
-            # We count across ranks ourselves; leaving transformers' flag on would multiply the loss twice.
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            # We count across ranks ourselves; transformers' flag would gather and rescale the loss a second time.
             logger.info(
-                "hf_accum: loss_normalization=%r normalizes over all ranks exactly; overriding "
-                "average_tokens_across_devices=True -> False so transformers does not rescale the loss again.",
-                self._normalization,
+                "hf_accum: loss_normalization=%r normalizes over all ranks exactly; average_tokens_across_devices "
+                "is off for this trainer (the arguments you passed are unchanged).", self._normalization,
             )
             self.args.average_tokens_across_devices = False
 
-    # --- per-window state ---------------------------------------------------------------------------------
+    @property
+    def _normalization(self) -> str:
+        return getattr(self.args, "loss_normalization", "tokens")  # plain TrainingArguments: "tokens"
+
+    # --- the window ---------------------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self._normalization != "model" and batch_samples:
-            self._window = self._count_window(batch_samples, device)
-            self._window_batches = batch_samples
-            self._micro_index = 0
-            self._window_returned = []
+            self._window_engine(batch_samples[0]).begin(batch_samples)
         return batch_samples, num_items_in_batch
 
-    def _count_window(self, batches, device) -> Window:
-        local = sum(count_items(b, self._normalization, self._shift).to(device) for b in batches)
-        world = self._window_world or self.accelerator.num_processes
-        total = self.accelerator.reduce(local, reduction="sum") if world > 1 else local
-        if int(total) == 0:
-            raise ValueError(
-                "An accumulation window has no counted labels (every label is -100 after the causal shift), so "
-                f"loss_normalization={self._normalization!r} cannot normalize it. Check that the collator masks only "
-                "prompt/padding tokens, drop examples without targets, or set loss_normalization='model'."
-            )
-        return Window(items=total, world=world)
-
-    # --- the loss ---------------------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self._normalization == "model":
             return super().training_step(model, inputs, num_items_in_batch)
-        if not self._window_batches:  # called outside the Trainer loop: the window is this one batch
-            self._window = self._count_window([inputs], self.args.device)
-            return self._exact_step(model, inputs)
-        last = self._micro_index == len(self._window_batches) - 1
-        self._micro_index += 1
-        try:
-            returned = self._micro_step(model, inputs, last)
-        except _Restart:
-            returned = self._recover(model)
-        self._window_returned.append(returned)
-        return returned
+        engine = self._window_engine(inputs)
+        if not engine.active:  # called outside the Trainer loop: the window is this one batch
+            engine.begin([inputs])
+        return engine.step(inputs, lambda chunk, final: self._chunk_step(model, chunk, final))
 
-    def _micro_step(self, model, inputs, last: bool):
-        """One micro-batch of the loop, as chunks of the micro-batch in force; raises `_Restart` (all ranks
-        together, at the window's last micro-batch) when any rank ran out of memory in this window."""
-        chunks = split(inputs, self._split_micro) if self._split_micro else [inputs]
-        total = None
-        for j, chunk in enumerate(chunks):
-            final = last and j == len(chunks) - 1
-            part = self._guarded_step(model, chunk, final)
-            total = part if total is None else total + part
-        return total
+    def _window_engine(self, batch) -> WindowEngine:
+        if self._engine is None:
+            self._engine = self._build_engine(batch, self.accelerator.num_processes)
+        return self._engine
 
-    def _guarded_step(self, model, inputs, final: bool):
-        if final and self._agree_on_restart(self._oom_pending):
-            # Agreed before the final forward: under DDP that forward runs collectives (buffer broadcast) that a
-            # rank skipping it would mismatch.
-            raise _Restart()
-        if self._oom_pending:  # this window is re-run anyway: skip to the final step, where ranks agree
-            return torch.zeros((), device=self.args.device)
-        sync = contextlib.nullcontext() if final else self.accelerator.no_sync(model)
-        oom = False
-        try:
-            with sync:
-                returned = self._exact_step(model, inputs, final=final)
-            if self._drain_then_restart:  # the aborted synchronized iteration is complete on every rank
-                self._drain_then_restart = False
-                raise _Restart()
-            return returned
-        except _Restart:
-            raise
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            oom = True
-        finally:
-            if oom:
-                free_memory()
-        # Out of memory outside the final forward (handled in _scaled_compute_loss).
-        if not final:
-            self._oom_pending = True
-            return torch.zeros((), device=self.args.device)
-        if self._world() > 1:
-            # The final backward synchronizes gradients: the other ranks are inside that all-reduce, so a
-            # coordinated restart is impossible. Stop with the plan to restart with (the process exit ends
-            # the collective on the other ranks, no hang).
-            plan = self._smaller_plan()
-            raise RuntimeError(
-                "hf_accum: out of memory inside the gradient-synchronizing backward pass; this cannot be recovered "
-                "without risking diverging ranks. Checkpoints in output_dir are intact. Restart (resume from the "
-                "last checkpoint) with "
-                + (f"per_device_train_batch_size={plan.micro_batch_size} and gradient_accumulation_steps="
-                   f"{plan.gradient_accumulation_steps} ({plan.describe()})" if plan else "a smaller model footprint")
-                + "."
-            )
-        raise _Restart()
+    def _build_engine(self, batch, world: int) -> WindowEngine:
+        cutter = make_cutter(self.batch_unit or detect_unit(batch), self._label_spec())
+        collective = TorchDistributed(world, self.args.device) if world > 1 else Local()
+        policy = _compat.window_policy(self, self.collectives_in_compute_loss)
+        return WindowEngine(cutter, self._normalization, WindowProtocol(collective, policy), shrink=self._shrink,
+                            reset=lambda: self.model.zero_grad(set_to_none=True), device=self.args.device)
 
-    def _exact_step(self, model, inputs, final: bool = False):
-        local = count_items(inputs, self._normalization, self._shift)
-        # Every loss path divides by num_items_in_batch (or its own count, the same number): a micro-batch mean.
-        # Clamped so an all-masked micro-batch gives 0 instead of 0/0 on paths that divide by it.
+    def _label_spec(self) -> LabelSpec:
+        custom = self.compute_loss_func is not None or type(self).compute_loss is not Trainer.compute_loss
+        return label_spec(self.model, self.args.label_names, custom_loss=custom)
+
+    # --- one chunk: the Trainer's own training_step, its loss scaled to the chunk's exact share -------------------
+    def _chunk_step(self, model, inputs, final: bool):
+        engine = self._engine
+        local = engine.cutter.count(inputs, engine.mode)
+        # Every loss path divides by num_items_in_batch (or its own count, the same number): a chunk mean.
+        # Clamped so an all-masked chunk gives 0 instead of 0/0 on paths that divide by it.
         local_for_loss = local.clamp(min=1).to(self.args.device)
-        share = self._window.scale(local)
+        share = engine.share(local)
         scale = share
         if _compat.trainer_divides_by_accumulation(self, local_for_loss):
-            # Pre-compensate the division training_step is about to apply.
-            scale = share * getattr(self, "current_gradient_accumulation_steps", 1)
-        with self._scaled_compute_loss(scale, agree=final) as raw:
+            scale = share * self.current_gradient_accumulation_steps  # pre-compensate training_step's division
+        sync = contextlib.nullcontext() if final else self.accelerator.no_sync(model)
+        with sync, self._loss_scaled(scale, final) as raw:
             returned = super().training_step(model, inputs, local_for_loss)
         if not self._post_checked:
             self._check_post_processing(returned, raw, share)
         return returned
 
     @contextlib.contextmanager
-    def _scaled_compute_loss(self, scale, agree: bool = False):
-        """Shadow `compute_loss` (the class's, including a user's override) for one step, scaling its loss.
-
-        ``agree``: this is the window's final forward; before its (gradient-synchronizing) backward all ranks
-        agree on whether any of them ran out of memory, so that either all restart the window or none does.
-        """
+    def _loss_scaled(self, scale, final: bool):
+        """The one place the class's `compute_loss` (a user's override included) is wrapped, for one step: its
+        loss is multiplied by ``scale``; the window's final forward runs through the engine so that every rank
+        agrees before the gradient-synchronizing backward."""
         original = self.compute_loss
         raw: list[torch.Tensor] = []
 
-        def compute_loss(*args, **kwargs):
-            # Taken before the call: transformers' compute_loss pops "labels" out of the dict it is given.
-            small = sliver(args[1]) if agree and self._world() > 1 else None
-            try:
-                out = original(*args, **kwargs)
-            except Exception as exc:
-                if not (agree and is_oom(exc)):
-                    raise
-                oom = True
+        def compute_loss(model, inputs, *args, **kwargs):
+            if final:
+                out, keep = self._engine.final_forward(lambda b, *a, **k: original(model, b, *a, **k), inputs,
+                                                       *args, **kwargs)
             else:
-                oom = False
-            if oom:
-                free_memory()
-                self._agree_on_restart(True)  # exactly one exchange per rank here, as the others do
-                if self._world() == 1:
-                    raise _Restart()
-                # The other ranks finished a gradient-synchronizing DDP forward and their reducers now expect
-                # its backward: complete that iteration here too, on a one-sample, two-token sliver (the
-                # window's gradients are cleared before the re-run anyway), then restart.
-                out = original(args[0], small, *args[2:], **kwargs)
-                self._drain_then_restart = True
-            elif agree and self._agree_on_restart(False):
-                if self._world() == 1:
-                    raise _Restart()
-                self._drain_then_restart = True
+                out, keep = original(model, inputs, *args, **kwargs), 1.0
             loss, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
             raw.append(loss.detach())
-            loss = loss * scale.to(loss.device, loss.dtype)
-            if self._drain_then_restart:
-                loss = loss * 0
+            loss = loss * scale.to(loss.device, loss.dtype) * keep
             return (loss, *rest) if rest is not None else loss
 
         self.compute_loss = compute_loss
@@ -230,7 +154,7 @@ class AccumulationMixin:
             del self.compute_loss
 
     def _check_post_processing(self, returned, raw, share) -> None:
-        # What training_step backpropagated must be the micro-batch's exact share of the window loss; otherwise
+        # What training_step backpropagated must be the chunk's exact share of the window loss; otherwise
         # transformers changed its rule and `_compat` needs updating. Checked once: it costs a device sync.
         self._post_checked = True
         if not raw:
@@ -245,21 +169,25 @@ class AccumulationMixin:
             )
 
     # --- out-of-memory recovery ---------------------------------------------------------------------------------
-    def _world(self) -> int:
-        return self._window.world if self._window is not None else self.accelerator.num_processes
+    def _shrink(self, units: int | None) -> int:
+        """The engine's next cut after an OOM: the next smaller micro-batch dividing the per-rank target, applied
+        as the plan in force (the effective batch and the step count are kept)."""
+        plan = self._smaller_plan(units)
+        if plan is None:
+            raise RuntimeError(
+                "hf_accum: out of memory at micro-batch 1, so no smaller micro-batch can keep "
+                f"target_batch_size. Checkpoints in {self.args.output_dir} are intact. To fit: enable "
+                "gradient_checkpointing, train LoRA adapters, load the base model in 4-bit, shorten sequences, "
+                "or free GPU memory held by other processes; then resume from the last checkpoint."
+            )
+        logger.warning("hf_accum: out of memory at step %d; re-running this accumulation window with %s",
+                       self.state.global_step, plan.describe())
+        self.apply_plan(plan, in_training_loop=True)
+        return plan.micro_batch_size
 
-    def _agree_on_restart(self, mine: bool) -> bool:
-        """All-reduce (max) of "I ran out of memory in this window". Every rank reaches it at the same two points
-        of each window: just before and just after the final forward (two tiny collectives per optimizer step)."""
-        if self._world() == 1:
-            return mine
-        t = torch.tensor(float(mine), device=self.args.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return bool(t.item())
-
-    def _smaller_plan(self) -> Plan | None:
-        current = self._split_micro or self.args.per_device_train_batch_size
-        world = self._world()
+    def _smaller_plan(self, units: int | None = None) -> Plan | None:
+        current = units or self.args.per_device_train_batch_size
+        world = self._engine.world if self._engine is not None else self.accelerator.num_processes
         target = getattr(self.args, "target_batch_size", None) or (
             self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * world
         )
@@ -269,52 +197,31 @@ class AccumulationMixin:
             return None
         return Plan(smaller[-1], per_rank // smaller[-1], world, target)
 
-    def _recover(self, model):
-        """Re-run the interrupted window from its start, with gradients cleared, at the next smaller micro-batch
-        dividing the per-rank target. Returns what makes the loop's running loss equal the re-run window's."""
-        while True:
-            self._oom_pending = False
-            plan = self._smaller_plan()
-            if plan is None:
-                raise RuntimeError(
-                    "hf_accum: out of memory at micro-batch 1, so no smaller micro-batch can keep "
-                    f"target_batch_size. Checkpoints in {self.args.output_dir} are intact. To fit: enable "
-                    "gradient_checkpointing, train LoRA adapters, load the base model in 4-bit, shorten sequences, "
-                    "or free GPU memory held by other processes; then resume from the last checkpoint."
-                )
-            logger.warning(
-                "hf_accum: out of memory at step %d; re-running this accumulation window with %s",
-                self.state.global_step, plan.describe(),
-            )
-            self.apply_plan(plan, in_training_loop=True)
-            model.zero_grad(set_to_none=True)
-            free_memory()
-            try:
-                parts = [
-                    self._micro_step(model, b, i == len(self._window_batches) - 1)
-                    for i, b in enumerate(self._window_batches)
-                ]
-            except _Restart:
-                continue
-            total = sum(parts[1:], parts[0])
-            already = sum(self._window_returned, torch.zeros_like(total))
-            return total - already
+    def _stop_message(self, reason: str) -> str:
+        plan = self._smaller_plan(self._engine.cut_units if self._engine else None)
+        return (
+            f"hf_accum: {reason}; this cannot be recovered without risking diverging or hanging ranks, so every "
+            f"rank stops. Checkpoints in {self.args.output_dir} are intact. Restart (resume from the last "
+            "checkpoint) with "
+            + (f"per_device_train_batch_size={plan.micro_batch_size} and gradient_accumulation_steps="
+               f"{plan.gradient_accumulation_steps} ({plan.describe()})" if plan else "a smaller model footprint")
+            + "."
+        )
 
     # --- planning ---------------------------------------------------------------------------------------------
     def apply_plan(self, plan: Plan, *, in_training_loop: bool = False) -> None:
         """The one writer of the micro-batch / accumulation state (as transformers' `_update_auto_batch_size`).
 
         Before training it sets the batch size the dataloader is built with. Inside the loop the dataloader and
-        the loop's window length are fixed, so a smaller plan is applied by cutting each loaded micro-batch
-        into chunks of the new size (same samples per window: the effective batch and step count are kept).
+        the loop's window length are fixed, so the engine cuts each loaded batch into chunks of the new size
+        (same samples per window: the effective batch and step count are kept); here the plan is only recorded.
         """
-        if in_training_loop:
-            self._split_micro = plan.micro_batch_size
-        else:
+        if not in_training_loop:
             self.args.per_device_train_batch_size = plan.micro_batch_size
             self.args.gradient_accumulation_steps = plan.gradient_accumulation_steps
-            self._train_batch_size = plan.micro_batch_size  # what get_train_dataloader and train() read
-            self._split_micro = None
+            _compat.set_train_batch_size(self, plan.micro_batch_size)
+            if self._engine is not None:
+                self._engine.cut_units = None
         self.plan = plan
         if in_training_loop and self.args.should_save:  # tune() saved the plan it applies, with its probe
             save_plan(self.args.output_dir, self._plan_key or {}, plan, None)
@@ -327,6 +234,8 @@ class AccumulationMixin:
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         try:
+            if self._normalization != "model":
+                self._label_spec()  # refuses a model whose loss hf_accum cannot drive exactly, before any work
             stored = self._check_output_dir(resume_from_checkpoint)
             if getattr(self.args, "tunes", False) and self.plan is None:  # a tune() before train() counts
                 self.tune()
@@ -334,11 +243,15 @@ class AccumulationMixin:
                 self.apply_plan(stored)  # the plan in force when the checkpoint was written (maybe downgraded)
             if getattr(self.args, "check_accumulation", False):
                 self.check_accumulation()
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            try:
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+            except StopTraining as exc:
+                raise StopTraining(self._stop_message(str(exc))) from None
         finally:
-            self._window = None
-            self._window_batches = []
-            if self._split_micro and self.plan is not None:
+            downgraded = self._engine is not None and self._engine.cut_units is not None
+            if self._engine is not None:
+                self._engine.end()
+            if downgraded and self.plan is not None:
                 self.apply_plan(self.plan)  # the downgraded plan becomes the configured one for later calls
 
     def _check_output_dir(self, resume_from_checkpoint) -> Plan | None:
@@ -388,19 +301,23 @@ class AccumulationMixin:
 
 
 class _PlanInCheckpoints(TrainerCallback):
-    """Each checkpoint carries the plan in force, so a resume knows which target batch it belongs to."""
+    """Each checkpoint carries the plan in force, so a resume knows which target batch it belongs to. Holds the
+    trainer weakly: a callback must not keep a deleted trainer (and its model's memory) alive."""
 
     def __init__(self, trainer):
-        self.trainer = trainer
+        self._trainer = weakref.ref(trainer)
 
     def on_save(self, args, state, control, **kwargs):
-        plan = self.trainer.plan
+        trainer = self._trainer()
+        if trainer is None:
+            return
+        plan = trainer.plan
         if plan is None and getattr(args, "target_batch_size", None):
             plan = Plan(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size,
                         args.target_batch_size)
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if plan is not None and args.should_save and os.path.isdir(folder):
-            save_plan(folder, self.trainer._plan_key or {}, plan, None)
+            save_plan(folder, trainer._plan_key or {}, plan, None)
 
 
 class AccumTrainer(AccumulationMixin, Trainer):

@@ -44,6 +44,8 @@ class AccumSFTTrainer(AccumulationMixin, SFTTrainer):
     """`trl.SFTTrainer` + hf_accum: pass an `AccumSFTConfig` (plain `SFTConfig` works too: tokens
     normalization, no tuning)."""
 
+    collectives_in_compute_loss = True  # TRL gathers its metrics in compute_loss: no rank may skip a forward
+
     def tune(self):
         with self._trl_metrics_untouched():
             return super().tune()

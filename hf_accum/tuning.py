@@ -14,6 +14,7 @@ import torch
 from transformers import Trainer
 
 from . import _compat
+from .loss import loss_shifts_labels
 from .meters import CpuMeter, CudaMeter, Meter
 from .plan import Plan
 from .plan_store import load_plan, plan_key, save_plan
@@ -76,7 +77,7 @@ def probe_batches(trainer) -> tuple[Callable[[int], dict[str, Any]], int]:
     (or random tokens at ``probe_seq_len`` for causal LMs), and that length."""
     args = trainer.args
     if args.probe_seq_len is not None:
-        if not trainer._shift:
+        if not loss_shifts_labels(trainer.model):
             raise ValueError(
                 f"probe_seq_len={args.probe_seq_len} builds random causal-LM batches, but "
                 f"{type(trainer.model).__name__} is not a causal LM. Leave probe_seq_len unset: the probe then "

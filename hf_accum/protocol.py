@@ -1,0 +1,180 @@
+"""How the data-parallel ranks of one accumulation window agree, as explicit state with named transitions.
+
+**Invariant: in each window every rank makes the same collective calls, in the same order.** A rank that made
+one more or one fewer would hang the others (or pair its values with another call's). Each transition below
+says which collective it makes; `tests/test_protocol.py` counts them on every path with a fake collective.
+
+Phases of one window (``begin`` .. ``finish``), under the ``rerun`` policy:
+
+    COUNTING --begin: sum(count)--> RUNNING --micro_oom--> SKIPPING
+    RUNNING | SKIPPING --before_final: any(oom)--> FINAL                 (no rank ran out of memory so far)
+                                              \\-> RESTART                (some rank did: all re-run the window)
+    FINAL --after_final_forward: any(oom)--> BACKWARD                    (the final backward may synchronize)
+                                        \\-> DRAINING --drained--> RESTART  (complete the DDP iteration, then re-run)
+    RESTART --rerun--> RUNNING   (same window, same count: no new sum)
+    BACKWARD --finish--> IDLE
+
+Collectives per window (world > 1): a normal window 3 (sum, any, any); an OOM in a non-final forward 2 + 2 per
+re-run; an OOM in the final forward 3 + 2 per re-run; an OOM in the final backward 3, then every rank stops
+(`StopTraining`): the other ranks are inside that backward's gradient all-reduce, so no agreement can follow.
+
+Policies, by engine:
+- ``rerun`` (one process, or DDP): a rank that ran out of memory skips its remaining non-final forwards (DDP's
+  non-final forwards under ``no_sync`` make no collective), and the window is re-run together.
+- ``stop`` (engines with collectives inside every forward or backward: FSDP2, DeepSpeed ZeRO, or a trainer
+  whose ``compute_loss`` gathers metrics, as TRL's do): skipping a forward would hang the other ranks, so with
+  world > 1 an OOM anywhere stops every rank at once, with the plan to restart with. Only the window count is
+  exchanged (1 collective per window). With world 1 there is nobody to hang: ``rerun`` applies.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+import torch
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    RUNNING = "running"
+    SKIPPING = "skipping"
+    FINAL = "final"
+    BACKWARD = "backward"
+    DRAINING = "draining"
+    RESTART = "restart"
+
+
+class Policy(enum.Enum):
+    RERUN = "rerun"
+    STOP = "stop"
+
+
+class Collective(Protocol):
+    """What the protocol needs from the process group; injected so tests can count every call."""
+
+    world: int
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor: ...
+
+    def any(self, flag: bool) -> bool: ...
+
+
+class Local:
+    """One process: nothing to exchange."""
+
+    world = 1
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+
+class TorchDistributed:
+    """The default process group (DDP, FSDP, DeepSpeed all run one)."""
+
+    def __init__(self, world: int, device):
+        self.world, self.device = world, device
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.to(self.device).clone()
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM)
+        return value
+
+    def any(self, flag: bool) -> bool:
+        t = torch.tensor(float(flag), device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item())
+
+
+class StopTraining(RuntimeError):
+    """Every rank stops: the window cannot be re-run without risking diverging or hanging ranks."""
+
+
+class Restart(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Every rank re-runs the current window with a smaller cut (raised only where all ranks raise it)."""
+
+
+class WindowProtocol:
+    """The per-window agreement state machine. Owns no tensors of the model; only flags and the collective."""
+
+    def __init__(self, collective: Collective, policy: Policy):
+        self.collective = collective
+        self.policy = policy if collective.world > 1 else Policy.RERUN
+        self.phase = Phase.IDLE
+
+    @property
+    def world(self) -> int:
+        return self.collective.world
+
+    def _expect(self, *phases: Phase) -> None:
+        if self.phase not in phases:
+            raise RuntimeError(f"hf_accum window protocol: {self.phase.value} -> expected {[p.value for p in phases]}")
+
+    # --- transitions ----------------------------------------------------------------------------------------
+    def begin(self, local_count: torch.Tensor) -> torch.Tensor:
+        """A new window: the count of every rank summed (1 collective)."""
+        self.phase = Phase.RUNNING
+        return self.collective.sum(local_count) if self.world > 1 else local_count
+
+    def micro_oom(self) -> None:
+        """This rank ran out of memory in a non-final forward/backward of the window."""
+        self._expect(Phase.RUNNING, Phase.SKIPPING)
+        if self.policy is Policy.STOP:
+            raise StopTraining("out of memory under an engine with collectives in every forward")
+        self.phase = Phase.SKIPPING
+
+    @property
+    def skipping(self) -> bool:
+        return self.phase is Phase.SKIPPING
+
+    def before_final(self) -> None:
+        """Before the window's final forward: all ranks agree whether any ran out of memory (1 collective under
+        ``rerun``, none under ``stop``). Raises `Restart` on every rank together."""
+        self._expect(Phase.RUNNING, Phase.SKIPPING)
+        mine = self.phase is Phase.SKIPPING
+        if self.policy is Policy.RERUN and self.world > 1:
+            mine = self.collective.any(mine)
+        if mine:
+            self.phase = Phase.RESTART
+            raise Restart()
+        self.phase = Phase.FINAL
+
+    def after_final_forward(self, oom: bool) -> bool:
+        """Between the final forward and its backward (1 collective under ``rerun``). Returns True when the
+        window must be re-run; with world > 1 the caller then completes the DDP iteration (`drained`)."""
+        self._expect(Phase.FINAL)
+        if self.policy is Policy.STOP and oom:
+            raise StopTraining("out of memory in the final forward under an engine with collectives")
+        restart = self.collective.any(oom) if self.policy is Policy.RERUN and self.world > 1 else oom
+        if not restart:
+            self.phase = Phase.BACKWARD
+            return False
+        if self.world == 1:
+            self.phase = Phase.RESTART
+            raise Restart()
+        self.phase = Phase.DRAINING
+        return True
+
+    def drained(self) -> None:
+        """The draining iteration's backward is done on every rank: re-run together."""
+        self._expect(Phase.DRAINING)
+        self.phase = Phase.RESTART
+        raise Restart()
+
+    def final_backward_oom(self) -> None:
+        """Out of memory in the final backward: with world > 1 the others are in its all-reduce: stop."""
+        self._expect(Phase.BACKWARD, Phase.FINAL)
+        if self.world > 1:
+            raise StopTraining("out of memory inside the gradient-synchronizing backward pass")
+        self.phase = Phase.RESTART
+        raise Restart()
+
+    def rerun(self) -> None:
+        self._expect(Phase.RESTART)
+        self.phase = Phase.RUNNING
+
+    def finish(self) -> None:
+        self.phase = Phase.IDLE

@@ -1,0 +1,170 @@
+"""The window engine: runs one accumulation window (the per-rank batches of one optimizer step) as forwards of
+whatever size memory allows, each scaled to its exact share of the window loss. It knows no `Trainer`.
+
+    engine.begin(batches)                    # count the window on every rank (see protocol.py)
+    for batch in batches:
+        engine.step(batch, run_chunk)        # cut by the batch's unit, forward/backward each chunk, OOM-safe
+
+``run_chunk(chunk, final)`` is the caller's forward+backward of one chunk; it multiplies its mean loss by
+``engine.share(count)`` and, for the final chunk, runs its forward through ``engine.final_forward`` so ranks
+agree before the gradient-synchronizing backward. On an out-of-memory error the engine asks ``shrink()`` for a
+smaller cut (units per forward; it is given the cut in force, None for "as loaded", and raises when
+there is none) and re-runs the whole window from its start with gradients cleared (``reset``);
+what it returns for the re-run window makes the caller's running loss equal that window's loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .loss import Window
+from .oom import free_memory, is_oom
+from .protocol import Local, Phase, Policy, Restart, WindowProtocol
+from .units import Cutter, sliver
+
+
+class WindowEngine:
+    def __init__(self, cutter: Cutter, mode: str, protocol: WindowProtocol | None = None, *,
+                 shrink: Callable[[int | None], int] | None = None, reset: Callable[[], None] | None = None,
+                 device=None):
+        self.cutter = cutter
+        self.mode = mode
+        self.protocol = protocol or WindowProtocol(Local(), Policy.RERUN)
+        self.shrink = shrink or _cannot_shrink
+        self.reset = reset or (lambda: None)
+        self.device = device
+        self.cut_units: int | None = None  # units per forward after an OOM; None: as loaded
+        self.window: Window | None = None
+        self._batches: Sequence = ()
+        self._index = 0
+        self._returned: list[torch.Tensor] = []
+
+    @property
+    def active(self) -> bool:
+        return self.window is not None and self._index < len(self._batches)
+
+    @property
+    def world(self) -> int:
+        return self.protocol.world
+
+    # --- the window -----------------------------------------------------------------------------------------
+    def begin(self, batches: Sequence) -> Window:
+        local = sum(self.cutter.count(b, self.mode).to(self.device or "cpu") for b in batches)
+        total = self.protocol.begin(torch.as_tensor(local))
+        if int(total) == 0:
+            raise ValueError(
+                "An accumulation window has no counted labels (every label is ignored, after the causal shift), so "
+                f"loss_normalization={self.mode!r} cannot normalize it. Check that the collator masks only "
+                "prompt/padding tokens, drop examples without targets, or set loss_normalization='model'."
+            )
+        self.window = Window(items=total, world=self.world)
+        self._batches, self._index, self._returned = list(batches), 0, []
+        return self.window
+
+    def share(self, local_count: torch.Tensor) -> torch.Tensor:
+        return self.window.scale(local_count)
+
+    def step(self, batch, run_chunk) -> torch.Tensor:
+        """One loaded batch of the window (the next one): its chunks' summed returned losses."""
+        last = self._index == len(self._batches) - 1
+        self._index += 1
+        try:
+            returned = self._run_loaded(batch, last, run_chunk)
+        except Restart:
+            returned = self._rerun_window(run_chunk)
+        self._returned.append(returned)
+        if last:
+            self.protocol.finish()
+        return returned
+
+    def end(self) -> None:
+        self.window, self._batches, self._index, self._returned = None, (), 0, []
+        self.protocol.finish()
+
+    # --- chunks ----------------------------------------------------------------------------------------------
+    def _run_loaded(self, batch, last: bool, run_chunk) -> torch.Tensor:
+        chunks = self.cutter.cut(batch, self.cut_units, self.mode) if self.cut_units else [batch]
+        total = None
+        for j, chunk in enumerate(chunks):
+            part = self._run_chunk(chunk, last and j == len(chunks) - 1, run_chunk)
+            total = part if total is None else total + part
+        return total
+
+    def _run_chunk(self, chunk, final: bool, run_chunk) -> torch.Tensor:
+        if final:
+            self.protocol.before_final()  # raises Restart on every rank together
+        elif self.protocol.skipping:  # this window is re-run anyway
+            return self._zero()
+        oom = False
+        try:
+            returned = run_chunk(chunk, final)
+        except Restart:
+            raise
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            oom = True
+        if oom:
+            free_memory()  # outside the except block: the traceback's frames (activations) are gone
+            if not final:
+                self.protocol.micro_oom()
+                return self._zero()
+            self.protocol.final_backward_oom()  # Restart (one process) or StopTraining
+        if self.protocol.phase is Phase.DRAINING:
+            self.protocol.drained()  # the aborted synchronized iteration is complete: Restart
+        return returned
+
+    def final_forward(self, forward: Callable, inputs, *args, **kwargs):
+        """Runs the window's final forward (``forward(inputs, ...)``, e.g. `compute_loss`) and agrees with the
+        other ranks before its backward. Returns ``(output, keep)``: ``keep`` is 0.0 when this iteration only
+        completes DDP's synchronized step before every rank re-runs the window (multiply the loss by it)."""
+        spare = sliver(inputs, self.cutter.unit) if self.world > 1 else None  # compute_loss may pop labels
+        oom = False
+        try:
+            out = forward(inputs, *args, **kwargs)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            oom = True
+        if oom:
+            free_memory()
+        if not self.protocol.after_final_forward(oom):
+            return out, 1.0
+        if oom:  # the other ranks ran a synchronizing forward: complete that iteration on a sliver
+            out = forward(spare, *args, **kwargs)
+        return out, 0.0
+
+    def _rerun_window(self, run_chunk) -> torch.Tensor:
+        while True:
+            self.cut_units = self.shrink(self.cut_units)  # raises when nothing smaller keeps the effective batch
+            self.protocol.rerun()
+            self.reset()
+            free_memory()
+            try:
+                parts = [self._run_loaded(b, i == len(self._batches) - 1, run_chunk)
+                         for i, b in enumerate(self._batches)]
+            except Restart:
+                continue
+            total = sum(parts[1:], parts[0])
+            return total - sum(self._returned, torch.zeros_like(total))
+
+    def _zero(self) -> torch.Tensor:
+        return torch.zeros((), device=self.device)
+
+
+def _cannot_shrink(units):
+    raise RuntimeError("out of memory, and no smaller cut was configured")
+
+
+@contextlib.contextmanager
+def using(owner, engine: WindowEngine):
+    """Temporarily swap ``owner._engine`` (the accumulation check runs its own, local engine)."""
+    saved = owner._engine
+    owner._engine = engine
+    try:
+        yield engine
+    finally:
+        owner._engine = saved
