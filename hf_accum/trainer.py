@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import math
 import os
@@ -49,9 +50,12 @@ class AccumulationMixin:
     batch_unit: str | None = None
     collectives_in_compute_loss: bool = False
 
-    def __init__(self, model=None, args=None, *more, **kwargs):
+    def __init__(self, *args, **kwargs):
         # The caller's arguments object is never written to: the tuner and OOM recovery change our copy.
-        super().__init__(model, copy.copy(args) if args is not None else None, *more, **kwargs)
+        bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
+        if bound.arguments.get("args") is not None:
+            bound.arguments["args"] = copy.copy(bound.arguments["args"])
+        super().__init__(*bound.args, **bound.kwargs)
         self.plan: Plan | None = None
         self.probe_result = None
         self._plan_key: dict | None = None
