@@ -44,11 +44,11 @@ class AccumSFTConfig(SFTConfig, AccumTrainingArguments):
     SFTConfig's defaults win where both define a field (e.g. learning_rate 2e-5, logging_steps 10)."""
 
 
-class AccumSFTTrainer(AccumulationMixin, SFTTrainer):
-    """`trl.SFTTrainer` + hf_accum: pass an `AccumSFTConfig` (plain `SFTConfig` works too: tokens
-    normalization, no tuning)."""
+class _TRLAccumulation(AccumulationMixin):
+    """What every TRL trainer needs on top of the mixin: TRL gathers metrics inside `compute_loss` (so no rank
+    may skip a forward), and the probe's / accumulation check's steps must not show up in those metrics."""
 
-    collectives_in_compute_loss = True  # TRL gathers its metrics in compute_loss: no rank may skip a forward
+    collectives_in_compute_loss = True
 
     def tune(self):
         with self._trl_metrics_untouched():
@@ -71,6 +71,11 @@ class AccumSFTTrainer(AccumulationMixin, SFTTrainer):
                 self._metrics = metrics
             if tokens is not None:
                 self._total_train_tokens = tokens
+
+
+class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
+    """`trl.SFTTrainer` + hf_accum: pass an `AccumSFTConfig` (plain `SFTConfig` works too: tokens
+    normalization, no tuning)."""
 
 
 # DPO losses whose batch loss is the mean over pairs of a term of that pair alone: cutting a window into forwards
@@ -110,12 +115,11 @@ class AccumDPOConfig(DPOConfig, AccumTrainingArguments):
                 )
 
 
-class AccumDPOTrainer(AccumulationMixin, DPOTrainer):
+class AccumDPOTrainer(_TRLAccumulation, DPOTrainer):
     """`trl.DPOTrainer` + hf_accum: exact accumulation over the window's preference pairs (DPOTrainer alone
     weights a shorter last window's pairs differently), OOM recovery that cuts whole pairs, the tuner."""
 
     batch_unit = "pairs"  # TRL collates [chosen_0..chosen_B-1; rejected_0..rejected_B-1]
-    collectives_in_compute_loss = True  # TRL gathers its metrics in compute_loss: no rank may skip a forward
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -124,10 +128,6 @@ class AccumDPOTrainer(AccumulationMixin, DPOTrainer):
                 "This model adds a router auxiliary loss (a token mean) to DPO's per-pair loss, which hf_accum cannot "
                 "normalize exactly. Set router_aux_loss_coef=0.0, or loss_normalization='model'."
             )
-
-    tune = AccumSFTTrainer.tune
-    check_accumulation = AccumSFTTrainer.check_accumulation
-    _trl_metrics_untouched = AccumSFTTrainer._trl_metrics_untouched
 
 
 __all__ = ["AccumDPOConfig", "AccumDPOTrainer", "AccumSFTConfig", "AccumSFTTrainer"]
