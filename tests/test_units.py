@@ -1,0 +1,113 @@
+"""The cutting rules, as tables: unit detection, chunks of whole units, rebuilt padding-free metadata, exact-cut
+verification, and where trimming is (not) allowed. Pure tensors, no model."""
+
+import pytest
+import torch
+from transformers import DataCollatorWithFlattening
+
+from hf_accum.loss import LabelSpec
+from hf_accum.units import IndivisibleBatch, detect_unit, make_cutter, sliver
+
+CAUSAL = LabelSpec(shift=True)
+
+
+def flat(lengths, start=0, **kw):
+    feats = [{"input_ids": list(range(10, 10 + n))} for n in lengths]
+    return DataCollatorWithFlattening(position_ids_start=start, **kw)(feats)
+
+
+def padded(lengths, width=None):
+    width = width or max(lengths)
+    ids = torch.tensor([[5] * n + [0] * (width - n) for n in lengths])
+    mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("batch, unit", [
+    (padded([3, 5]), "rows"),
+    (flat([3, 4, 2]), "sequences"),
+    (flat([3, 4], start=2), "sequences"),  # models whose positions start at padding_idx + 1
+    (flat([3, 4], return_flash_attn_kwargs=True), "sequences"),
+    (flat([6]), "rows"),  # one sequence: nothing to tell apart
+])
+def test_detect_unit(batch, unit):
+    assert detect_unit(batch) == unit
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_flattened_cut_at_sequence_starts_rebuilds_metadata(start):
+    batch = flat([3, 4, 2, 5], start=start, return_flash_attn_kwargs=True, return_seq_idx=True)
+    cutter = make_cutter("sequences", CAUSAL)
+    assert cutter.units(batch) == 4
+    chunks = cutter.cut(batch, 3, "tokens")
+    assert [c["input_ids"].shape[1] for c in chunks] == [9, 5]
+    first, second = chunks
+    assert first["cu_seq_lens_q"].tolist() == [0, 3, 7, 9] and first["max_length_q"] == 4
+    assert second["cu_seq_lens_k"].tolist() == [0, 5] and second["max_length_k"] == 5
+    assert second["seq_idx"].tolist() == [[0] * 5]
+    assert second["position_ids"].tolist() == [list(range(start, start + 5))]
+    assert sum(int(cutter.count(c, "tokens")) for c in chunks) == int(cutter.count(batch, "tokens"))
+    assert [int(cutter.count(c, "samples")) for c in chunks] == [3, 1]
+
+
+def test_a_cut_that_changes_the_count_is_refused():
+    batch = flat([3, 4, 2])
+    batch["labels"] = batch["input_ids"].clone()  # sequence starts not masked: a label crosses each boundary
+    with pytest.raises(IndivisibleBatch, match=r"changes its counted labels \(8 -> 6\)"):
+        make_cutter("sequences", CAUSAL).cut(batch, 1, "tokens")
+
+
+def test_pairs_go_with_their_rows_and_per_pair_tensors():
+    chosen, rejected = padded([2, 3, 4]), padded([4, 1, 2])
+    batch = {"input_ids": torch.cat([chosen["input_ids"], rejected["input_ids"]])}
+    batch["attention_mask"] = torch.cat([chosen["attention_mask"], rejected["attention_mask"]])
+    batch["completion_mask"] = batch["attention_mask"].clone()
+    batch["ref_chosen_logps"] = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64)
+    batch["ref_rejected_logps"] = torch.tensor([1.1, 1.2, 1.3], dtype=torch.float64)
+    cutter = make_cutter("pairs", LabelSpec())
+    chunks = cutter.cut(batch, 2, "samples")
+    assert [cutter.units(c) for c in chunks] == [2, 1]
+    # pair 0 = rows 0 and 3, pair 1 = rows 1 and 4
+    assert chunks[0]["attention_mask"].sum(1).tolist() == [2, 3, 4, 1]
+    assert chunks[0]["ref_rejected_logps"].tolist() == [1.1, 1.2]
+    assert chunks[1]["attention_mask"].sum(1).tolist() == [4, 2] and chunks[1]["ref_chosen_logps"].tolist() == [0.3]
+    assert chunks[1]["input_ids"].shape[1] == 4  # trimmed to its own padding (per-token completion_mask)
+
+
+def test_a_tensor_that_follows_no_unit_is_indivisible():
+    batch = padded([3, 5, 2, 4])
+    batch["prototypes"] = torch.zeros(3, 8)  # 3 entries for 4 rows: no idea how to cut it
+    with pytest.raises(IndivisibleBatch, match="'prototypes' has 3 entries along dim 0 but the batch has 4 rows"):
+        make_cutter("rows", CAUSAL).cut(batch, 2)
+    with pytest.raises(IndivisibleBatch, match="even number"):
+        make_cutter("pairs", LabelSpec()).units(padded([3, 5, 2]))
+    packed_rows = flat([3, 4])
+    packed_rows = {k: v.repeat(2, 1) if torch.is_tensor(v) and v.dim() == 2 else v for k, v in packed_rows.items()}
+    with pytest.raises(IndivisibleBatch, match="cannot cut packed rows"):
+        make_cutter("sequences", CAUSAL).units(packed_rows)
+
+
+def test_trim_only_where_padding_provably_takes_no_part():
+    tokens = make_cutter("rows", CAUSAL).cut(padded([2, 6, 3, 3]), 2)
+    assert [c["input_ids"].shape[1] for c in tokens] == [6, 3]
+    # extractive QA: per-sample labels, the span softmax runs over every position: widths kept
+    qa = padded([2, 6, 3, 3])
+    qa = {"input_ids": qa["input_ids"], "attention_mask": qa["attention_mask"],
+          "start_positions": torch.tensor([0, 1, 2, 0]), "end_positions": torch.tensor([1, 4, 2, 2])}
+    chunks = make_cutter("rows", LabelSpec(key="start_positions")).cut(qa, 2)
+    assert [c["input_ids"].shape[1] for c in chunks] == [6, 6]
+
+
+def test_labels_with_another_ignore_index_are_counted_by_it():
+    labels = torch.tensor([[1, 255, 2], [255, 255, 0]])
+    assert int(LabelSpec(ignore_index=255).count({"labels": labels})) == 3
+    assert int(LabelSpec(key="my_labels").count({"my_labels": labels, "labels": torch.zeros(1)})) == 6
+
+
+@pytest.mark.parametrize("unit, batch", [("rows", padded([3, 5])), ("sequences", flat([3, 4], return_flash_attn_kwargs=True))])
+def test_sliver_is_one_unit_two_tokens(unit, batch):
+    s = sliver(batch, unit)
+    assert s["input_ids"].shape == (1, 2)
+    if unit == "sequences":
+        assert s["cu_seq_lens_q"].tolist() == [0, 2] and s["max_length_q"] == 2
