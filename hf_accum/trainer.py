@@ -107,8 +107,11 @@ class AccumulationMixin:
         cutter = make_cutter(self.batch_unit or detect_unit(batch), self._label_spec())
         collective = TorchDistributed(world, self.args.device) if world > 1 else Local()
         policy = _compat.window_policy(self, self.collectives_in_compute_loss)
-        return WindowEngine(cutter, self._normalization, WindowProtocol(collective, policy), shrink=self._shrink,
-                            reset=lambda: self.model.zero_grad(set_to_none=True), device=self.args.device)
+        return WindowEngine(cutter, self._normalization, WindowProtocol(collective, policy),
+                            shrink=_weakly(self._shrink), reset=_weakly(self._zero_grad), device=self.args.device)
+
+    def _zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
 
     def _label_spec(self) -> LabelSpec:
         custom = self.compute_loss_func is not None or type(self).compute_loss is not Trainer.compute_loss
@@ -302,6 +305,12 @@ class AccumulationMixin:
             self.args.per_device_eval_batch_size = max(1, old // 2)
             logger.warning("hf_accum: out of memory in evaluation; per_device_eval_batch_size %d -> %d",
                            old, self.args.per_device_eval_batch_size)
+
+
+def _weakly(method):
+    """A callable for `method` that does not keep its trainer alive (no cycle: `del trainer` frees the model)."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 
 class _PlanInCheckpoints(TrainerCallback):

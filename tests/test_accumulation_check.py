@@ -71,3 +71,47 @@ def test_float32_tolerance_and_flag_runs_it_at_train_start(tmp_path, caplog):
 def test_micro_batch_of_one_is_skipped_with_reason(tmp_path):
     result = make_trainer(tmp_path, micro=1).check_accumulation()
     assert result.skipped_reason and "1 sample" in result.skipped_reason
+
+
+def test_bf16_check_runs_under_trainings_autocast(tmp_path):
+    # A float32 model with bf16=True trains under autocast: the check must measure that (errors of ~1e-3), not a
+    # float32 figure (~1e-7) from running outside it.
+    trainer = make_trainer(tmp_path, dtype=torch.float32, bf16=True)
+    result = trainer.check_accumulation(num_micro_batches=3)
+    assert result.passed and result.tolerance == 5e-2
+    assert 1e-5 < result.relative_error < 5e-2, str(result)
+
+
+def test_extractive_qa_with_dynamic_padding_is_not_a_false_mismatch(tmp_path):
+    # QA's span softmax runs over every position: trimming a chunk's padding would change the loss, so the engine
+    # keeps the width for per-sample labels and the check compares accumulation arithmetic alone.
+    from transformers import LlamaConfig, LlamaForQuestionAnswering
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
+    model = LlamaForQuestionAnswering(cfg).double()
+    g = random.Random(3)
+    data = []
+    for _ in range(12):
+        n = g.randint(4, 30)
+        start = g.randrange(n)
+        data.append({"input_ids": [g.randint(1, 96) for _ in range(n)], "start_positions": start,
+                     "end_positions": g.randint(start, n - 1)})
+
+    def collate(examples):
+        width = max(len(e["input_ids"]) for e in examples)
+        return {
+            "input_ids": torch.tensor([e["input_ids"] + [0] * (width - len(e["input_ids"])) for e in examples]),
+            "attention_mask": torch.tensor([[1] * len(e["input_ids"]) + [0] * (width - len(e["input_ids"]))
+                                            for e in examples]),
+            "start_positions": torch.tensor([e["start_positions"] for e in examples]),
+            "end_positions": torch.tensor([e["end_positions"] for e in examples]),
+        }
+
+    args = AccumTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=6, report_to=[], use_cpu=True,
+                                  remove_unused_columns=False, loss_normalization="samples",
+                                  label_names=["start_positions", "end_positions"])
+    trainer = AccumTrainer(model=model, args=args, train_dataset=data, data_collator=collate)
+    result = trainer.check_accumulation(num_micro_batches=3)
+    assert result.passed and result.relative_error < 1e-6, str(result)

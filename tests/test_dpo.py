@@ -46,7 +46,8 @@ def dpo_run(tmp_path, micro, accum, *, oom_calls=(), n=20, **overrides):
     seen = []
     model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]) if m.training else None,
                                     with_kwargs=True)
-    injector = OOMAt(model, oom_calls) if oom_calls else None
+    # raised inside a decoder layer's forward, with the earlier layers' activations alive
+    injector = OOMAt(model.model.layers[1], oom_calls) if oom_calls else None
     trainer.train()
     return trainer, recorder, seen, injector
 

@@ -70,7 +70,8 @@ def run(tmp_path, micro=4, accum=2, mode="tokens", oom_calls=(), n=24, **kw):
     model.register_forward_pre_hook(
         lambda m, a, kw: per_forward.append(int((kw["position_ids"][0] == 0).sum())) if m.training else None,
         with_kwargs=True)
-    injector = OOMAt(model, oom_calls) if oom_calls else None
+    # raised inside a decoder layer's forward, with the earlier layers' activations alive
+    injector = OOMAt(model.model.layers[1], oom_calls) if oom_calls else None
     trainer.train()
     return trainer, recorder, per_forward, injector
 
