@@ -2,6 +2,8 @@
 - forward CALL: rank 1's forward number CALL raises an OOM (3: mid-window, 4: the window's final forward); then a clean run with the smaller micro-batch from the start.
   Saves both runs' final weights and plans per rank.
 - backward: rank 1 raises an OOM inside the window's final, gradient-synchronizing backward (must stop cleanly).
+- stop: the trainer declares collectives in compute_loss (as TRL's do); rank 1's forward 3 raises an OOM: every
+  rank must stop with the plan to restart with (skipping a forward would hang the other rank).
 """
 
 import json
@@ -27,7 +29,7 @@ class OOMInBackward:
             raise torch.OutOfMemoryError("CUDA out of memory (injected in the synchronized backward)")
 
 
-def train(out, micro, accum, inject=None):
+def train(out, micro, accum, inject=None, collectives_in_compute_loss=False):
     from transformers.trainer_callback import PrinterCallback
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
@@ -39,7 +41,8 @@ def train(out, micro, accum, inject=None):
         max_grad_norm=0.0, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
         remove_unused_columns=False, ddp_backend="gloo", logging_steps=1,
     )
-    trainer = AccumTrainer(model=model, args=args, train_dataset=lm_examples(48, seed=4), data_collator=pad_collate,
+    cls = type("Gathering", (AccumTrainer,), {"collectives_in_compute_loss": collectives_in_compute_loss})
+    trainer = cls(model=model, args=args, train_dataset=lm_examples(48, seed=4), data_collator=pad_collate,
                            compute_loss_func=sum_over_items_loss)
     trainer.remove_callback(PrinterCallback)
     if inject is not None:
@@ -59,6 +62,9 @@ def main():
                    os.path.join(out, f"weights.rank{rank}.pt"))
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"plan": hit.plan.to_dict(), "steps": [hit.state.global_step, clean.state.global_step]}, f)
+    elif mode == "stop":
+        train(os.path.join(out, "hit"), 4, 2, (lambda m: OOMAt(m, [3])) if rank == 1 else None,
+              collectives_in_compute_loss=True)
     else:
         train(os.path.join(out, "hit"), 4, 2, (lambda m: OOMInBackward(m.lm_head, 2)) if rank == 1 else None)
 

@@ -115,3 +115,16 @@ def test_oom_in_the_synchronized_backward_stops_all_ranks_cleanly(tmp_path):
     out = proc.stdout + proc.stderr
     assert "inside the gradient-synchronizing backward" in out
     assert "per_device_train_batch_size=2 and gradient_accumulation_steps=4" in out
+
+
+@pytest.mark.slow
+def test_oom_where_forwards_run_collectives_stops_every_rank_with_the_plan(tmp_path):
+    import time
+
+    start = time.monotonic()
+    proc = _torchrun("ddp_oom_worker.py", "stop", tmp_path, timeout=300)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 240, "no hang"
+    out = proc.stdout + proc.stderr
+    assert "engine with collectives in every forward" in out and "every rank stops" in out
+    assert "per_device_train_batch_size=2 and gradient_accumulation_steps=4" in out
