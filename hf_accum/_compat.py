@@ -11,6 +11,8 @@ of its first training step against this prediction at run time.
 
 from __future__ import annotations
 
+import contextlib
+
 from transformers import Trainer
 
 # Older versions ignore the attribute even when a subclass sets it.
@@ -64,3 +66,45 @@ def window_policy(trainer, collectives_in_compute_loss: bool):
     sharded_engine = trainer.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     dtensor = any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())
     return Policy.STOP if sharded_engine or dtensor or collectives_in_compute_loss else Policy.RERUN
+
+
+def world_size() -> int:
+    """Ranks of the default process group (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_fsdp2(model) -> bool:
+    """`torch.distributed.fsdp.fully_shard` applied: the model is an `FSDPModule` (its forwards all-gather)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def unwrap_parallel(model):
+    """The module a DDP wrapper holds (FSDP2 shards in place: the model is itself)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model):
+    """Backward without gradient synchronization, for every micro-batch but a window's last: DDP's `no_sync`, or
+    FSDP2's `set_requires_gradient_sync(False)` (restored after)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif is_fsdp2(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield

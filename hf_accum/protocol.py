@@ -35,6 +35,9 @@ from typing import Protocol
 import torch
 
 
+_COLLECTIVES = "under an engine with collectives in every forward (FSDP, DeepSpeed ZeRO, or a compute_loss that gathers)"
+
+
 class Phase(enum.Enum):
     IDLE = "idle"
     RUNNING = "running"
@@ -123,7 +126,7 @@ class WindowProtocol:
         """This rank ran out of memory in a non-final forward/backward of the window."""
         self._expect(Phase.RUNNING, Phase.SKIPPING)
         if self.policy is Policy.STOP:
-            raise StopTraining("out of memory under an engine with collectives in every forward")
+            raise StopTraining(f"out of memory in a micro-batch, {_COLLECTIVES}")
         self.phase = Phase.SKIPPING
 
     @property
@@ -147,7 +150,7 @@ class WindowProtocol:
         window must be re-run; with world > 1 the caller then completes the DDP iteration (`drained`)."""
         self._expect(Phase.FINAL)
         if self.policy is Policy.STOP and oom:
-            raise StopTraining("out of memory in the final forward under an engine with collectives")
+            raise StopTraining(f"out of memory in the window's final forward, {_COLLECTIVES}")
         restart = self.collective.any(oom) if self.policy is Policy.RERUN and self.world > 1 else oom
         if not restart:
             self.phase = Phase.BACKWARD

@@ -64,6 +64,10 @@ class WindowEngine:
         self._batches, self._index, self._returned = list(batches), 0, []
         return self.window
 
+    def largest_loaded_units(self) -> int:
+        """Units of the largest batch of the current window, as loaded."""
+        return max(self.cutter.units(b) for b in self._batches)
+
     def share(self, local_count: torch.Tensor) -> torch.Tensor:
         return self.window.scale(local_count)
 

@@ -1,0 +1,98 @@
+"""pytest plugin for `trainer_swap_suite.py`: runs transformers' own Trainer tests with `AccumTrainer` in place
+of `Trainer` (HF_ACCUM_SWAP=1), or plain (HF_ACCUM_SWAP=0); in both modes it records every trainer built.
+
+Loaded with `-p swap_conftest`, so it is imported while pytest configures, before any test module is collected:
+the tests' `from transformers import Trainer` (and `transformers.trainer.Trainer`) then find `AccumTrainer`,
+and so do the classes they derive from it.
+
+Records (JSON lines, appended to $HF_ACCUM_SWAP_RECORD as they happen, so a killed run keeps them):
+- {"kind": "trainer", "test": nodeid, "cls": "module.Class", "accum": bool}: one per trainer __init__;
+- {"kind": "module", "module": name, "trainer": "module.Class" | null, "accum": bool}: the `Trainer` each
+  collected test module (and the helper modules they import) holds once collected;
+- {"kind": "swap", ...}: what was replaced, once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+SWAP = os.environ.get("HF_ACCUM_SWAP", "1") == "1"
+RECORD = os.environ.get("HF_ACCUM_SWAP_RECORD")
+
+# Everything of hf_accum (and transformers' own subclasses) is imported before the swap, so the names they bind
+# at import time stay transformers' Trainer: AccumTrainer must derive from the real class, and Seq2SeqTrainer is
+# deliberately left as transformers wrote it (its tests are counted as not swapped).
+import transformers  # noqa: E402
+import transformers.trainer  # noqa: E402
+import transformers.trainer_seq2seq  # noqa: E402, F401
+
+from hf_accum import _compat, tuning  # noqa: E402, F401
+from hf_accum.trainer import AccumTrainer  # noqa: E402
+
+ORIGINAL = transformers.trainer.Trainer
+_current_test: str | None = None
+
+
+def _write(entry: dict) -> None:
+    if RECORD:
+        with open(RECORD, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry) + "\n")
+
+
+def _qualname(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _recording_init(init):
+    @functools.wraps(init)  # keeps the signature: AccumulationMixin binds its arguments against it
+    def __init__(self, *args, **kwargs):
+        # Every trainer, whatever its class, runs Trainer.__init__ exactly once.
+        _write({"kind": "trainer", "test": _current_test, "cls": _qualname(type(self)),
+                "accum": isinstance(self, AccumTrainer)})
+        return init(self, *args, **kwargs)
+
+    return __init__
+
+
+ORIGINAL.__init__ = _recording_init(ORIGINAL.__init__)
+
+if SWAP:
+    transformers.Trainer = AccumTrainer
+    transformers.trainer.Trainer = AccumTrainer
+    if not (transformers.Trainer is AccumTrainer and sys.modules["transformers"].Trainer is AccumTrainer):
+        raise RuntimeError("swap_conftest: transformers.Trainer could not be replaced by AccumTrainer")
+    _write({"kind": "swap", "replaced": ["transformers.Trainer", "transformers.trainer.Trainer"],
+            "by": _qualname(AccumTrainer), "original": _qualname(ORIGINAL)})
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "torch_compile_test: transformers' marker")
+    config.addinivalue_line("markers", "slow: transformers' marker")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    seen = set()
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None or module.__name__ in seen:
+            continue
+        seen.add(module.__name__)
+        # The test module and any sibling module it imported (e.g. tests.trainer.trainer_test_utils).
+        package = module.__name__.rpartition(".")[0]
+        for name, mod in list(sys.modules.items()):
+            if mod is None or (name in seen and name != module.__name__):
+                continue
+            if name != module.__name__ and not (package and name.startswith(package + ".")):
+                continue
+            seen.add(name)
+            cls = getattr(mod, "Trainer", None)
+            _write({"kind": "module", "module": name, "trainer": _qualname(cls) if isinstance(cls, type) else None,
+                    "accum": isinstance(cls, type) and issubclass(cls, AccumTrainer)})
+
+
+def pytest_runtest_logstart(nodeid, location):
+    global _current_test
+    _current_test = nodeid

@@ -1,0 +1,196 @@
+"""Run transformers' own Trainer tests twice, plain and with `Trainer` swapped for `AccumTrainer`, side by side.
+
+    python scripts/trainer_swap_suite.py TESTS_DIR [FILES...] [--timeout 120] [-k EXPR] [--site DIR]
+
+TESTS_DIR holds `tests/__init__.py` and `tests/trainer/` of transformers at (or as near as can be had to) the
+installed version. The files are not ours: they are never copied into this repository, and the script refuses a
+TESTS_DIR inside it. To fill TESTS_DIR from a git directory of transformers (or a fork of it):
+
+    python scripts/trainer_swap_suite.py TESTS_DIR --extract GIT_DIR COMMIT
+
+FILES are paths relative to TESTS_DIR (default: tests/trainer). `--site` adds a folder of extra test
+dependencies (e.g. `pip install --target DIR parameterized timeout-decorator`) to the runs' PYTHONPATH.
+
+The two runs are sequential (plain first), each a pytest subprocess with `swap_conftest.py` loaded as a plugin
+(HF_ACCUM_SWAP=0 / 1) and a junit report; the table lists every test with its two results, then every test that
+fails only when swapped, and how many of the trainers each run built were really `AccumTrainer`. Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+BAD = ("failed", "error")
+
+
+def extract(git_dir: str, commit: str, dest: Path) -> None:
+    """`tests/__init__.py` and `tests/trainer/` of COMMIT, via `git archive` (no work tree needed)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile() as tar:
+        subprocess.run(["git", f"--git-dir={git_dir}", "archive", commit, "tests/__init__.py", "tests/trainer"],
+                       stdout=tar, check=True)
+        tar.seek(0)
+        with tarfile.open(fileobj=tar) as archive:
+            archive.extractall(dest, filter="data")
+    sha = subprocess.run(["git", f"--git-dir={git_dir}", "rev-parse", commit], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    date = subprocess.run(["git", f"--git-dir={git_dir}", "log", "-1", "--format=%cI", commit],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (dest / "SOURCE.txt").write_text(f"git dir {git_dir}\ncommit {sha} ({date})\n")
+    print(f"extracted tests/trainer of {sha} ({date}) into {dest}")
+
+
+def run_pytest(mode: str, tests_dir: Path, files: list[str], out: Path, opts) -> tuple[Path, Path, float]:
+    junit, record = out / f"{mode}.xml", out / f"{mode}.trainers.jsonl"
+    record.unlink(missing_ok=True)
+    ini = out / "pytest.ini"  # ours, so no pytest configuration above TESTS_DIR is picked up
+    ini.write_text("[pytest]\nfilterwarnings =\n    ignore::DeprecationWarning\n")
+    env = dict(os.environ, HF_ACCUM_SWAP="1" if mode == "swapped" else "0", HF_ACCUM_SWAP_RECORD=str(record),
+               HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
+    paths = [str(HERE)] + ([opts.site] if opts.site else []) + [p for p in [env.get("PYTHONPATH")] if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    cmd = [sys.executable, "-m", "pytest", *files, "-p", "swap_conftest", "-p", "no:cacheprovider",
+           "-c", str(ini), "--rootdir", str(tests_dir), f"--junitxml={junit}", f"--timeout={opts.timeout}",
+           "-q", "-rN", "--no-header"]
+    if opts.k:
+        cmd += ["-k", opts.k]
+    print(f"\n[{mode}] {' '.join(cmd)}", flush=True)
+    start = time.monotonic()
+    with open(out / f"{mode}.log", "w") as log:
+        subprocess.run(cmd, cwd=tests_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return junit, record, time.monotonic() - start
+
+
+def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
+    """test id -> (passed|failed|error|skipped, first line of the message)."""
+    results = {}
+    if not junit.exists():
+        return results
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        cls, name = case.get("classname", ""), case.get("name", "")
+        parts = cls.split(".")
+        # classname is "tests.trainer.test_x.Class" (or "tests.trainer.test_x" for functions / module errors)
+        idx = next((i for i, p in enumerate(parts) if p.startswith("test_")), len(parts) - 1)
+        test_id = "/".join(parts[: idx + 1]) + ".py" + "".join("::" + p for p in parts[idx + 1:]) + "::" + name
+        result, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                result = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                message = (child.get("message") or (child.text or "")).strip().splitlines()[0:1]
+                message = message[0][:160] if message else ""
+                if result != "skipped":
+                    break
+        results[test_id] = (result, message)
+    return results
+
+
+def trainer_counts(record: Path):
+    trainers, modules, swap = [], {}, None
+    if record.exists():
+        for line in record.read_text().splitlines():
+            entry = json.loads(line)
+            if entry["kind"] == "trainer":
+                trainers.append(entry)
+            elif entry["kind"] == "module":
+                modules[entry["module"]] = entry
+            else:
+                swap = entry
+    return trainers, modules, swap
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("tests_dir", type=Path)
+    parser.add_argument("files", nargs="*", default=["tests/trainer"])
+    parser.add_argument("--extract", nargs=2, metavar=("GIT_DIR", "COMMIT"))
+    parser.add_argument("--timeout", type=int, default=120, help="per-test timeout in seconds (pytest-timeout)")
+    parser.add_argument("-k", help="pytest -k expression, e.g. to deselect tests that hang")
+    parser.add_argument("--site", help="folder with extra test dependencies, added to PYTHONPATH")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "trainer_swap",
+                        help="junit reports, logs and trainer records (default runs/trainer_swap, git-ignored)")
+    parser.add_argument("--report-only", action="store_true", help="re-print the table from the last run")
+    opts = parser.parse_args(argv)
+
+    tests_dir = opts.tests_dir.resolve()
+    if tests_dir == REPO or REPO in tests_dir.parents:
+        parser.error(f"{tests_dir} is inside this repository; transformers' tests must stay outside it.")
+    if opts.extract:
+        extract(*opts.extract, tests_dir)
+        return 0
+    if not (tests_dir / "tests" / "trainer").is_dir():
+        parser.error(f"{tests_dir}/tests/trainer not found; fill it with --extract GIT_DIR COMMIT.")
+    opts.out.mkdir(parents=True, exist_ok=True)
+
+    import transformers
+
+    print(f"transformers {transformers.__version__} (installed); tests from {tests_dir}")
+    if (tests_dir / "SOURCE.txt").exists():
+        print("  " + (tests_dir / "SOURCE.txt").read_text().strip().replace("\n", "\n  "))
+    print(f"files: {' '.join(opts.files)}")
+
+    runs = {}
+    for mode in ("plain", "swapped"):
+        junit, record = opts.out / f"{mode}.xml", opts.out / f"{mode}.trainers.jsonl"
+        seconds = None
+        if not opts.report_only:
+            junit, record, seconds = run_pytest(mode, tests_dir, opts.files, opts.out, opts)
+        runs[mode] = (outcomes(junit), trainer_counts(record), seconds)
+
+    plain, swapped = runs["plain"][0], runs["swapped"][0]
+    ids = sorted(set(plain) | set(swapped))
+    width = max([len(t) for t in ids] + [10])
+    print(f"\n{'test':<{width}}  {'plain':<8}  swapped")
+    for test in ids:
+        a, b = plain.get(test, ("-", ""))[0], swapped.get(test, ("-", ""))[0]
+        flag = "  <-- swapped only" if b in BAD and a not in BAD else ""
+        print(f"{test:<{width}}  {a:<8}  {b}{flag}")
+
+    print("\nsummary     " + "  ".join(f"{k:>8}" for k in ("passed", "failed", "error", "skipped", "total")))
+    for mode in ("plain", "swapped"):
+        counts = collections.Counter(r for r, _ in runs[mode][0].values())
+        seconds = runs[mode][2]
+        print(f"{mode:<10}  " + "  ".join(f"{counts[k]:>8}" for k in ("passed", "failed", "error", "skipped"))
+              + f"  {sum(counts.values()):>8}" + (f"   ({seconds:.0f} s)" if seconds else ""))
+
+    only = [t for t in ids if swapped.get(t, ("-",))[0] in BAD and plain.get(t, ("-",))[0] not in BAD]
+    fixed = [t for t in ids if plain.get(t, ("-",))[0] in BAD and swapped.get(t, ("-",))[0] not in BAD]
+    print(f"\nfailing only when swapped: {len(only)}")
+    for test in only:
+        print(f"  {test}\n      {swapped[test][0]}: {swapped[test][1]}")
+    if fixed:
+        print(f"failing only plain: {len(fixed)}")
+        for test in fixed:
+            print(f"  {test}\n      {plain[test][0]}: {plain[test][1]}")
+
+    for mode in ("plain", "swapped"):
+        trainers, modules, swap = runs[mode][1]
+        accum = sum(t["accum"] for t in trainers)
+        tests = {t["test"] for t in trainers}
+        print(f"\n{mode}: {len(trainers)} trainers built in {len(tests)} tests; AccumTrainer: {accum}")
+        if mode == "swapped":
+            if swap:
+                print(f"  replaced {', '.join(swap['replaced'])} by {swap['by']}")
+            other = collections.Counter(t["cls"] for t in trainers if not t["accum"])
+            for cls, n in other.most_common():
+                print(f"  not AccumTrainer: {n} x {cls}")
+            for name, entry in sorted(modules.items()):
+                if entry["trainer"] is None:
+                    continue
+                print(f"  {name}.Trainer -> {entry['trainer']}{'' if entry['accum'] else '  (NOT swapped)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
