@@ -108,3 +108,54 @@ def no_gradient_sync(model):
             model.set_requires_gradient_sync(True)
     else:
         yield
+
+
+# --- Trainer internals the engine and the check read ----------------------------------------------------------
+def window_length(trainer) -> int:
+    """Micro-batches in the current window: `Trainer.training_step` divides the loss by this private attribute
+    (set by `_inner_training_loop` per window); `tests/test_compat.py` pins that it is the divisor."""
+    return trainer.current_gradient_accumulation_steps
+
+
+@contextlib.contextmanager
+def window_length_set(trainer, length: int):
+    """Set it for steps run outside the Trainer's loop (the accumulation check), restored after."""
+    saved = trainer.__dict__.get("current_gradient_accumulation_steps", _MISSING)
+    trainer.current_gradient_accumulation_steps = length
+    try:
+        yield
+    finally:
+        if saved is _MISSING:
+            del trainer.current_gradient_accumulation_steps
+        else:
+            trainer.current_gradient_accumulation_steps = saved
+
+
+_MISSING = object()
+
+
+def prepare_inputs(trainer, batch):
+    """Move a collated batch to the device as the training loop does (`Trainer._prepare_inputs`)."""
+    return trainer._prepare_inputs(batch)
+
+
+@contextlib.contextmanager
+def trl_metrics_untouched(trainer):
+    """TRL trainers append to `_metrics` and count `_total_train_tokens` in `compute_loss`; the probe's and the
+    accumulation check's steps are not training, so both are restored after them."""
+    import copy
+
+    metrics = copy.deepcopy(trainer.__dict__.get("_metrics"))
+    tokens = trainer.__dict__.get("_total_train_tokens")
+    try:
+        yield
+    finally:
+        if metrics is not None:
+            trainer._metrics = metrics
+        if tokens is not None:
+            trainer._total_train_tokens = tokens
+
+
+def kineto_events(prof):
+    """The finished profiler's raw kineto events (the `[memory]` events the CPU meter replays)."""
+    return prof.profiler.kineto_results.events()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import _compat
 from .protocol import Local, Policy, WindowProtocol
 from .units import UNIT_NAME, IndivisibleBatch
 from .window import WindowEngine, using
@@ -60,7 +61,7 @@ def run_accumulation_check(trainer, num_micro_batches: int | None = None, tolera
     tolerance = tolerance if tolerance is not None else _default_tolerance(model, trainer.args)
     # Everything, including drawing the first batch (the sampler consumes RNG), happens inside the restore.
     with _restored(trainer, model, params):
-        batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+        batch = _compat.prepare_inputs(trainer, next(iter(trainer.get_train_dataloader())))
         trained = trainer._window_engine(batch)
         # A local engine (no collective, no DDP wrapper) that cuts exactly as training does.
         engine = WindowEngine(trained.cutter, trained.mode, WindowProtocol(Local(), Policy.RERUN),
@@ -98,9 +99,9 @@ def _window_gradient(trainer, engine, model, params, batches) -> list[torch.Tens
     # The same per-window path as the training loop: get_batch_samples counts (through the engine swapped in),
     # training_step scales.
     batches, num_items = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)
-    trainer.current_gradient_accumulation_steps = len(batches)
-    for b in batches:
-        trainer.training_step(model, b, num_items)
+    with _compat.window_length_set(trainer, len(batches)):
+        for b in batches:
+            trainer.training_step(model, b, num_items)
     engine.end()
     return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
 
@@ -140,7 +141,6 @@ def _restored(trainer, model: nn.Module, params):
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     py_rng = random.getstate()
     np_rng = _numpy_rng()
-    ga = getattr(trainer, "current_gradient_accumulation_steps", None)
     try:
         yield
     finally:
@@ -158,11 +158,6 @@ def _restored(trainer, model: nn.Module, params):
             import numpy as np
 
             np.random.set_state(np_rng)
-        if ga is None:
-            with contextlib.suppress(AttributeError):
-                del trainer.current_gradient_accumulation_steps
-        else:
-            trainer.current_gradient_accumulation_steps = ga
 
 
 def _numpy_rng():

@@ -118,6 +118,13 @@ class AccumTrainingArguments(TrainingArguments):
                 "(e.g. 1e-4 for float32); leave it unset to choose it from the precision."
             )
         self._check_tuner_fields()
+        if self.auto_find_batch_size and self.target_batch_size is not None:
+            raise ValueError(
+                "auto_find_batch_size=True cannot be combined with target_batch_size: accelerate's back-off restarts "
+                "the training loop from a fresh state with the already-updated weights (re-running samples) and "
+                "halves the micro-batch while accumulation stays (the effective batch shrinks silently). hf_accum "
+                "plans the batch and recovers from out-of-memory errors itself: set auto_find_batch_size=False."
+            )
         super().__post_init__()
         self._check_target_batch_size()
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from . import _compat
+
 MiB = 1 << 20
 
 # The CUDA caching allocator serves requests of 1-10 MiB from fresh 20 MiB segments (``kLargeBuffer`` in
@@ -266,7 +268,7 @@ def replay_memory_events(prof: Any) -> tuple[int, int]:
     from torch.profiler import DeviceType
 
     events = [
-        e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+        e for e in _compat.kineto_events(prof) if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
     ]
     events.sort(key=lambda e: e.start_ns())
     current = peak = blocks = peak_blocks = 0

@@ -34,7 +34,6 @@ from typing import Protocol
 
 import torch
 
-
 _COLLECTIVES = "under an engine with collectives in every forward (FSDP, DeepSpeed ZeRO, or a compute_loss that gathers)"
 
 

@@ -127,7 +127,7 @@ class AccumulationMixin:
         share = engine.share(local)
         scale = share
         if _compat.trainer_divides_by_accumulation(self, local_for_loss):
-            scale = share * self.current_gradient_accumulation_steps  # pre-compensate training_step's division
+            scale = share * _compat.window_length(self)  # pre-compensate training_step's division
         sync = contextlib.nullcontext() if final else self.accelerator.no_sync(model)
         with sync, self._loss_scaled(scale, final) as raw:
             returned = super().training_step(model, inputs, local_for_loss)

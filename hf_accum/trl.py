@@ -24,8 +24,6 @@ says (it is turned off, logged, because hf_accum counts across ranks itself).
 
 from __future__ import annotations
 
-import contextlib
-import copy
 from dataclasses import dataclass
 
 try:
@@ -33,6 +31,7 @@ try:
 except ImportError as exc:  # pragma: no cover - trl is in the dev extra, optional for users
     raise ImportError(f"hf_accum.trl needs TRL ({exc}): pip install trl") from exc
 
+from . import _compat
 from .args import AccumTrainingArguments
 from .trainer import AccumulationMixin
 
@@ -51,26 +50,12 @@ class _TRLAccumulation(AccumulationMixin):
     collectives_in_compute_loss = True
 
     def tune(self):
-        with self._trl_metrics_untouched():
+        with _compat.trl_metrics_untouched(self):
             return super().tune()
 
     def check_accumulation(self, *args, **kwargs):
-        with self._trl_metrics_untouched():
+        with _compat.trl_metrics_untouched(self):
             return super().check_accumulation(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def _trl_metrics_untouched(self):
-        """The probe and the accumulation check run `compute_loss`, which in TRL appends to the logged metrics
-        (entropy, token accuracy) and counts `num_tokens`; none of those steps are training, so undo that."""
-        metrics = copy.deepcopy(getattr(self, "_metrics", None))
-        tokens = getattr(self, "_total_train_tokens", None)
-        try:
-            yield
-        finally:
-            if metrics is not None:
-                self._metrics = metrics
-            if tokens is not None:
-                self._total_train_tokens = tokens
 
 
 class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):

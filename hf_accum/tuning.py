@@ -99,7 +99,7 @@ def probe_batches(trainer) -> tuple[Callable[[int], dict[str, Any]], int]:
     example = dataset[longest]
 
     def make_batch(micro: int) -> dict[str, Any]:
-        return trainer._prepare_inputs(collate([example] * micro))
+        return _compat.prepare_inputs(trainer, collate([example] * micro))
 
     first = make_batch(1)
     seq_len = next((v.shape[1] for v in first.values() if torch.is_tensor(v) and v.dim() >= 2), 1)

@@ -86,3 +86,12 @@ def test_batches_without_labels_fail_before_any_forward(tmp_path, data, message)
     with pytest.raises(ValueError, match=message):
         trainer.train()
     assert all(torch.equal(p, w) for p, w in zip(trainer.model.parameters(), weights))  # nothing changed
+
+
+def test_auto_find_batch_size_is_refused_when_hf_accum_plans_the_batch(tmp_path):
+    with pytest.raises(ValueError, match="auto_find_batch_size=True cannot be combined with target_batch_size.*"
+                                          "set auto_find_batch_size=False"):
+        AccumTrainingArguments(output_dir=str(tmp_path), target_batch_size=8, auto_find_batch_size=True,
+                               use_cpu=True)
+    # without a target hf_accum plans nothing: transformers' option stays available
+    assert AccumTrainingArguments(output_dir=str(tmp_path), auto_find_batch_size=True, use_cpu=True).auto_find_batch_size

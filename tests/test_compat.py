@@ -28,3 +28,69 @@ def test_training_step_division_rule(tmp_path, accepts, num_items, loss_func, de
     returned = float(trainer.training_step(trainer.model, {"input_ids": torch.ones(1, 2, dtype=torch.long)}, num_items))
     expected = 2.0 if _compat.trainer_divides_by_accumulation(trainer, num_items) else 8.0
     assert returned == expected
+
+
+# --- each internal in _compat, pinned: these fail when upstream renames or changes it ----------------------------
+def test_trainer_internals_the_engine_reads(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_train_batch_size=3)
+    trainer = Trainer(model=tiny_llama(torch.float32), args=args)
+    # the dataloader is built with the private batch size, which a plan applied after __init__ must set
+    assert trainer._train_batch_size == 3
+    _compat.set_train_batch_size(trainer, 5)
+    from torch.utils.data import Dataset
+
+    class Five(Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return {"input_ids": [1, 2]}
+
+    trainer.train_dataset = Five()
+    assert trainer.get_train_dataloader().batch_size == 5 or trainer.get_train_dataloader().total_batch_size == 5
+    # prepare_inputs moves a batch to the device, as the loop does
+    batch = _compat.prepare_inputs(trainer, {"input_ids": torch.ones(1, 2, dtype=torch.long)})
+    assert batch["input_ids"].device.type == args.device.type
+    # the window length: set outside the loop and restored
+    with _compat.window_length_set(trainer, 7):
+        assert _compat.window_length(trainer) == 7
+    assert "current_gradient_accumulation_steps" not in trainer.__dict__
+
+
+def test_trl_metrics_are_where_compat_restores_them(tmp_path):
+    pytest.importorskip("trl")
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_accum import tiny
+
+    tok = tiny.build_tokenizer()
+    args = SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, max_length=32)
+    from datasets import Dataset
+
+    data = Dataset.from_list([{"prompt": "1+1=", "completion": "2"}] * 4)
+    trainer = SFTTrainer(model=tiny.build_model("causal_lm", tokenizer=tok), args=args, train_dataset=data,
+                         processing_class=tok)
+    assert isinstance(trainer._metrics, dict) and isinstance(trainer._total_train_tokens, int)
+    with _compat.trl_metrics_untouched(trainer):
+        trainer._metrics["train"]["entropy"].append(1.0)
+        trainer._total_train_tokens += 5
+    assert not trainer._metrics["train"]["entropy"] and trainer._total_train_tokens == 0
+
+
+def test_kineto_memory_events_are_readable():
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.ones(1024, 1024).sum()
+    events = list(_compat.kineto_events(prof))
+    assert any(e.name() == "[memory]" and e.nbytes() > 0 for e in events)
+
+
+def test_fsdp2_and_ddp_are_told_apart():
+    from torch import nn
+
+    model = nn.Linear(2, 2)
+    assert not _compat.is_fsdp2(model) and _compat.unwrap_parallel(model) is model
+    with _compat.no_gradient_sync(model):
+        pass
+    assert _compat.world_size() == 1
