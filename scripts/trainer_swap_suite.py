@@ -63,7 +63,7 @@ def run_pytest(mode: str, tests_dir: Path, files: list[str], out: Path, opts) ->
     env["PYTHONPATH"] = os.pathsep.join(paths)
     cmd = [sys.executable, "-m", "pytest", *files, "-p", "swap_conftest", "-p", "no:cacheprovider",
            "-c", str(ini), "--rootdir", str(tests_dir), f"--junitxml={junit}", f"--timeout={opts.timeout}",
-           "-q", "-rN", "--no-header"]
+           "-q", "-rN", "--no-header", "--continue-on-collection-errors"]
     if opts.k:
         cmd += ["-k", opts.k]
     print(f"\n[{mode}] {' '.join(cmd)}", flush=True)
@@ -83,7 +83,10 @@ def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
         parts = cls.split(".")
         # classname is "tests.trainer.test_x.Class" (or "tests.trainer.test_x" for functions / module errors)
         idx = next((i for i, p in enumerate(parts) if p.startswith("test_")), len(parts) - 1)
-        test_id = "/".join(parts[: idx + 1]) + ".py" + "".join("::" + p for p in parts[idx + 1:]) + "::" + name
+        if not cls:  # a module that could not be collected
+            test_id = name.replace(".", "/") + ".py::<collection>"
+        else:
+            test_id = "/".join(parts[: idx + 1]) + ".py" + "".join("::" + p for p in parts[idx + 1:]) + "::" + name
         result, message = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
