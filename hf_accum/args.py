@@ -99,6 +99,27 @@ class AccumTrainingArguments(TrainingArguments):
             )
         },
     )
+    handle_preemption: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "On SIGTERM or a first Ctrl-C: finish the optimizer step in progress, save a checkpoint (with the "
+                "plan), log how to resume and exit with code 143; every rank stops after the same step. A second "
+                "Ctrl-C stops at once. False: the signals keep their usual effect."
+            )
+        },
+    )
+    max_nonfinite_steps: int = field(
+        default=3,
+        metadata={
+            "help": (
+                "A window whose loss is NaN/inf on any rank is never stepped: its gradients are dropped (set to None, "
+                "so AdamW does not move either) with a warning naming the step; the step counter and the LR "
+                "scheduler still advance (the window's samples are consumed). More than this many such steps in a "
+                "row: training stops with a checkpoint and an error. 0: stop at the first."
+            )
+        },
+    )
 
     def __post_init__(self):
         # Cheap, device-free checks first: a wrong value must fail before any distributed setup.
@@ -118,6 +139,10 @@ class AccumTrainingArguments(TrainingArguments):
                 "(e.g. 1e-4 for float32); leave it unset to choose it from the precision."
             )
         self._check_tuner_fields()
+        if not isinstance(self.max_nonfinite_steps, int) or isinstance(self.max_nonfinite_steps, bool) \
+                or self.max_nonfinite_steps < 0:
+            raise ValueError(f"max_nonfinite_steps={self.max_nonfinite_steps!r} must be an integer >= 0 "
+                             "(0: stop at the first non-finite loss).")
         if self.auto_find_batch_size and self.target_batch_size is not None:
             raise ValueError(
                 "auto_find_batch_size=True cannot be combined with target_batch_size: accelerate's back-off restarts "

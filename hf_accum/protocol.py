@@ -12,11 +12,14 @@ Phases of one window (``begin`` .. ``finish``), under the ``rerun`` policy:
     FINAL --after_final_forward: any(oom)--> BACKWARD                    (the final backward may synchronize)
                                         \\-> DRAINING --drained--> RESTART  (complete the DDP iteration, then re-run)
     RESTART --rerun--> RUNNING   (same window, same count: no new sum)
-    BACKWARD --finish--> IDLE
+    BACKWARD --done: any(non-finite loss, stop requested)--> IDLE    (skip this optimizer step? stop after it?)
 
-Collectives per window (world > 1): a normal window 3 (sum, any, any); an OOM in a non-final forward 2 + 2 per
-re-run; an OOM in the final forward 3 + 2 per re-run; an OOM in the final backward 3, then every rank stops
-(`StopTraining`): the other ranks are inside that backward's gradient all-reduce, so no agreement can follow.
+Collectives per window (world > 1): a normal window 4 (sum, any, any, and `done`'s one exchange of two flags); an
+OOM in a non-final forward 2 + 2 per re-run + 1; an OOM in the final forward 3 + 2 per re-run + 1; an OOM in the
+final backward 3, then every rank stops (`StopTraining`): the other ranks are inside that backward's gradient
+all-reduce, so no agreement can follow. `done` is where ranks agree to skip a step whose window loss is not
+finite on some rank, and to stop after this step when some rank was asked to (SIGTERM, SIGINT): every rank then
+skips, and stops, after the same step.
 
 Policies, by engine:
 - ``rerun`` (one process, or DDP): a rank that ran out of memory skips its remaining non-final forwards (DDP's
@@ -61,6 +64,8 @@ class Collective(Protocol):
 
     def any(self, flag: bool) -> bool: ...
 
+    def any_of(self, flags: tuple[bool, ...]) -> tuple[bool, ...]: ...
+
 
 class Local:
     """One process: nothing to exchange."""
@@ -72,6 +77,9 @@ class Local:
 
     def any(self, flag: bool) -> bool:
         return flag
+
+    def any_of(self, flags: tuple[bool, ...]) -> tuple[bool, ...]:
+        return tuple(flags)
 
 
 class TorchDistributed:
@@ -86,9 +94,12 @@ class TorchDistributed:
         return value
 
     def any(self, flag: bool) -> bool:
-        t = torch.tensor(float(flag), device=self.device)
+        return self.any_of((flag,))[0]
+
+    def any_of(self, flags: tuple[bool, ...]) -> tuple[bool, ...]:
+        t = torch.tensor([float(f) for f in flags], device=self.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return bool(t.item())
+        return tuple(bool(x) for x in t.tolist())
 
 
 class StopTraining(RuntimeError):
@@ -173,6 +184,17 @@ class WindowProtocol:
             raise StopTraining("out of memory inside the gradient-synchronizing backward pass")
         self.phase = Phase.RESTART
         raise Restart()
+
+    def done(self, nonfinite: bool, stop_requested: bool) -> tuple[bool, bool]:
+        """The window's gradients are complete on every rank: agree (1 collective) whether any rank's window loss
+        was not finite (every rank skips the optimizer step) and whether any rank was asked to stop (every rank
+        stops after this step). Returns (skip, stop)."""
+        self._expect(Phase.BACKWARD, Phase.FINAL, Phase.RUNNING)
+        self.phase = Phase.IDLE
+        if self.world == 1:
+            return nonfinite, stop_requested
+        skip, stop = self.collective.any_of((nonfinite, stop_requested))
+        return skip, stop
 
     def rerun(self) -> None:
         self._expect(Phase.RESTART)

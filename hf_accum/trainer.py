@@ -26,10 +26,12 @@ from transformers import Trainer, TrainerCallback
 
 from . import _compat
 from .accumulation_check import AccumulationCheck, run_accumulation_check
+from .args import AccumTrainingArguments
 from .loss import LabelSpec, label_spec
 from .oom import free_memory, is_oom
 from .plan import Plan, divisors
 from .plan_store import PLAN_FILE, load_stored_plan, save_plan
+from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted, StopRequest
 from .protocol import Local, StopTraining, TorchDistributed, WindowProtocol
 from .tuning import tune
 from .units import detect_unit, make_cutter
@@ -61,6 +63,10 @@ class AccumulationMixin:
         self._plan_key: dict | None = None
         self._engine: WindowEngine | None = None
         self._post_checked = False
+        self._nonfinite_streak = 0
+        self._stop_request = StopRequest()
+        if isinstance(self.args, AccumTrainingArguments) and self._normalization != "model":
+            self.add_callback(_StepControl(self))
         if getattr(self.args, "target_batch_size", None):  # only runs with a target have a plan to keep
             self.add_callback(_PlanInCheckpoints(self))
         if self._normalization == "model":
@@ -96,7 +102,18 @@ class AccumulationMixin:
         engine = self._window_engine(inputs)
         if not engine.active:  # called outside the Trainer loop: the window is this one batch
             engine.begin([inputs])
-        return engine.step(inputs, lambda chunk, final: self._chunk_step(model, chunk, final))
+        returned = engine.step(inputs, lambda chunk, final: self._chunk_step(model, chunk, final))
+        if not engine.active and engine.outcome.skip:
+            self._skip_step(model)
+        return returned
+
+    def _skip_step(self, model) -> None:
+        """A non-finite window loss on some rank: every rank drops the window's gradients (None, not zero: zero
+        gradients still move AdamW's moments and weights); `_StepControl` stops after too many in a row."""
+        model.zero_grad(set_to_none=True)
+        self._nonfinite_streak += 1
+        logger.warning("hf_accum: the loss of the window of optimizer step %d is not finite; that step is skipped "
+                       "(gradients dropped; %d in a row)", self.state.global_step + 1, self._nonfinite_streak)
 
     def _window_engine(self, batch) -> WindowEngine:
         if self._engine is None:
@@ -107,8 +124,10 @@ class AccumulationMixin:
         cutter = make_cutter(self.batch_unit or detect_unit(batch), self._label_spec())
         collective = TorchDistributed(world, self.args.device) if world > 1 else Local()
         policy = _compat.window_policy(self, self.collectives_in_compute_loss)
-        return WindowEngine(cutter, self._normalization, WindowProtocol(collective, policy),
-                            shrink=_weakly(self._shrink), reset=_weakly(self._zero_grad), device=self.args.device)
+        engine = WindowEngine(cutter, self._normalization, WindowProtocol(collective, policy),
+                              shrink=_weakly(self._shrink), reset=_weakly(self._zero_grad), device=self.args.device)
+        engine.stop_requested = self._stop_request.__bool__
+        return engine
 
     def _zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
@@ -250,16 +269,46 @@ class AccumulationMixin:
                 self.apply_plan(stored)  # the plan in force when the checkpoint was written (maybe downgraded)
             if getattr(self.args, "check_accumulation", False):
                 self.check_accumulation()
+            handle = getattr(self.args, "handle_preemption", False) and self._normalization != "model"
             try:
-                return super().train(resume_from_checkpoint, *args, **kwargs)
+                with self._stop_request.installed(handle):
+                    output = super().train(resume_from_checkpoint, *args, **kwargs)
             except StopTraining as exc:
                 raise StopTraining(self._stop_message(str(exc))) from None
+            self._raise_if_stopped()
+            return output
         finally:
             downgraded = self._engine is not None and self._engine.cut_units is not None
             if self._engine is not None:
                 self._engine.end()
             if downgraded and self.plan is not None:
                 self.apply_plan(self.plan)  # the downgraded plan becomes the configured one for later calls
+
+    def _raise_if_stopped(self) -> None:
+        """After the Trainer's loop ended early on our request: say where the checkpoint is and how to resume."""
+        where = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+        limit = getattr(self.args, "max_nonfinite_steps", None)
+        if limit is not None and self._nonfinite_streak > limit:
+            raise RuntimeError(
+                f"hf_accum: {self._nonfinite_streak} optimizer steps in a row had a non-finite loss (NaN/inf), "
+                f"more than max_nonfinite_steps={limit}; training stopped at step {self.state.global_step} with "
+                f"finite weights saved to {where}. Lower the learning rate, check the data around these steps, or "
+                "enable bf16 instead of fp16; then resume from that checkpoint."
+            )
+        request = self._stop_request
+        if self._engine is not None and self._engine.outcome.stop:
+            took = request.seconds_since()
+            late = (f" That took {took:.1f} s, longer than torchrun's {TORCHRUN_GRACE_S} s grace period: under a "
+                    "launcher the processes may be killed before the checkpoint is complete; save more often."
+                    if took > TORCHRUN_GRACE_S else f" ({took:.1f} s after the signal.)")
+            message = (
+                f"hf_accum: stopped by {request.signal_name or 'another rank'} after optimizer step "
+                f"{self.state.global_step}; checkpoint saved to {where}.{late} Resume with "
+                f"trainer.train(resume_from_checkpoint={where!r}) (or resume_from_checkpoint=True for the newest "
+                f"checkpoint in {self.args.output_dir}). Exit code {EXIT_PREEMPTED}."
+            )
+            logger.warning(message)  # a SystemExit prints nothing by itself
+            raise Preempted(message)
 
     def _check_output_dir(self, resume_from_checkpoint) -> Plan | None:
         """A run's checkpoints belong to its target batch: resuming or continuing with another is an error.
@@ -305,6 +354,25 @@ class AccumulationMixin:
             self.args.per_device_eval_batch_size = max(1, old // 2)
             logger.warning("hf_accum: out of memory in evaluation; per_device_eval_batch_size %d -> %d",
                            old, self.args.per_device_eval_batch_size)
+
+
+class _StepControl(TrainerCallback):
+    """Ends the Trainer's loop, with a checkpoint, after a step the ranks agreed to stop at (a signal) or after
+    too many non-finite steps in a row. Holds the trainer weakly."""
+
+    def __init__(self, trainer):
+        self._trainer = weakref.ref(trainer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if trainer is None or trainer._engine is None:
+            return
+        outcome = trainer._engine.outcome
+        if not outcome.skip:
+            trainer._nonfinite_streak = 0
+        if outcome.stop or trainer._nonfinite_streak > args.max_nonfinite_steps:
+            control.should_save = True
+            control.should_training_stop = True
 
 
 def _weakly(method):

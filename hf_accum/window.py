@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +42,8 @@ class WindowEngine:
         self._batches: Sequence = ()
         self._index = 0
         self._returned: list[torch.Tensor] = []
+        self.stop_requested: Callable[[], bool] = lambda: False  # e.g. a signal arrived (preemption.py)
+        self.outcome = WindowOutcome()
 
     @property
     def active(self) -> bool:
@@ -81,8 +84,14 @@ class WindowEngine:
             returned = self._rerun_window(run_chunk)
         self._returned.append(returned)
         if last:
-            self.protocol.finish()
+            self._done()
         return returned
+
+    def _done(self) -> None:
+        loss = sum(self._returned[1:], self._returned[0])
+        nonfinite = not bool(torch.isfinite(loss).all())  # one host sync per optimizer step, none per micro-step
+        skip, stop = self.protocol.done(nonfinite, self.stop_requested())
+        self.outcome = WindowOutcome(skip=skip, stop=stop, loss=loss.detach())
 
     def end(self) -> None:
         self.window, self._batches, self._index, self._returned = None, (), 0, []
@@ -157,6 +166,15 @@ class WindowEngine:
 
     def _zero(self) -> torch.Tensor:
         return torch.zeros((), device=self.device)
+
+
+@dataclass(frozen=True)
+class WindowOutcome:
+    """What the ranks agreed when the window's gradients were complete."""
+
+    skip: bool = False  # some rank's window loss was not finite: no optimizer step on this window
+    stop: bool = False  # some rank was asked to stop: every rank stops after this step
+    loss: torch.Tensor | None = None  # this rank's share of the window loss
 
 
 def _cannot_shrink(units):

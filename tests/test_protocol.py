@@ -29,6 +29,11 @@ class FakeCollective:
         other = self.other_flags.pop(0) if self.other_flags else False
         return flag or other
 
+    def any_of(self, flags):
+        self.calls.append(("any_of", flags))
+        other = self.other_flags.pop(0) if self.other_flags else (False,) * len(flags)
+        return tuple(a or b for a, b in zip(flags, other))
+
 
 def oom():
     return torch.OutOfMemoryError("CUDA out of memory (injected)")
@@ -73,12 +78,12 @@ def run_window(eng, rank, window):
     return [eng.step(b, rank.run_chunk) for b in window]
 
 
-def test_normal_window_makes_three_collectives():
+def test_normal_window_makes_four_collectives():
     c = FakeCollective()
     eng = engine(c)
     rank = FakeRank(eng)
     run_window(eng, rank, batches())
-    assert c.calls == [("sum",), ("any", False), ("any", False)]
+    assert c.calls == [("sum",), ("any", False), ("any", False), ("any_of", (False, False))]
     assert rank.forwards == 2 and eng.protocol.phase is Phase.IDLE
 
 
@@ -88,7 +93,7 @@ def test_oom_mid_window_skips_then_reruns_together():
     rank = FakeRank(eng, fail={"fwd:1"})
     run_window(eng, rank, batches())
     # count; before-final says "I ran out" -> all restart; the re-run: before/after final again
-    assert c.calls == [("sum",), ("any", True), ("any", False), ("any", False)]
+    assert c.calls == [("sum",), ("any", True), ("any", False), ("any", False), ("any_of", (False, False))]
     assert rank.sizes == [2, 2, 2, 2] and eng.cut_units == 2  # the whole window again, cut at 2 rows
 
 
@@ -97,7 +102,7 @@ def test_other_ranks_oom_mid_window_restarts_this_one_too():
     eng = engine(c)
     rank = FakeRank(eng)
     run_window(eng, rank, batches())
-    assert c.calls == [("sum",), ("any", False), ("any", False), ("any", False)]
+    assert c.calls == [("sum",), ("any", False), ("any", False), ("any", False), ("any_of", (False, False))]
     assert rank.sizes == [4, 2, 2, 2, 2]  # its first forward ran, then the window again at the smaller cut
 
 
@@ -107,7 +112,7 @@ def test_oom_in_the_final_forward_drains_then_reruns():
     rank = FakeRank(eng, fail={"fwd:2"})
     run_window(eng, rank, batches())
     # before-final (no OOM yet), after-final (mine) -> a drain iteration on a sliver, then re-run
-    assert c.calls == [("sum",), ("any", False), ("any", True), ("any", False), ("any", False)]
+    assert c.calls == [("sum",), ("any", False), ("any", True), ("any", False), ("any", False), ("any_of", (False, False))]
     assert rank.sizes[:2] == [4, 1]  # the drain forward ran one row (a sliver)
     assert rank.sizes[2:] == [2, 2, 2, 2]
 
@@ -122,7 +127,7 @@ def test_oom_in_the_final_backward_stops_every_rank():
 
 
 @pytest.mark.parametrize("fail", ["fwd:1", "fwd:2", "bwd:1", "bwd:2"])
-def test_stop_policy_makes_one_collective_and_stops_on_any_oom(fail):
+def test_stop_policy_stops_on_any_oom_after_the_count_alone(fail):
     c = FakeCollective()
     eng = engine(c, policy=Policy.STOP)
     with pytest.raises(StopTraining):
@@ -130,13 +135,13 @@ def test_stop_policy_makes_one_collective_and_stops_on_any_oom(fail):
     assert c.calls == [("sum",)]
 
 
-def test_stop_policy_normal_window_one_collective():
+def test_stop_policy_normal_window_two_collectives():
     c = FakeCollective()
     eng = engine(c, policy=Policy.STOP)
     rank = FakeRank(eng)
     run_window(eng, rank, batches())
     run_window(eng, rank, batches())
-    assert c.calls == [("sum",), ("sum",)]
+    assert c.calls == [("sum",), ("any_of", (False, False))] * 2
 
 
 @pytest.mark.parametrize("fail", ["fwd:1", "fwd:2", "bwd:1", "bwd:2"])
@@ -179,3 +184,34 @@ def _flags(fail):
     if "fwd:2" in fail:
         return [False, True, False, False]
     return []
+
+
+def test_non_finite_loss_on_one_rank_makes_every_rank_skip():
+    c = FakeCollective(other_flags=[False, False, (True, False)])  # the other rank's window loss was NaN
+    eng = engine(c)
+    run_window(eng, FakeRank(eng), batches())
+    assert eng.outcome.skip and not eng.outcome.stop
+
+
+def test_a_stop_request_on_one_rank_stops_every_rank_after_the_same_step():
+    c = FakeCollective(other_flags=[False, False, (False, True)])
+    eng = engine(c)
+    run_window(eng, FakeRank(eng), batches())
+    assert eng.outcome.stop and not eng.outcome.skip
+    eng.stop_requested = lambda: True  # this rank's own request, one process
+    solo = engine(Local())
+    solo.stop_requested = lambda: True
+    rank = FakeRank(solo)
+    run_window(solo, rank, batches())
+    assert solo.outcome.stop
+
+
+def test_nan_window_loss_is_reported_as_skip():
+    eng = engine(Local())
+
+    class NaNRank(FakeRank):
+        def run_chunk(self, chunk, final):
+            return super().run_chunk(chunk, final) * float("nan")
+
+    run_window(eng, NaNRank(eng), batches())
+    assert eng.outcome.skip

@@ -1,0 +1,87 @@
+"""A non-finite window loss is never stepped: the step is skipped (gradients dropped, weights finite, a warning
+naming it), training goes on; too many in a row stop with a checkpoint and a clear error; with two ranks, one
+rank's NaN makes both skip."""
+
+import logging
+import math
+import os
+
+import pytest
+import torch
+from transformers.trainer_callback import PrinterCallback
+
+from hf_accum import AccumTrainer, AccumTrainingArguments
+
+from .exactness import lm_examples, pad_collate, sum_over_items_loss, tiny_gpt2
+from .test_ddp import _torchrun
+
+
+class NaNAt:
+    """Forward hook making the model's logits NaN at the given (1-based) training forward calls."""
+
+    def __init__(self, model, calls):
+        self.calls, self.count = set(calls), 0
+        model.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        if not module.training:
+            return None
+        self.count += 1
+        if self.count in self.calls:
+            output.logits = output.logits * float("nan")
+        return output
+
+
+def run(out, nan_calls, max_steps=6, **kw):
+    model = tiny_gpt2()
+    args = AccumTrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, target_batch_size=4,
+        auto_tune=False, max_steps=max_steps, learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True,
+        seed=0, disable_tqdm=True, remove_unused_columns=False, logging_steps=1, optim="adamw_torch", **kw,
+    )
+    trainer = AccumTrainer(model=model, args=args, train_dataset=lm_examples(48, seed=6), data_collator=pad_collate,
+                           compute_loss_func=sum_over_items_loss)
+    trainer.remove_callback(PrinterCallback)
+    NaNAt(model, nan_calls)
+    return trainer
+
+
+def test_a_nan_step_is_skipped_and_training_goes_on(tmp_path, caplog):
+    trainer = run(tmp_path, nan_calls=[5])  # forward 5 = the first micro-batch of step 3
+    seen = {}
+
+    def before(module, args):  # weights entering step 4's forwards: after the skipped step 3
+        seen.setdefault("calls", 0)
+        seen["calls"] += 1
+        if seen["calls"] == 5:
+            seen["at_nan"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+        if seen["calls"] == 7:
+            seen["after_skip"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    trainer.model.register_forward_pre_hook(before)
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        trainer.train()
+    assert "optimizer step 3 is not finite; that step is skipped" in caplog.text
+    assert trainer.state.global_step == 6  # the step counter (and the scheduler) advanced
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    # AdamW did not move on the skipped step: gradients were None, not zero
+    assert all(torch.equal(seen["at_nan"][n], seen["after_skip"][n]) for n in seen["at_nan"])
+
+
+def test_too_many_nan_steps_in_a_row_stop_with_a_checkpoint(tmp_path):
+    trainer = run(tmp_path, nan_calls=range(5, 100), max_nonfinite_steps=2)
+    with pytest.raises(RuntimeError, match=r"3 optimizer steps in a row had a non-finite loss.*max_nonfinite_steps=2"
+                                           r".*stopped at step 5 with finite weights saved to .*checkpoint-5"):
+        trainer.train()
+    assert os.path.isdir(tmp_path / "checkpoint-5")
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+@pytest.mark.slow
+def test_nan_on_one_rank_makes_both_skip(tmp_path):
+    proc = _torchrun("nan_worker.py", tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = proc.stdout + proc.stderr
+    assert out.count("optimizer step 3 is not finite") == 2  # rank 1's NaN: both ranks skip
+    w0, w1 = (torch.load(tmp_path / f"final.rank{r}.pt") for r in (0, 1))
+    assert all(torch.equal(w0[k], w1[k]) and not math.isnan(float(w0[k].sum())) for k in w0)
