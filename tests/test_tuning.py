@@ -46,7 +46,7 @@ def test_plan_is_measured_applied_and_written(tmp_path, tok, caplog):
     assert all(t.peak_bytes <= 8 * MiB for t in result.trials if t.fits)
     stored = json.loads((tmp_path / PLAN_FILE).read_text())
     assert stored["plan"] == plan.to_dict()
-    assert stored["key"]["target_batch_size"] == 16 and stored["key"]["budget_bytes"] == 8 * MiB
+    assert stored["key"]["target_batch_size"] == 16 and stored["key"]["budget"] == {"memory_budget_bytes": 8 * MiB}
 
     trainer.train()
     assert trainer.state.global_step == 2
