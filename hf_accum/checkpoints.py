@@ -165,6 +165,10 @@ def _incomplete_message(info: CheckpointInfo, args) -> str:
     older = next((p for p in checkpoints_in(parent) if os.path.abspath(p) != os.path.abspath(info.path)
                   and inspect_checkpoint(p).complete), None)
     ways = []
+    target = current_target(args)
+    note = ""
+    if info.target_batch_size is not None and info.target_batch_size != target:
+        note = f" Whichever way, resume with target_batch_size={info.target_batch_size} (the run's), not {target}."
     if older is not None:
         ways.append(f"resume from {older}, the newest complete checkpoint (resume_from_checkpoint=True picks it)")
     if info.plan is None and info.target_batch_size is not None and _state_problem(info.path) is None:
@@ -173,4 +177,4 @@ def _incomplete_message(info: CheckpointInfo, args) -> str:
             f"hf_accum.checkpoints.restore_plan({info.path!r}, world_size={args.world_size}) and resume again"
         )
     ways.append("start over in another output_dir")
-    return f"Cannot resume from {info.path}: {info.problem}. To go on: " + "; or ".join(ways) + "."
+    return f"Cannot resume from {info.path}: {info.problem}. To go on: " + "; or ".join(ways) + "." + note

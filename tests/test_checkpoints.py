@@ -87,6 +87,7 @@ def test_a_checkpoint_without_a_readable_plan_is_not_resumed_at_another_target(r
         other.train(resume_from_checkpoint=str(out / "checkpoint-4"))
     message = str(info.value)
     assert message.startswith(f"Cannot resume from {out / 'checkpoint-4'}: its plan file")
+    assert message.endswith("Whichever way, resume with target_batch_size=8 (the run's), not 4.")
     assert f"resume from {out / 'checkpoint-2'}, the newest complete checkpoint" in message
     assert unchanged(other, before) and other.state.global_step == 0
 
