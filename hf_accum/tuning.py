@@ -46,8 +46,8 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
     if stored is not None:
         plan, record = stored
         figures = plan_figures(plan, budget, record.get("probe"), reused=True)
-        logger.warning("hf_accum: reusing the plan in %s (nothing that changes memory changed): %s",
-                       os.path.join(args.output_dir, PLAN_FILE), _summary(plan, figures, args))
+        _show("hf_accum: reusing the plan in %s (nothing that changes memory changed): %s", args,
+              os.path.join(args.output_dir, PLAN_FILE), _summary(plan, figures, args))
         _log_in_trainer(trainer, figures)
         return plan, None, key
 
@@ -77,7 +77,7 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
     where = ""
     if args.should_save:
         where = "; written to " + save_plan(args.output_dir, key, plan, result.to_dict())
-    logger.warning("hf_accum: %s%s", _summary(plan, figures, args), where)
+    _show("hf_accum: %s%s", args, _summary(plan, figures, args), where)
     _log_in_trainer(trainer, figures)
     return plan, result, key
 
@@ -126,6 +126,11 @@ def _summary(plan: Plan, figures: dict[str, float], args) -> str:
         else f"peak <= {_mib(peak)} per step (measured at micro-batch {at}), ")
     return (f"plan {plan.describe()} (target_batch_size={plan.target_batch_size}): {measured}budget {budget} "
             f"({asked}), {figures['hf_accum/probe_trials']} probe trials")
+
+
+def _show(message: str, args, *values) -> None:
+    """Once per run at warning level, so it is seen without any logging setup (other ranks: info)."""
+    (logger.warning if args.should_log else logger.info)(message, *values)
 
 
 def _mib(n: float) -> str:
