@@ -155,7 +155,7 @@ def _newest_complete(output_dir: str) -> CheckpointInfo:
         skipped.append(info)
     why = "".join(f" {i.path}: {i.problem}." for i in skipped)
     raise ValueError(
-        f"resume_from_checkpoint=True, but {output_dir} holds no complete checkpoint.{why or ' It holds none.'} "
+        f"resume_from_checkpoint=True, but {output_dir} holds no complete checkpoint.{why or ' It has no checkpoint-N folder.'} "
         "Train without resume_from_checkpoint to start over (in another output_dir to keep these folders)."
     )
 
