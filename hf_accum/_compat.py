@@ -159,3 +159,60 @@ def trl_metrics_untouched(trainer):
 def kineto_events(prof):
     """The finished profiler's raw kineto events (the `[memory]` events the CPU meter replays)."""
     return prof.profiler.kineto_results.events()
+
+def attn_implementation(model) -> str | None:
+    """The attention kernel the model runs (eager, sdpa, flash_attention_2, ...): it changes a step's memory.
+    transformers keeps it in the config's private `_attn_implementation` (5.17 to 5.23)."""
+    config = getattr(model, "config", None)
+    value = getattr(config, "_attn_implementation", None) if config is not None else None
+    return None if value is None else str(value)
+
+
+class _Opaque:
+    """Stands for every class in a checkpoint's pickled arguments: records state, runs no code."""
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
+            state = state[0]
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+
+def _unpickle_opaque(path: str) -> dict | None:
+    """The attributes of the object in a `torch.save` zip (`<archive>/data.pkl`), read without importing or
+    calling anything from it: every global becomes `_Opaque`, so a checkpoint's file can be inspected safely."""
+    import io
+    import pickle
+    import zipfile
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            return _Opaque
+
+        def persistent_load(self, pid):
+            return None
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next((n for n in archive.namelist() if n.endswith("/data.pkl")), None)
+            if name is None:
+                return None
+            data = archive.read(name)
+        obj = Unpickler(io.BytesIO(data)).load()
+    except Exception:  # an unreadable file is "unknown", decided by the caller
+        return None
+    return dict(obj.__dict__) if isinstance(obj, _Opaque) else None
+
+
+def saved_training_args(checkpoint: str) -> dict | None:
+    """The fields of the `TrainingArguments` a checkpoint was written with (transformers saves them as
+    `training_args.bin` in `save_model`, before `trainer_state.json`); None when absent or unreadable."""
+    import os
+
+    from transformers.trainer import TRAINING_ARGS_NAME
+
+    path = os.path.join(checkpoint, TRAINING_ARGS_NAME)
+    return _unpickle_opaque(path) if os.path.isfile(path) else None

@@ -61,7 +61,12 @@ class AccumTrainingArguments(TrainingArguments):
     )
     memory_budget: float = field(
         default=0.9,
-        metadata={"help": "Memory the auto-tuner may plan for, as a fraction (0, 1] of the device's capacity."},
+        metadata={
+            "help": (
+                "Memory the auto-tuner may plan for: a fraction (0, 1] of the memory this process can use when "
+                "training starts (the device's capacity minus what other processes hold); the rest is the margin."
+            )
+        },
     )
     memory_budget_bytes: int | None = field(
         default=None,
@@ -123,7 +128,9 @@ class AccumTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         # Cheap, device-free checks first: a wrong value must fail before any distributed setup.
-        if self.loss_normalization not in NORMALIZATIONS:
+        for name in ("check_accumulation", "auto_tune"):
+            _require_bool(name, getattr(self, name))
+        if not isinstance(self.loss_normalization, str) or self.loss_normalization not in NORMALIZATIONS:
             raise ValueError(
                 f"loss_normalization={self.loss_normalization!r} is not one of {list(NORMALIZATIONS)}. "
                 "Use 'tokens' for language modelling, 'samples' for one target per sample, 'model' to keep "
@@ -133,7 +140,9 @@ class AccumTrainingArguments(TrainingArguments):
         _require_positive("gradient_accumulation_steps", self.gradient_accumulation_steps)
         if self.target_batch_size is not None:
             _require_positive("target_batch_size", self.target_batch_size)
-        if self.check_accumulation_tolerance is not None and not self.check_accumulation_tolerance > 0:
+        if self.check_accumulation_tolerance is not None and not (
+            _is_number(self.check_accumulation_tolerance) and self.check_accumulation_tolerance > 0
+        ):
             raise ValueError(
                 f"check_accumulation_tolerance={self.check_accumulation_tolerance!r} must be > 0 "
                 "(e.g. 1e-4 for float32); leave it unset to choose it from the precision."
@@ -159,10 +168,10 @@ class AccumTrainingArguments(TrainingArguments):
         return self.auto_tune and self.target_batch_size is not None
 
     def _check_tuner_fields(self) -> None:
-        if not 0 < self.memory_budget <= 1:
+        if not (_is_number(self.memory_budget) and 0 < self.memory_budget <= 1):
             raise ValueError(
-                f"memory_budget={self.memory_budget!r} must be a fraction in (0, 1] of the device's memory "
-                "(e.g. 0.9); for an absolute budget set memory_budget_bytes."
+                f"memory_budget={self.memory_budget!r} must be a fraction in (0, 1] of the memory this process can "
+                "use when training starts (e.g. 0.9); for an absolute budget set memory_budget_bytes."
             )
         if self.memory_budget_bytes is not None:
             _require_positive("memory_budget_bytes", self.memory_budget_bytes)
@@ -170,7 +179,7 @@ class AccumTrainingArguments(TrainingArguments):
             _require_positive("probe_seq_len", self.probe_seq_len)
         if self.probe_max_micro_batch is not None:
             _require_positive("probe_max_micro_batch", self.probe_max_micro_batch)
-        if self.auto_tune_optimize not in ("memory", "throughput"):
+        if not isinstance(self.auto_tune_optimize, str) or self.auto_tune_optimize not in ("memory", "throughput"):
             raise ValueError(f"auto_tune_optimize={self.auto_tune_optimize!r} must be 'memory' or 'throughput'.")
 
     def _check_target_batch_size(self) -> None:
@@ -200,6 +209,15 @@ class AccumTrainingArguments(TrainingArguments):
     def effective_batch_size(self) -> int:
         """Samples per optimizer step over all ranks, as configured now."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False.")
 
 
 def _require_positive(name: str, value) -> None:

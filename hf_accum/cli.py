@@ -37,10 +37,11 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     b = p.add_mutually_exclusive_group()
-    b.add_argument("--budget", type=float, default=None, help="fraction (0, 1] of the device's memory")
+    b.add_argument("--budget", type=float, default=None,
+                   help="fraction (0, 1] of the memory this process can use now (default 0.9)")
     b.add_argument("--budget-bytes", type=int, default=None,
                    help=f"budget in bytes (default for the tiny model: {DEFAULT_PROBE_BUDGET_BYTES}; otherwise 0.9 "
-                        "of the device)")
+                        "of the usable memory)")
     p.add_argument("--max-micro-batch", type=int, default=None, help="largest micro-batch to try")
     p.add_argument("--optimize", choices=["memory", "throughput"], default="memory")
     p.add_argument("--json", default=None, help="write the measurements and plan to this JSON file")
@@ -107,7 +108,7 @@ def _run_probe(args: argparse.Namespace) -> int:
     try:
         result, plan = probe_model(
             model, seq_len=args.seq_len, target_batch_size=args.target_batch, world_size=args.world_size,
-            budget_bytes=budget_bytes, budget_fraction=args.budget,
+            budget_bytes=budget_bytes, budget_fraction=args.budget, budget_names=("--budget-bytes", "--budget"),
             autocast_dtype=torch.bfloat16 if args.bf16 else None, max_micro_batch=args.max_micro_batch,
             optimize=args.optimize, log=lambda msg: print(f"  {msg}", flush=True),
         )

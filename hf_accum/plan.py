@@ -100,6 +100,10 @@ class Plan:
     target_batch_size: int
 
     def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "gradient_accumulation_steps", "world_size", "target_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"inconsistent plan: {name}={value!r} is not a positive integer")
         product = self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
         if product != self.target_batch_size:
             raise ValueError(f"inconsistent plan: {self.describe()} but the product is {product}")

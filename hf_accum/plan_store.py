@@ -1,12 +1,17 @@
-"""The plan written to `output_dir`, and the key that says when it can be reused without probing.
+"""The plan written to `output_dir` (and into each checkpoint), and the key that says when it can be reused
+without probing. The one place that reads or writes `hf_accum_plan.json`.
 
-The key holds everything that changes the memory of a step or the plan: device and capacity, model config,
-sequence length, precision, LoRA / quantization, checkpointing, optimizer, budget, target, world size and the
-library versions. Any difference means a new probe.
+The key holds everything that changes the memory of a step or the plan: device and capacity, model config and
+attention implementation, sequence length, precision, LoRA / quantization, checkpointing, optimizer, the
+*requested* budget (a fraction of the memory usable at start, or bytes: never the bytes resolved from what other
+processes happened to hold), the probe's cap, target, world size and the library versions. Any difference means
+a new probe. `key_fields` builds it as one flat dict: adding a field is one line. `canonical` makes it JSON-stable
+across processes (sets, such as peft's `target_modules`, are sorted: their order follows the hash seed).
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 from importlib import metadata
@@ -14,12 +19,26 @@ from typing import Any
 
 import torch
 
+from . import _compat
 from .plan import Plan
 
 PLAN_FILE = "hf_accum_plan.json"
+_PLAN_FIELDS = ("micro_batch_size", "gradient_accumulation_steps", "world_size", "target_batch_size")
 
 
-def plan_key(trainer, *, seq_len: int, budget_bytes: int, capacity_bytes: int, device: str) -> dict[str, Any]:
+class PlanFileError(ValueError):
+    """A plan file exists but cannot be trusted; the message names the file and what is wrong."""
+
+
+def requested_budget(args) -> dict[str, Any]:
+    """The budget as the user asked for it: what the key stores."""
+    if getattr(args, "memory_budget_bytes", None) is not None:
+        return {"memory_budget_bytes": int(args.memory_budget_bytes)}
+    return {"memory_budget": float(args.memory_budget)}
+
+
+def key_fields(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> dict[str, Any]:
+    """Everything the plan depends on, one line each."""
     args, model = trainer.args, trainer.model
     config = getattr(model, "config", None)
     peft_config = getattr(model, "peft_config", None)
@@ -28,22 +47,46 @@ def plan_key(trainer, *, seq_len: int, budget_bytes: int, capacity_bytes: int, d
         "capacity_bytes": int(capacity_bytes),
         "model_class": type(model).__name__,
         "model_config": config.to_diff_dict() if config is not None else None,
+        "attn_implementation": _compat.attn_implementation(model),
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "peft": {k: v.to_dict() for k, v in peft_config.items()} if peft_config else None,
         "seq_len": int(seq_len),
         "bf16": bool(args.bf16),
         "fp16": bool(args.fp16),
-        "gradient_checkpointing": bool(args.gradient_checkpointing),
+        "gradient_checkpointing": _compat.checkpointing_enabled(args),
         "optim": str(args.optim),
         "optim_args": args.optim_args,
         "max_grad_norm": args.max_grad_norm,
-        "budget_bytes": int(budget_bytes),
+        "budget": requested_budget(args),
+        "probe_max_micro_batch": args.probe_max_micro_batch,
         "target_batch_size": args.target_batch_size,
         "world_size": args.world_size,
         "optimize": args.auto_tune_optimize,
         "versions": {name: _version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes")},
     }
+
+
+def plan_key(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> dict[str, Any]:
+    """The key, canonical: equal in every process that would measure the same memory."""
+    return canonical(key_fields(trainer, seq_len=seq_len, capacity_bytes=capacity_bytes, device=device))
+
+
+def canonical(value: Any) -> Any:
+    """``value`` as plain JSON data that does not depend on the process: dict keys sorted, sets sorted,
+    tuples as lists, enums by value, anything else JSON cannot hold as its ``str``."""
+    if isinstance(value, dict):
+        return {str(k): canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (set, frozenset)):
+        items = [canonical(v) for v in value]
+        return sorted(items, key=lambda v: json.dumps(v, sort_keys=True))
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return canonical(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
 
 
 def _version(name: str) -> str | None:
@@ -53,37 +96,66 @@ def _version(name: str) -> str | None:
         return torch.__version__ if name == "torch" else None
 
 
-def _jsonable(value):
-    return json.loads(json.dumps(value, default=str, sort_keys=True))
+# --- reading ---------------------------------------------------------------------------------------------
+def plan_from_record(record: Any, path: str) -> Plan:
+    """The plan of a parsed plan file; PlanFileError naming ``path`` when it is not a valid plan."""
+    plan = record.get("plan") if isinstance(record, dict) else None
+    if not isinstance(plan, dict):
+        raise PlanFileError(f"{path} has no \"plan\" object")
+    missing = [f for f in _PLAN_FIELDS if f not in plan]
+    if missing:
+        raise PlanFileError(f"{path}: the plan lacks {', '.join(missing)}")
+    for name in _PLAN_FIELDS:
+        value = plan[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanFileError(f"{path}: {name}={value!r} is not a positive integer")
+    try:
+        return Plan(**{name: plan[name] for name in _PLAN_FIELDS})
+    except ValueError as exc:
+        raise PlanFileError(f"{path}: {exc}") from None
+
+
+def read_plan_file(folder: str) -> tuple[Plan, dict[str, Any]] | None:
+    """The plan in ``folder`` and the whole record; None when there is no plan file; PlanFileError naming the
+    file when it is unreadable or invalid."""
+    path = os.path.join(folder, PLAN_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise PlanFileError(f"{path} cannot be read as JSON ({exc})") from None
+    return plan_from_record(record, path), record
 
 
 def load_stored_plan(folder: str) -> Plan | None:
-    """The plan stored in ``folder`` (an output_dir or a checkpoint), whatever its key."""
-    try:
-        with open(os.path.join(folder, PLAN_FILE)) as f:
-            return Plan(**json.load(f)["plan"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    """The plan stored in ``folder`` (an output_dir or a checkpoint), whatever its key; None when absent.
+    Raises PlanFileError when a plan file is there but corrupt or invalid: never silently ignored."""
+    found = read_plan_file(folder)
+    return None if found is None else found[0]
 
 
-def load_plan(output_dir: str, key: dict[str, Any]) -> Plan | None:
-    """The stored plan if its key equals ``key``; None when absent, unreadable or stale."""
-    path = os.path.join(output_dir, PLAN_FILE)
-    try:
-        with open(path) as f:
-            stored = json.load(f)
-    except (OSError, ValueError):
+def load_plan(output_dir: str, key: dict[str, Any]) -> tuple[Plan, dict[str, Any]] | None:
+    """The stored plan and its record if its key equals ``key``; None when absent or stale. Raises
+    PlanFileError when the file is corrupt or its plan invalid (the caller decides: warn and probe again)."""
+    found = read_plan_file(output_dir)
+    if found is None:
         return None
-    if stored.get("key") != _jsonable(key):
+    plan, record = found
+    if record.get("key") != canonical(key):
         return None
-    return Plan(**stored["plan"])
+    return plan, record
 
 
 def save_plan(output_dir: str, key: dict[str, Any], plan: Plan, probe: dict[str, Any] | None) -> str:
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, PLAN_FILE)
     tmp = path + ".tmp"
+    record = {"plan": plan.to_dict(), "key": canonical(key), "probe": canonical(probe)}
     with open(tmp, "w") as f:
-        json.dump({"plan": plan.to_dict(), "key": _jsonable(key), "probe": _jsonable(probe)}, f, indent=2)
+        json.dump(record, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)  # never leave a half-written plan behind
     return path

@@ -413,24 +413,39 @@ def random_token_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
 
 
 # --- the entry point for the trainer and the CLI -------------------------------------------------------------
-def resolve_budget(meter: Meter, budget_bytes: int | None, budget_fraction: float | None) -> int:
-    """The budget in bytes from exactly one of bytes / fraction of capacity; checked against the device."""
+def resolve_budget(
+    meter: Meter,
+    budget_bytes: int | None,
+    budget_fraction: float | None,
+    *,
+    names: tuple[str, str] = ("budget_bytes", "budget_fraction"),
+) -> int:
+    """The budget in bytes from exactly one of bytes / fraction. A fraction is of the memory this process can
+    use now (capacity minus what other processes hold), so the default keeps a margin on a shared device
+    instead of refusing to start. ``names``: how the caller's user spells the two (messages name them)."""
+    bytes_name, fraction_name = names
     capacity = meter.capacity_bytes()
+    usable = capacity - meter.unavailable_bytes()
+    held = f"{_gib(capacity)} capacity minus {_gib(capacity - usable)} held by other processes or outside torch"
     if budget_bytes is not None and budget_fraction is not None:
-        raise ValueError("give either budget_bytes or budget_fraction, not both")
+        raise ValueError(f"give either {bytes_name} or {fraction_name}, not both")
     if budget_bytes is None:
         fraction = DEFAULT_BUDGET_FRACTION if budget_fraction is None else budget_fraction
         if not 0 < fraction <= 1:
-            raise ValueError(f"budget_fraction={fraction} must be in (0, 1]: it is a fraction of {_gib(capacity)}")
-        budget_bytes = int(fraction * capacity)
+            raise ValueError(f"{fraction_name}={fraction} must be in (0, 1]: a fraction of the memory this process "
+                             f"can use on {meter.name} ({_gib(usable)} now)")
+        budget_bytes = int(fraction * usable)
+        if budget_bytes <= 0:
+            raise ValueError(f"{fraction_name}={fraction} leaves no memory on {meter.name}: {held}. Free memory "
+                             "held by other processes.")
+        return budget_bytes
     if budget_bytes <= 0:
-        raise ValueError(f"budget_bytes={budget_bytes} must be positive (the device has {_gib(capacity)})")
-    usable = capacity - meter.unavailable_bytes()
+        raise ValueError(f"{bytes_name}={budget_bytes} must be positive (the device has {_gib(capacity)})")
     if budget_bytes > usable:
         raise ValueError(
-            f"memory budget {_gib(budget_bytes)} exceeds what this process can use on {meter.name}: "
-            f"{_gib(capacity)} capacity minus {_gib(capacity - usable)} held by other processes or outside "
-            f"torch. Set budget_bytes <= {usable} or budget_fraction <= {usable / capacity:.2f}."
+            f"{bytes_name}={budget_bytes} ({_gib(budget_bytes)}) exceeds what this process can use on {meter.name} "
+            f"now: {held}. Set {fraction_name} instead (a fraction of the memory usable when the probe starts, "
+            f"e.g. 0.9), or free memory held by other processes."
         )
     return int(budget_bytes)
 
@@ -443,6 +458,7 @@ def probe_model(
     world_size: int = 1,
     budget_bytes: int | None = None,
     budget_fraction: float | None = None,
+    budget_names: tuple[str, str] = ("budget_bytes", "budget_fraction"),
     make_batch: MakeBatch | None = None,
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
     optimizer_kwargs: dict[str, Any] | None = None,
@@ -499,7 +515,7 @@ def probe_model(
             meter = CudaMeter(next(model.parameters()).device) if on_cuda else None
         if meter is None or (isinstance(meter, CpuMeter) and meter.resident is None):
             meter = CpuMeter(resident=lambda: live_tensor_bytes(model, opt))
-        budget = resolve_budget(meter, budget_bytes, budget_fraction)
+        budget = resolve_budget(meter, budget_bytes, budget_fraction, names=budget_names)
         step_fn = make_step_fn(
             model,
             opt,

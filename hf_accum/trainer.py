@@ -27,11 +27,13 @@ from transformers import Trainer, TrainerCallback
 from . import _compat
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments
+from .checkpoints import check_resume
 from .loss import LabelSpec, label_spec
 from .oom import free_memory, is_oom
 from .plan import Plan, divisors
-from .plan_store import PLAN_FILE, load_stored_plan, save_plan
+from .plan_store import PLAN_FILE, save_plan
 from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted, StopRequest
+from .preflight import check_training_data
 from .protocol import Local, StopTraining, TorchDistributed, WindowProtocol
 from .tuning import tune
 from .units import detect_unit, make_cutter
@@ -262,7 +264,8 @@ class AccumulationMixin:
         try:
             if self._normalization != "model":
                 self._label_spec()  # refuses a model whose loss hf_accum cannot drive exactly, before any work
-            stored = self._check_output_dir(resume_from_checkpoint)
+            check_training_data(self)
+            resume_from_checkpoint, stored = self._check_output_dir(resume_from_checkpoint)
             if getattr(self.args, "tunes", False) and self.plan is None:  # a tune() before train() counts
                 self.tune()
             elif stored is not None and resume_from_checkpoint:
@@ -310,25 +313,10 @@ class AccumulationMixin:
             logger.warning(message)  # a SystemExit prints nothing by itself
             raise Preempted(message)
 
-    def _check_output_dir(self, resume_from_checkpoint) -> Plan | None:
-        """A run's checkpoints belong to its target batch: resuming or continuing with another is an error.
-        Returns the plan stored with the checkpoint resumed from (or the output_dir's last one)."""
-        from transformers.trainer_utils import get_last_checkpoint
-
-        if isinstance(resume_from_checkpoint, str):
-            where = resume_from_checkpoint
-        else:
-            where = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
-        stored = load_stored_plan(where) if where else None
-        target = getattr(self.args, "target_batch_size", None) or self.args.per_device_train_batch_size * (
-            self.args.gradient_accumulation_steps * self.args.world_size)
-        if stored is not None and stored.target_batch_size != target:
-            raise ValueError(
-                f"{where} holds a run trained with target_batch_size={stored.target_batch_size}, but "
-                f"target_batch_size={target} now. Resume with target_batch_size={stored.target_batch_size}, or "
-                "start the new run in another output_dir."
-            )
-        return stored
+    def _check_output_dir(self, resume_from_checkpoint):
+        """A run's checkpoints belong to its target batch (see `checkpoints.check_resume`). Returns the checkpoint
+        to resume (True resolved to the newest complete one) and the plan stored with it."""
+        return check_resume(self.args, resume_from_checkpoint)
 
     # --- self-check -------------------------------------------------------------------------------------------
     def check_accumulation(self, num_micro_batches: int | None = None, tolerance: float | None = None) -> AccumulationCheck:

@@ -7,17 +7,19 @@ trainer; the plan is applied by `AccumTrainer.apply_plan` alone.
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from . import _compat
 from .loss import loss_shifts_labels
 from .meters import CpuMeter, CudaMeter, Meter
 from .plan import Plan
-from .plan_store import load_plan, plan_key, save_plan
+from .plan_store import PLAN_FILE, PlanFileError, load_plan, plan_key, save_plan
 from .probe import ProbeResult, probe_model, random_token_batch, resolve_budget
 
 logger = logging.getLogger(__name__)
@@ -28,20 +30,26 @@ def default_meter(model: torch.nn.Module) -> Meter:
     return CudaMeter(device) if device.type == "cuda" else CpuMeter()
 
 
+BUDGET_NAMES = ("memory_budget_bytes", "memory_budget")  # the arguments a budget message must name
+
+
 def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
     """Returns the plan, what the probe measured (None when the stored plan was reused) and the plan's key."""
     args = trainer.args
     _log_ignored_batch_settings(args)
     meter = default_meter(trainer.model)
     fraction = None if args.memory_budget_bytes is not None else args.memory_budget
-    budget = resolve_budget(meter, args.memory_budget_bytes, fraction)
+    budget = resolve_budget(meter, args.memory_budget_bytes, fraction, names=BUDGET_NAMES)
     make_batch, seq_len = probe_batches(trainer)
     device = str(meter.describe().get("device", meter.name))
-    key = plan_key(trainer, seq_len=seq_len, budget_bytes=budget, capacity_bytes=meter.capacity_bytes(), device=device)
-    plan = load_plan(args.output_dir, key)
-    if plan is not None:
-        logger.info("hf_accum: reusing the plan in %s (nothing that changes memory changed): %s",
-                    args.output_dir, plan.describe())
+    key = plan_key(trainer, seq_len=seq_len, capacity_bytes=meter.capacity_bytes(), device=device)
+    stored = _stored_plan(args.output_dir, key)
+    if stored is not None:
+        plan, record = stored
+        figures = plan_figures(plan, budget, record.get("probe"), reused=True)
+        _show("hf_accum: reusing the plan in %s (nothing that changes memory changed): %s", args,
+              os.path.join(args.output_dir, PLAN_FILE), _summary(plan, figures, args))
+        _log_in_trainer(trainer, figures)
         return plan, None, key
 
     _compat.enable_checkpointing(trainer.model, args)  # as train() will, so the probe measures it
@@ -53,6 +61,7 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
         target_batch_size=args.target_batch_size,
         world_size=args.world_size,
         budget_bytes=budget,
+        budget_names=BUDGET_NAMES,
         make_batch=make_batch,
         optimizer_cls=optimizer_cls,
         optimizer_kwargs=optimizer_kwargs,
@@ -65,11 +74,87 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
         optimize=args.auto_tune_optimize,
         log=logger.info,
     )
-    logger.info("hf_accum: plan %s (largest micro-batch that fits: %d, budget %d bytes)",
-                plan.describe(), result.max_micro_batch_size, budget)
+    figures = plan_figures(plan, budget, result.to_dict(), reused=False)
+    where = ""
     if args.should_save:
-        save_plan(args.output_dir, key, plan, result.to_dict())
+        where = "; written to " + save_plan(args.output_dir, key, plan, result.to_dict())
+    _show("hf_accum: %s%s", args, _summary(plan, figures, args), where)
+    _log_in_trainer(trainer, figures)
     return plan, result, key
+
+
+def _stored_plan(output_dir: str, key: dict[str, Any]):
+    """The reusable stored plan, or None. A plan file that cannot be trusted is named, then probed over."""
+    try:
+        return load_plan(output_dir, key)
+    except PlanFileError as exc:
+        logger.warning("hf_accum: ignoring the stored plan: %s. Probing again; the file will be rewritten.", exc)
+        return None
+
+
+# --- what the user sees ----------------------------------------------------------------------------------
+def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *, reused: bool) -> dict[str, float]:
+    """The plan and what the probe measured, as the numbers the Trainer logs (so `report_to` records them)."""
+    figures: dict[str, float] = {
+        "hf_accum/micro_batch_size": plan.micro_batch_size,
+        "hf_accum/gradient_accumulation_steps": plan.gradient_accumulation_steps,
+        "hf_accum/world_size": plan.world_size,
+        "hf_accum/target_batch_size": plan.target_batch_size,
+        "hf_accum/budget_bytes": int(budget_bytes),
+        "hf_accum/plan_reused": int(reused),
+    }
+    trials = (probe or {}).get("trials") or []
+    measured = [t for t in trials if isinstance(t, dict) and t.get("status") != "refused"]
+    figures["hf_accum/probe_trials"] = len(measured)
+    # The plan's micro-batch may not have been run (a larger one was, and fit): the smallest fitting size at or
+    # above it is a measured upper bound of its peak.
+    above = [t for t in measured if t.get("fits") and t.get("peak_bytes") and t["micro_batch_size"] >= plan.micro_batch_size]
+    if above:
+        nearest = min(above, key=lambda t: t["micro_batch_size"])
+        figures["hf_accum/peak_bytes_per_step"] = int(nearest["peak_bytes"])
+        figures["hf_accum/peak_measured_at_micro_batch"] = int(nearest["micro_batch_size"])
+    return figures
+
+
+def _summary(plan: Plan, figures: dict[str, float], args) -> str:
+    budget = _mib(figures["hf_accum/budget_bytes"])
+    asked = (f"memory_budget_bytes={args.memory_budget_bytes}" if args.memory_budget_bytes is not None
+             else f"memory_budget={args.memory_budget} of the memory usable at start")
+    peak = figures.get("hf_accum/peak_bytes_per_step")
+    at = figures.get("hf_accum/peak_measured_at_micro_batch")
+    measured = "" if peak is None else (
+        f"peak {_mib(peak)} per step, " if at == plan.micro_batch_size
+        else f"peak <= {_mib(peak)} per step (measured at micro-batch {at}), ")
+    return (f"plan {plan.describe()} (target_batch_size={plan.target_batch_size}): {measured}budget {budget} "
+            f"({asked}), {figures['hf_accum/probe_trials']} probe trials")
+
+
+def _show(message: str, args, *values) -> None:
+    """Once per run at warning level, so it is seen without any logging setup (other ranks: info)."""
+    (logger.warning if args.should_log else logger.info)(message, *values)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class PlanLog(TrainerCallback):
+    """Logs the plan's figures through the Trainer when training begins (after `train()` creates the state
+    whose log history and `report_to` integrations record them). Holds the trainer weakly."""
+
+    def __init__(self, trainer, figures: dict[str, float]):
+        self._trainer = weakref.ref(trainer)
+        self.figures = figures
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer.log(dict(self.figures))
+
+
+def _log_in_trainer(trainer, figures: dict[str, float]) -> None:
+    trainer.pop_callback(PlanLog)  # a second tune() replaces the figures of the first
+    trainer.add_callback(PlanLog(trainer, figures))
 
 
 def probe_batches(trainer) -> tuple[Callable[[int], dict[str, Any]], int]:

@@ -42,6 +42,11 @@ def test_cli_flags_and_yaml(tmp_path):
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0 must be a positive integer"),
         ({"loss_normalization": "mean"}, "loss_normalization='mean' is not one of"),
         ({"check_accumulation_tolerance": 0.0}, "check_accumulation_tolerance=0.0 must be > 0"),
+        ({"check_accumulation_tolerance": "1e-4"}, "check_accumulation_tolerance='1e-4' must be > 0"),
+        ({"target_batch_size": "32"}, "target_batch_size='32' must be a positive integer"),
+        ({"target_batch_size": 32.0}, "target_batch_size=32.0 must be a positive integer"),
+        ({"check_accumulation": "yes"}, "check_accumulation='yes' must be True or False"),
+        ({"loss_normalization": None}, "loss_normalization=None is not one of"),
     ],
 )
 def test_bad_arguments_say_the_fix(tmp_path, kwargs, message):

@@ -71,3 +71,10 @@ def test_8bit_on_a_machine_without_cuda_is_refused_before_loading():
         pytest.skip("this machine has CUDA: 8-bit is allowed")
     with pytest.raises(SystemExit, match="8-bit .* needs a CUDA GPU; on CPU use --load-in-4bit"):
         main(["probe", "--load-in-8bit"])
+
+
+def test_probe_budget_errors_name_the_flags():
+    with pytest.raises(SystemExit) as info:
+        main(["probe", "--seq-len", "16", "--budget-bytes", str(2**60)])
+    message = str(info.value)
+    assert message.startswith(f"hf-accum probe: --budget-bytes={2**60} ") and "Set --budget instead" in message

@@ -94,3 +94,36 @@ def test_fsdp2_and_ddp_are_told_apart():
     with _compat.no_gradient_sync(model):
         pass
     assert _compat.world_size() == 1
+
+def test_training_args_are_saved_before_trainer_state_and_read_without_unpickling_code(tmp_path, monkeypatch):
+    # checkpoints.py knows a run's target from training_args.bin even when the plan file written after
+    # trainer_state.json is lost: that needs transformers to write the arguments first.
+    import os
+
+    from transformers.trainer_callback import TrainerState
+
+    from hf_accum import _compat
+
+    from .test_checkpoints import trainer_for
+
+    seen = []
+    original = TrainerState.save_to_json
+
+    def save_to_json(self, json_path):
+        seen.append(_compat.saved_training_args(os.path.dirname(json_path)))
+        return original(self, json_path)
+
+    monkeypatch.setattr(TrainerState, "save_to_json", save_to_json)
+    trainer_for(tmp_path / "run", micro=2, accum=2, stop=1).train()
+    assert seen and seen[0]["target_batch_size"] == 4 and seen[0]["gradient_accumulation_steps"] == 2
+    assert _compat.saved_training_args(str(tmp_path / "absent")) is None
+
+
+def test_attn_implementation_is_read_from_the_config():
+    from hf_accum import _compat
+    from hf_accum.tiny import build_model
+
+    model = build_model()
+    assert _compat.attn_implementation(model) == "sdpa"
+    model.set_attn_implementation("eager")
+    assert _compat.attn_implementation(model) == "eager"

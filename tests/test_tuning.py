@@ -3,11 +3,13 @@
 import json
 import logging
 import os
+import re
 
 import pytest
 import torch
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
+from hf_accum.meters import CpuMeter
 from hf_accum.plan_store import PLAN_FILE
 from hf_accum.probe import NothingFitsError
 from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
@@ -46,7 +48,7 @@ def test_plan_is_measured_applied_and_written(tmp_path, tok, caplog):
     assert all(t.peak_bytes <= 8 * MiB for t in result.trials if t.fits)
     stored = json.loads((tmp_path / PLAN_FILE).read_text())
     assert stored["plan"] == plan.to_dict()
-    assert stored["key"]["target_batch_size"] == 16 and stored["key"]["budget_bytes"] == 8 * MiB
+    assert stored["key"]["target_batch_size"] == 16 and stored["key"]["budget"] == {"memory_budget_bytes": 8 * MiB}
 
     trainer.train()
     assert trainer.state.global_step == 2
@@ -81,20 +83,75 @@ def test_tuning_off_uses_given_sizes(tmp_path, tok):
         ({"probe_seq_len": 0}, "probe_seq_len=0 must be a positive integer"),
         ({"probe_max_micro_batch": 0}, "probe_max_micro_batch=0 must be a positive integer"),
         ({"auto_tune_optimize": "speed"}, "auto_tune_optimize='speed' must be"),
+        ({"memory_budget": "abc"}, "memory_budget='abc' must be a fraction in"),
+        ({"memory_budget": None}, "memory_budget=None must be a fraction in"),
+        ({"memory_budget_bytes": "8GB"}, "memory_budget_bytes='8GB' must be a positive integer"),
+        ({"auto_tune": "no"}, "auto_tune='no' must be True or False"),
+        ({"auto_tune_optimize": ["memory"]}, "auto_tune_optimize=['memory'] must be"),
         ({"auto_tune": False, "target_batch_size": 16, "per_device_train_batch_size": 3},
          "auto_tune is off, so target_batch_size=16"),
     ],
 )
 def test_bad_tuner_arguments(tmp_path, kw, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         AccumTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
 
 
-def test_budget_above_capacity_fails_before_any_step(tmp_path, tok):
+def test_budget_above_capacity_fails_before_any_step_naming_the_real_arguments(tmp_path, tok):
     trainer = make(tmp_path, tok, memory_budget_bytes=2**60)
-    with pytest.raises(ValueError, match="exceeds what this process can use"):
+    with pytest.raises(ValueError, match="exceeds what this process can use") as info:
         trainer.tune()
+    message = str(info.value)
+    assert message.startswith(f"memory_budget_bytes={2**60} ") and "Set memory_budget instead" in message
+    assert "budget_fraction" not in message and "budget_bytes <=" not in message
     assert trainer.probe_result is None
+
+
+def _others_hold(monkeypatch, share):
+    """Other processes hold ``share`` of the machine's memory (as the CPU meter sees it)."""
+    monkeypatch.setattr(CpuMeter, "unavailable_bytes", lambda self: int(self.capacity_bytes() * share))
+
+
+def test_the_default_budget_is_a_fraction_of_what_this_process_can_use(tmp_path, tok, monkeypatch):
+    # Other processes hold 60%: the default memory_budget=0.9 still starts, planning for 90% of the other 40%.
+    _others_hold(monkeypatch, 0.6)
+    trainer = make(tmp_path, tok, memory_budget_bytes=None, probe_max_micro_batch=4)
+    assert trainer.args.memory_budget == 0.9
+    plan = trainer.tune()
+    capacity = CpuMeter().capacity_bytes()
+    assert trainer.probe_result.budget_bytes == int(0.9 * (capacity - int(capacity * 0.6)))
+    assert plan.micro_batch_size == 4
+    stored = json.loads((tmp_path / PLAN_FILE).read_text())
+    assert stored["key"]["budget"] == {"memory_budget": 0.9}  # what was asked, not the bytes it came to
+    # Others' memory moves: the plan is reused, not probed again.
+    _others_hold(monkeypatch, 0.3)
+    again = make(tmp_path, tok, memory_budget_bytes=None, probe_max_micro_batch=4)
+    assert again.tune() == plan and again.probe_result is None
+
+
+def test_plan_and_measurements_are_shown_by_default_and_in_the_trainers_logs(tmp_path, tok, caplog):
+    trainer = make(tmp_path, tok)
+    caplog.set_level(logging.WARNING)  # what a user without logging configuration sees
+    trainer.train()
+    plan = trainer.plan
+    shown = [r.getMessage() for r in caplog.records if r.name.startswith("hf_accum") and r.levelno >= logging.WARNING]
+    assert len(shown) == 1, shown
+    assert shown[0].startswith(f"hf_accum: plan {plan.describe()} (target_batch_size=16): peak ")
+    assert "budget 8.0 MiB (memory_budget_bytes=8388608)" in shown[0] and "probe trials" in shown[0]
+    logged = next(e for e in trainer.state.log_history if "hf_accum/micro_batch_size" in e)
+    measured = [t for t in trainer.probe_result.trials if t.status != "refused"]
+    assert logged["hf_accum/micro_batch_size"] == plan.micro_batch_size
+    assert logged["hf_accum/gradient_accumulation_steps"] == plan.gradient_accumulation_steps
+    assert logged["hf_accum/budget_bytes"] == 8 * MiB and logged["hf_accum/probe_trials"] == len(measured)
+    assert logged["hf_accum/peak_bytes_per_step"] in {t.peak_bytes for t in measured if t.fits}
+    assert logged["hf_accum/plan_reused"] == 0
+    caplog.clear()
+    reused = make(tmp_path, tok)
+    reused.train()
+    shown = [r.getMessage() for r in caplog.records if r.name.startswith("hf_accum") and r.levelno >= logging.WARNING]
+    assert len(shown) == 1 and shown[0].startswith("hf_accum: reusing the plan in ")
+    logged = next(e for e in reused.state.log_history if "hf_accum/micro_batch_size" in e)
+    assert logged["hf_accum/plan_reused"] == 1 and logged["hf_accum/micro_batch_size"] == plan.micro_batch_size
 
 
 def test_probe_seq_len_beyond_the_model(tmp_path, tok):

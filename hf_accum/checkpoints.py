@@ -1,0 +1,180 @@
+"""Which checkpoint a run may resume, and with which plan.
+
+A checkpoint belongs to its run's target batch: resuming it with another target would skip or repeat samples. Its
+target is known from two places: the plan file (`hf_accum_plan.json`, written by the trainer's `on_save`, so
+*after* transformers' `trainer_state.json`) and the arguments transformers saves first (`training_args.bin`).
+
+A checkpoint is *complete* when its `trainer_state.json` reads and, if the arguments it was written with set a
+`target_batch_size` (or it holds a plan file at all), its plan reads and is valid. A run killed between
+`trainer_state.json` and the plan leaves an incomplete checkpoint: `resume_from_checkpoint=True` skips it (and
+says so), an explicit path to it is refused with the way out. Checkpoints of plain `Trainer` runs (no target, no
+plan file) stay resumable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+from . import _compat
+from .plan import Plan, divisors
+from .plan_store import PLAN_FILE, PlanFileError, load_stored_plan, save_plan
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME, written last by _save_checkpoint
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR naming
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: str
+    plan: Plan | None  # the plan stored with it, when readable
+    target_batch_size: int | None  # the run's target: the plan's, else its saved arguments'
+    problem: str | None  # why it cannot be resumed; None when complete
+
+    @property
+    def complete(self) -> bool:
+        return self.problem is None
+
+
+def inspect_checkpoint(path: str) -> CheckpointInfo:
+    """What ``path`` holds, and why it is not complete (None when it is)."""
+    problem = _state_problem(path)
+    saved = _compat.saved_training_args(path) or {}
+    saved_target = saved.get("target_batch_size")
+    saved_target = saved_target if isinstance(saved_target, int) and not isinstance(saved_target, bool) else None
+    plan = None
+    try:
+        plan = load_stored_plan(path)
+    except PlanFileError as exc:
+        problem = problem or f"its plan file is corrupt: {exc}"
+    else:
+        if plan is None and saved_target is not None:
+            problem = problem or (
+                f"its plan file {PLAN_FILE} is missing, although the run had target_batch_size={saved_target} (the "
+                "run was probably stopped while the checkpoint was written)"
+            )
+    target = plan.target_batch_size if plan is not None else saved_target
+    return CheckpointInfo(path, plan, target, problem)
+
+
+def _state_problem(path: str) -> str | None:
+    state = os.path.join(path, TRAINER_STATE)
+    if not os.path.isfile(state):
+        return f"{TRAINER_STATE} is missing (the run was stopped while the checkpoint was written)"
+    try:
+        with open(state) as f:
+            json.load(f)["global_step"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        return f"{TRAINER_STATE} is unreadable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def checkpoints_in(output_dir: str) -> list[str]:
+    """The checkpoint folders of ``output_dir``, newest (highest step) first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(m.group(1)), name) for name in os.listdir(output_dir)
+             if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
+    return [os.path.join(output_dir, name) for _, name in sorted(found, reverse=True)]
+
+
+def newest_complete_checkpoint(output_dir: str) -> str | None:
+    """The highest-step checkpoint of ``output_dir`` that can be resumed; None when there is none."""
+    return next((p for p in checkpoints_in(output_dir) if inspect_checkpoint(p).complete), None)
+
+
+def restore_plan(checkpoint: str, world_size: int = 1) -> Plan:
+    """Write back the plan file of a checkpoint that lost it, from the target its saved arguments hold.
+
+    The micro-batch is the largest divisor of the per-rank target not above the one the run started with (any
+    micro-batch gives the same optimizer steps; only the target matters for exactness). Returns the plan."""
+    saved = _compat.saved_training_args(checkpoint) or {}
+    target = saved.get("target_batch_size")
+    if not isinstance(target, int) or isinstance(target, bool) or target < 1:
+        raise ValueError(f"{checkpoint}: its training_args.bin holds no target_batch_size; nothing to restore from.")
+    if target % world_size:
+        raise ValueError(f"{checkpoint}: target_batch_size={target} is not divisible by world_size={world_size}.")
+    per_rank = target // world_size
+    started = saved.get("per_device_train_batch_size")
+    cap = started if isinstance(started, int) and started > 0 else per_rank
+    micro = max(d for d in divisors(per_rank) if d <= cap)
+    plan = Plan(micro, per_rank // micro, world_size, target)
+    save_plan(checkpoint, {"restored_from": "training_args.bin"}, plan, None)
+    logger.warning("hf_accum: wrote %s: %s", os.path.join(checkpoint, PLAN_FILE), plan.describe())
+    return plan
+
+
+def current_target(args) -> int:
+    """The effective batch the run is configured for now."""
+    target = getattr(args, "target_batch_size", None)
+    return target or args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+
+
+def check_resume(args, resume_from_checkpoint) -> tuple[str | bool | None, Plan | None]:
+    """Before `train()` does anything: which checkpoint to resume (``True`` becomes the newest complete one,
+    named in a warning) and the plan stored with it; or a ValueError when the checkpoint is incomplete or
+    belongs to another target batch. Without resuming, the output_dir's newest checkpoint must not belong to
+    another target either. Returns ``(resume_from_checkpoint, stored plan)``."""
+    target = current_target(args)
+    if isinstance(resume_from_checkpoint, str):
+        info = inspect_checkpoint(resume_from_checkpoint)
+        if not info.complete:
+            raise ValueError(_incomplete_message(info, args))
+    elif resume_from_checkpoint:  # True: transformers would take the newest folder, complete or not
+        info = _newest_complete(args.output_dir)
+        resume_from_checkpoint = info.path
+    else:
+        known = (inspect_checkpoint(p) for p in checkpoints_in(args.output_dir))
+        info = next((i for i in known if i.target_batch_size is not None), None)
+        if info is None:
+            return resume_from_checkpoint, None
+    if info.target_batch_size is not None and info.target_batch_size != target:
+        raise ValueError(
+            f"{info.path} holds a run trained with target_batch_size={info.target_batch_size}, but "
+            f"target_batch_size={target} now. Resume with target_batch_size={info.target_batch_size}, or "
+            "start the new run in another output_dir."
+        )
+    return resume_from_checkpoint, info.plan
+
+
+def _newest_complete(output_dir: str) -> CheckpointInfo:
+    skipped = []
+    for path in checkpoints_in(output_dir):
+        info = inspect_checkpoint(path)
+        if info.complete:
+            for other in skipped:
+                logger.warning("hf_accum: skipping %s: %s.", other.path, other.problem)
+            logger.warning("hf_accum: resume_from_checkpoint=True: resuming from %s, the newest complete "
+                           "checkpoint in %s.", path, output_dir)
+            return info
+        skipped.append(info)
+    why = "".join(f" {i.path}: {i.problem}." for i in skipped)
+    raise ValueError(
+        f"resume_from_checkpoint=True, but {output_dir} holds no complete checkpoint.{why or ' It has no checkpoint-N folder.'} "
+        "Train without resume_from_checkpoint to start over (in another output_dir to keep these folders)."
+    )
+
+
+def _incomplete_message(info: CheckpointInfo, args) -> str:
+    parent = os.path.dirname(os.path.abspath(info.path))
+    older = next((p for p in checkpoints_in(parent) if os.path.abspath(p) != os.path.abspath(info.path)
+                  and inspect_checkpoint(p).complete), None)
+    ways = []
+    target = current_target(args)
+    note = ""
+    if info.target_batch_size is not None and info.target_batch_size != target:
+        note = f" Whichever way, resume with target_batch_size={info.target_batch_size} (the run's), not {target}."
+    if older is not None:
+        ways.append(f"resume from {older}, the newest complete checkpoint (resume_from_checkpoint=True picks it)")
+    if info.plan is None and info.target_batch_size is not None and _state_problem(info.path) is None:
+        ways.append(
+            f"if {info.path} is otherwise intact, write its plan back with "
+            f"hf_accum.checkpoints.restore_plan({info.path!r}, world_size={args.world_size}) and resume again"
+        )
+    ways.append("start over in another output_dir")
+    return f"Cannot resume from {info.path}: {info.problem}. To go on: " + "; or ".join(ways) + "." + note

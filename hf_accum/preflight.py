@@ -1,0 +1,93 @@
+"""What `train()` checks of the training data before any heavy work, so that a case that would train on a
+silently different effective batch, or fail mid-run, is refused first with the argument and the fix.
+
+- an empty training set (torch's sampler would fail with its own message);
+- a training set smaller than target_batch_size: every optimizer step would be the whole, smaller epoch while
+  the plan, the logs and the summary claim the target (only with a target: plain `TrainingArguments` keep
+  transformers' behaviour);
+- causal-LM rows whose `labels` do not align with `input_ids` token for token: the model shifts labels itself,
+  so another length trains on misaligned targets (or fails after optimizer steps were taken).
+
+Iterable datasets have no length and cannot be read ahead; they are not checked here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .checkpoints import current_target
+from .loss import loss_shifts_labels
+
+
+def check_training_data(trainer) -> None:
+    dataset = trainer.train_dataset
+    if dataset is None:
+        return  # transformers' own "training requires a train_dataset"
+    try:
+        size = len(dataset)
+    except TypeError:
+        return
+    args = trainer.args
+    target = current_target(args)
+    if size == 0:
+        raise ValueError(
+            f"train_dataset is empty (0 rows): there is nothing to train on. Pass a training set with at least "
+            f"{target} rows (one optimizer step of {_target_name(args)}={target})."
+        )
+    from .args import AccumTrainingArguments
+
+    if not isinstance(args, AccumTrainingArguments):
+        return  # plain TrainingArguments: transformers' Trainer behaviour, nothing more
+    if args.target_batch_size and size < target:
+        world = args.world_size
+        fits = (size // world) * world
+        fix = (f"Set target_batch_size to at most {fits}" if fits else
+               f"Train on at least {world} rows (one per data-parallel rank)")
+        raise ValueError(
+            f"{_target_name(args)}={target} is larger than the training set ({size} rows): every optimizer step "
+            f"would use the whole epoch, {size} samples, not {target}. {fix}, or add training data."
+        )
+    if loss_shifts_labels(trainer.model):
+        _check_label_alignment(dataset)
+
+
+def _target_name(args) -> str:
+    if getattr(args, "target_batch_size", None):
+        return "target_batch_size"
+    return "per_device_train_batch_size x gradient_accumulation_steps x world size"
+
+
+def _rows(dataset):
+    """(index, input_ids, labels) of each row that has both as sequences; HF datasets are read in batches."""
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, list) and hasattr(dataset, "iter"):
+        if not {"input_ids", "labels"} <= set(columns):
+            return
+        start = 0
+        for batch in dataset.select_columns(["input_ids", "labels"]).iter(batch_size=1000):
+            for offset, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"])):
+                yield start + offset, ids, labels
+            start += len(batch["input_ids"])
+        return
+    for index in range(len(dataset)):
+        row = dataset[index]
+        if isinstance(row, dict) and "input_ids" in row and "labels" in row:
+            yield index, row["input_ids"], row["labels"]
+
+
+def _check_label_alignment(dataset) -> None:
+    for index, ids, labels in _rows(dataset):
+        if not (_is_sequence(ids) and _is_sequence(labels)):
+            continue
+        if len(labels) != len(ids):
+            raise ValueError(
+                f"train_dataset row {index}: labels has {len(labels)} entries but input_ids {len(ids)}. A causal "
+                "LM shifts labels itself, so labels must align with input_ids token for token: copy input_ids and "
+                "set -100 where no loss is wanted (prompt, padding)."
+            )
+
+
+def _is_sequence(value) -> bool:
+    if hasattr(value, "shape"):
+        return len(value.shape) == 1
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
