@@ -142,6 +142,11 @@ def main(argv=None) -> int:
     if (tests_dir / "SOURCE.txt").exists():
         print("  " + (tests_dir / "SOURCE.txt").read_text().strip().replace("\n", "\n  "))
     print(f"files: {' '.join(opts.files)}")
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "hf_accum"], capture_output=True,
+                           text=True)
+    print(f"hf_accum at {head.stdout.strip() or '?'}" + (" with uncommitted changes in hf_accum/" if dirty.stdout.strip()
+                                                        else ""))
 
     runs = {}
     for mode in ("plain", "swapped"):
