@@ -216,3 +216,32 @@ def saved_training_args(checkpoint: str) -> dict | None:
 
     path = os.path.join(checkpoint, TRAINING_ARGS_NAME)
     return _unpickle_opaque(path) if os.path.isfile(path) else None
+
+
+def local_shard(t):
+    """The part of a tensor this rank holds: a DTensor's (FSDP2) local shard, any other tensor itself."""
+    return t.to_local() if type(t).__name__ == "DTensor" else t
+
+
+def refuse_silent_engine_fallback(trainer) -> None:
+    """accelerate turns an FSDP request into FSDP only for GPU-like devices: on CPU (`use_cpu=True`) two ranks
+    silently run DDP, and with `use_cpu=False` on a machine without GPUs each rank sees world 1 and trains on the
+    same data. Both are refused here, before any work."""
+    import os
+
+    from accelerate.utils import DistributedType
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and trainer.accelerator.num_processes == 1:
+        raise ValueError(
+            f"{launched} processes were launched (WORLD_SIZE={launched}) but training sees world size 1: every rank "
+            "would train on the same data. On a machine without GPUs pass use_cpu=True (and ddp_backend='gloo'); "
+            "otherwise check that each process can see its device."
+        )
+    if trainer.args.fsdp and trainer.accelerator.distributed_type is not DistributedType.FSDP:
+        raise ValueError(
+            f"fsdp={trainer.args.fsdp!r} was asked for, but accelerate runs "
+            f"{trainer.accelerator.distributed_type.value} (it turns an FSDP request into FSDP only on GPU-like "
+            "devices). Unset fsdp to train with DDP on purpose, or shard at load time: "
+            "from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=WORLD_SIZE))."
+        )

@@ -100,7 +100,10 @@ def live_tensor_bytes(*holders: Any, device_type: str | None = "cpu") -> int:
 
     def add(t: Any) -> None:
         nonlocal total
-        if not isinstance(t, torch.Tensor) or (device_type is not None and t.device.type != device_type):
+        if not isinstance(t, torch.Tensor):
+            return
+        t = _compat.local_shard(t)  # a sharded (DTensor) parameter, gradient or state holds only its shard here
+        if device_type is not None and t.device.type != device_type:
             return
         storage = t.untyped_storage()
         key = (str(t.device), storage.data_ptr())

@@ -64,6 +64,7 @@ class AccumulationMixin:
         self.probe_result = None
         self._plan_key: dict | None = None
         self._engine: WindowEngine | None = None
+        _compat.refuse_silent_engine_fallback(self)
         self._post_checked = False
         self._nonfinite_streak = 0
         self._stop_request = StopRequest()
@@ -149,12 +150,16 @@ class AccumulationMixin:
         scale = share
         if _compat.trainer_divides_by_accumulation(self, local_for_loss):
             scale = share * _compat.window_length(self)  # pre-compensate training_step's division
-        sync = contextlib.nullcontext() if final else self.accelerator.no_sync(model)
+        sync = contextlib.nullcontext() if final else self._no_gradient_sync(model)
         with sync, self._loss_scaled(scale, final) as raw:
             returned = super().training_step(model, inputs, local_for_loss)
         if not self._post_checked:
             self._check_post_processing(returned, raw, share)
         return returned
+
+    def _no_gradient_sync(self, model):
+        # FSDP2 applied at load time is no accelerate wrapper: its switch is on the model itself.
+        return _compat.no_gradient_sync(model) if _compat.is_fsdp2(model) else self.accelerator.no_sync(model)
 
     @contextlib.contextmanager
     def _loss_scaled(self, scale, final: bool):
