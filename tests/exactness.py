@@ -239,6 +239,12 @@ def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], 
     return (num / den) ** 0.5
 
 
+def max_relative_error(recorded: list[dict[str, torch.Tensor]], wanted: list[dict[str, torch.Tensor]]) -> float:
+    """Largest per-step relative gradient error over the parameters of ``wanted``."""
+    assert len(recorded) == len(wanted) > 0
+    return max(relative_error({n: got[n] for n in want}, want) for got, want in zip(recorded, wanted))
+
+
 def max_step_error(recorder: StepRecorder, ref: Reference, name_map=lambda n: n) -> float:
     assert len(recorder.grads) == len(ref.grads) > 0
     return max(relative_error(g, r, name_map) for g, r in zip(recorder.grads, ref.grads))

@@ -16,7 +16,7 @@ from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from hf_accum import tiny  # noqa: E402
 from hf_accum.trl import AccumDPOConfig, AccumDPOTrainer  # noqa: E402
 
-from .exactness import StepRecorder, recording  # noqa: E402
+from .exactness import StepRecorder, max_relative_error, recording  # noqa: E402
 from .test_oom_recovery import OOMAt  # noqa: E402
 
 BETA = 0.1
@@ -81,12 +81,7 @@ def reference_grads(trainer, recorder):
 
 
 def max_error(recorder, ref):
-    errs = []
-    for got, want in zip(recorder.grads, ref):
-        num = sum(float((got[n] - want[n]).pow(2).sum()) for n in want)
-        den = sum(float(w.pow(2).sum()) for w in want.values())
-        errs.append((num / den) ** 0.5)
-    return max(errs)
+    return max_relative_error(recorder.grads, ref)
 
 
 def test_dpo_is_exact_over_the_window_including_a_shorter_last_one(tmp_path):

@@ -12,7 +12,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
 
-from .exactness import StepRecorder, lm_examples, recording, tiny_llama
+from .exactness import StepRecorder, lm_examples, max_relative_error, recording, tiny_llama
 from .test_oom_recovery import OOMAt
 
 
@@ -46,12 +46,7 @@ def reference_grads(recorder, windows, mode):
 
 
 def max_error(recorder, ref):
-    errs = []
-    for got, want in zip(recorder.grads, ref):
-        num = sum(float((got[n] - want[n]).pow(2).sum()) for n in want)
-        den = sum(float(w.pow(2).sum()) for w in want.values())
-        errs.append((num / den) ** 0.5)
-    return max(errs)
+    return max_relative_error(recorder.grads, ref)
 
 
 def run(tmp_path, micro=4, accum=2, mode="tokens", oom_calls=(), n=24, **kw):
