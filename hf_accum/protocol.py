@@ -19,7 +19,8 @@ OOM in a non-final forward 2 + 2 per re-run + 1; an OOM in the final forward 3 +
 final backward 3, then every rank stops (`StopTraining`): the other ranks are inside that backward's gradient
 all-reduce, so no agreement can follow. `done` is where ranks agree to skip a step whose window loss is not
 finite on some rank, and to stop after this step when some rank was asked to (SIGTERM, SIGINT): every rank then
-skips, and stops, after the same step.
+skips, and stops, after the same step. With `micro_batching="tokens"` each window (and each re-run) adds one
+`agree_forwards` exchange before its first forward.
 
 Policies, by engine:
 - ``rerun`` (one process, or DDP): a rank that ran out of memory skips its remaining non-final forwards (DDP's
@@ -66,6 +67,8 @@ class Collective(Protocol):
 
     def any_of(self, flags: tuple[bool, ...]) -> tuple[bool, ...]: ...
 
+    def max_of(self, values: tuple[int, ...]) -> tuple[int, ...]: ...
+
 
 class Local:
     """One process: nothing to exchange."""
@@ -80,6 +83,9 @@ class Local:
 
     def any_of(self, flags: tuple[bool, ...]) -> tuple[bool, ...]:
         return tuple(flags)
+
+    def max_of(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(values)
 
 
 class TorchDistributed:
@@ -97,9 +103,12 @@ class TorchDistributed:
         return self.any_of((flag,))[0]
 
     def any_of(self, flags: tuple[bool, ...]) -> tuple[bool, ...]:
-        t = torch.tensor([float(f) for f in flags], device=self.device)
+        return tuple(bool(x) for x in self.max_of(tuple(int(f) for f in flags)))
+
+    def max_of(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return tuple(bool(x) for x in t.tolist())
+        return tuple(int(x) for x in t.tolist())
 
 
 class StopTraining(RuntimeError):
@@ -195,6 +204,12 @@ class WindowProtocol:
             return nonfinite, stop_requested
         skip, stop = self.collective.any_of((nonfinite, stop_requested))
         return skip, stop
+
+    def agree_forwards(self, counts: tuple[int, ...]) -> tuple[int, ...]:
+        """Token-budget windows: forwards per loaded batch, the maximum over ranks (1 collective), so that every
+        rank runs the same number (DDP broadcasts buffers in every forward; sharded engines gather parameters)."""
+        self._expect(Phase.RUNNING)
+        return self.collective.max_of(counts) if self.world > 1 else counts
 
     def rerun(self) -> None:
         self._expect(Phase.RESTART)

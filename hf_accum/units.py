@@ -69,6 +69,49 @@ class Cutter:
         chunks = self._chunks(batch, [round(i * total / k) for i in range(k + 1)])
         return self.verified(batch, chunks, mode) if mode else chunks
 
+    def cut_by_tokens(self, batch: Mapping, budget: int, groups: int | None = None,
+                      mode: str | None = None) -> list[dict]:
+        """Chunks under ``budget`` tokens per forward (see token_budget.py): padded rows sorted by length, the
+        fewest forwards, then the least padding; at least ``groups`` chunks when given (equal counts on ranks)."""
+        from .token_budget import partition_packed, partition_padded
+
+        if self.unit == "sequences":
+            bounds = _boundaries(batch)
+            spans = partition_packed([b - a for a, b in zip(bounds[:-1], bounds[1:])], budget, groups)
+            chunks = [_take_sequences(batch, lo, hi) for lo, hi in spans]
+        else:
+            lengths = self.lengths(batch)
+            take = _take_pair_indices if self.unit == "pairs" else _take_row_indices
+            chunks = [self._trim(take(batch, idx)) for idx in partition_padded(lengths, budget, groups)]
+        return self.verified(batch, chunks, mode) if mode else chunks
+
+    def forwards_under(self, batch: Mapping, budget: int) -> int:
+        """How many forwards `cut_by_tokens` makes at the least."""
+        from .token_budget import fewest_groups, partition_packed
+
+        if self.unit == "sequences":
+            bounds = _boundaries(batch)
+            return len(partition_packed([b - a for a, b in zip(bounds[:-1], bounds[1:])], budget))
+        return fewest_groups(self.lengths(batch), budget)
+
+    def lengths(self, batch: Mapping) -> list[int]:
+        """Tokens each unit needs (its row up to its last attended or counted position; a pair: its longer row)."""
+        mask = batch.get("attention_mask")
+        ids = next(v for v in batch.values() if torch.is_tensor(v) and v.dim() == 2)
+        if not torch.is_tensor(mask) or mask.dim() != 2:
+            per_row = [int(ids.shape[1])] * int(ids.shape[0])
+        else:
+            keep = mask.bool()
+            labels = batch.get(self.labels.key)
+            if torch.is_tensor(labels) and labels.shape == mask.shape:
+                keep = keep | labels.ne(self.labels.ignore_index)
+            positions = torch.arange(1, mask.shape[1] + 1).expand_as(keep)
+            per_row = (positions * keep).amax(1).tolist()
+        if self.unit == "pairs":
+            half = len(per_row) // 2
+            return [max(a, b) for a, b in zip(per_row[:half], per_row[half:])]
+        return [int(x) for x in per_row]
+
     def verified(self, batch: Mapping, chunks: list[dict], mode: str) -> list[dict]:
         """``chunks``, refused when their counts do not add up to the batch's (the cut would change the loss)."""
         if len(chunks) > 1:
@@ -136,6 +179,32 @@ def _take_rows(batch: Mapping, lo: int, hi: int) -> dict:
             out[k] = v[lo:hi]
         else:
             out[k] = v
+    return out
+
+
+def _take_row_indices(batch: Mapping, idx: list[int]) -> dict:
+    size = _rows(batch)
+    index = torch.tensor(idx)
+    out = {}
+    for k, v in batch.items():
+        if torch.is_tensor(v) and v.dim() > 0:
+            if v.shape[0] != size:
+                _take_rows(batch, 0, 1)  # raises the message naming the key
+            out[k] = v.index_select(0, index.to(v.device))
+        elif isinstance(v, list | tuple) and len(v) == size:
+            out[k] = [v[i] for i in idx]
+        else:
+            out[k] = v
+    return out
+
+
+def _take_pair_indices(batch: Mapping, idx: list[int]) -> dict:
+    half = _pairs(batch)
+    rows = {**batch}
+    per_pair = {k for k, v in batch.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == half}
+    out = _take_row_indices({k: v for k, v in rows.items() if k not in per_pair}, idx + [half + i for i in idx])
+    for k in per_pair:
+        out[k] = batch[k].index_select(0, torch.tensor(idx, device=batch[k].device))
     return out
 
 

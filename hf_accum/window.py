@@ -38,6 +38,8 @@ class WindowEngine:
         self.reset = reset or (lambda: None)
         self.device = device
         self.cut_units: int | None = None  # units per forward after an OOM; None: as loaded
+        self.token_budget: int | None = None  # micro_batching="tokens": tokens per forward
+        self._forwards: tuple[int, ...] = ()  # per loaded batch, agreed over ranks
         self.window: Window | None = None
         self._batches: Sequence = ()
         self._index = 0
@@ -65,7 +67,13 @@ class WindowEngine:
             )
         self.window = Window(items=total, world=self.world)
         self._batches, self._index, self._returned = list(batches), 0, []
+        self._agree_forwards()
         return self.window
+
+    def _agree_forwards(self) -> None:
+        if self.token_budget is not None:
+            own = tuple(self.cutter.forwards_under(b, self.token_budget) for b in self._batches)
+            self._forwards = self.protocol.agree_forwards(own)
 
     def largest_loaded_units(self) -> int:
         """Units of the largest batch of the current window, as loaded."""
@@ -76,10 +84,11 @@ class WindowEngine:
 
     def step(self, batch, run_chunk) -> torch.Tensor:
         """One loaded batch of the window (the next one): its chunks' summed returned losses."""
-        last = self._index == len(self._batches) - 1
+        index = self._index
+        last = index == len(self._batches) - 1
         self._index += 1
         try:
-            returned = self._run_loaded(batch, last, run_chunk)
+            returned = self._run_loaded(batch, index, run_chunk)
         except Restart:
             returned = self._rerun_window(run_chunk)
         self._returned.append(returned)
@@ -98,8 +107,15 @@ class WindowEngine:
         self.protocol.finish()
 
     # --- chunks ----------------------------------------------------------------------------------------------
-    def _run_loaded(self, batch, last: bool, run_chunk) -> torch.Tensor:
-        chunks = self.cutter.cut(batch, self.cut_units, self.mode) if self.cut_units else [batch]
+    def _chunks(self, batch, index: int) -> list:
+        if self.token_budget is not None:
+            groups = self._forwards[index] if index < len(self._forwards) else None
+            return self.cutter.cut_by_tokens(batch, self.token_budget, groups, self.mode)
+        return self.cutter.cut(batch, self.cut_units, self.mode) if self.cut_units else [batch]
+
+    def _run_loaded(self, batch, index: int, run_chunk) -> torch.Tensor:
+        last = index == len(self._batches) - 1
+        chunks = self._chunks(batch, index)
         total = None
         for j, chunk in enumerate(chunks):
             part = self._run_chunk(chunk, last and j == len(chunks) - 1, run_chunk)
@@ -152,13 +168,16 @@ class WindowEngine:
 
     def _rerun_window(self, run_chunk) -> torch.Tensor:
         while True:
-            self.cut_units = self.shrink(self.cut_units)  # raises when nothing smaller keeps the effective batch
+            if self.token_budget is not None:
+                self.token_budget = self.shrink(self.token_budget)  # the trainer's rule for budgets
+            else:
+                self.cut_units = self.shrink(self.cut_units)  # raises when nothing smaller keeps the effective batch
             self.protocol.rerun()
+            self._agree_forwards()
             self.reset()
             free_memory()
             try:
-                parts = [self._run_loaded(b, i == len(self._batches) - 1, run_chunk)
-                         for i, b in enumerate(self._batches)]
+                parts = [self._run_loaded(b, i, run_chunk) for i, b in enumerate(self._batches)]
             except Restart:
                 continue
             total = sum(parts[1:], parts[0])

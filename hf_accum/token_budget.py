@@ -1,0 +1,93 @@
+"""Cutting a window under a token budget (``micro_batching="tokens"``): pure functions of lengths.
+
+A forward of padded rows costs ``rows x longest`` tokens; the budget is the most tokens one forward may hold
+(measured by the probe at the worst-case length and checked at a short one). Rows are sorted by length, so each
+chunk pads only to its own longest row, and cut into contiguous groups:
+
+1. the fewest forwards: greedily from the longest row, each group as large as the budget allows (optimal: the
+   group holding the longest remaining row can hold at most ``budget // longest`` rows, and taking the next
+   longest ones leaves the shortest, cheapest rows for later groups);
+2. among partitions with that many groups (or with ``groups`` forced higher, so that every rank runs the same
+   number of forwards), the one with the least padding: a small dynamic programme over the sorted lengths.
+
+Padding-free rows cost their total tokens (no padding): consecutive sequences are packed greedily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TooLongForBudget(ValueError):
+    """One example alone exceeds the token budget."""
+
+
+def fewest_groups(lengths: Sequence[int], budget: int) -> int:
+    """The fewest forwards of padded rows under ``budget`` tokens each."""
+    ordered = sorted(lengths, reverse=True)
+    _check(ordered, budget)
+    groups, i = 0, 0
+    while i < len(ordered):
+        i += max(1, budget // ordered[i])
+        groups += 1
+    return groups
+
+
+def partition_padded(lengths: Sequence[int], budget: int, groups: int | None = None) -> list[list[int]]:
+    """Row indices grouped into forwards (shortest rows first): each group's ``rows x longest <= budget``, the
+    fewest groups (or exactly ``groups``, at least that many), then the least padding."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    sorted_len = [lengths[i] for i in order]
+    n = len(order)
+    least = fewest_groups(sorted_len, budget)
+    k = max(least, min(groups or least, n))
+    inf = float("inf")
+    # cost[j][i]: padded tokens of rows j..i-1 as one group (inf if over budget)
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0
+    for g in range(1, k + 1):
+        for i in range(1, n + 1):
+            longest = sorted_len[i - 1]
+            for j in range(i - 1, -1, -1):
+                if (i - j) * longest > budget:
+                    break
+                c = best[g - 1][j] + (i - j) * longest
+                if c < best[g][i]:
+                    best[g][i], cut[g][i] = c, j
+    if best[k][n] == inf:  # cannot happen for k >= least; kept as a guard against a wrong budget
+        raise TooLongForBudget(f"no cut of {n} rows into {k} forwards fits {budget} tokens")
+    bounds, i = [], n
+    for g in range(k, 0, -1):
+        bounds.append((cut[g][i], i))
+        i = cut[g][i]
+    return [[order[r] for r in range(lo, hi)] for lo, hi in reversed(bounds)]
+
+
+def partition_packed(lengths: Sequence[int], budget: int, groups: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive sequences ``[lo, hi)`` of a padding-free row, each group's total tokens ``<= budget``; at
+    least ``groups`` groups (the largest group is split further until there are that many)."""
+    _check(lengths, budget)
+    out, lo, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if total + n > budget and i > lo:
+            out.append((lo, i))
+            lo, total = i, 0
+        total += n
+    out.append((lo, len(lengths)))
+    while groups and len(out) < min(groups, len(lengths)):
+        widest = max(range(len(out)), key=lambda g: out[g][1] - out[g][0])
+        lo, hi = out[widest]
+        mid = (lo + hi) // 2
+        out[widest:widest + 1] = [(lo, mid), (mid, hi)]
+    return out
+
+
+def padded_tokens(lengths: Sequence[int], groups: list[list[int]]) -> int:
+    return sum(len(g) * max(lengths[i] for i in g) for g in groups)
+
+
+def _check(lengths: Sequence[int], budget: int) -> None:
+    longest = max(lengths, default=0)
+    if longest > budget:
+        raise TooLongForBudget(f"an example of {longest} tokens exceeds the token budget of {budget} per forward")
