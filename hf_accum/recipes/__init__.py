@@ -28,7 +28,13 @@ The code follows that flow, one module per step: :mod:`.config` (YAML + override
 :mod:`.data` -> :mod:`.run`.
 """
 
-from .._compat import checkpointing_enabled
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# The config step needs neither torch nor transformers; the rest is imported on first use, so that the CLI can
+# read a recipe before deciding what to import (bitsandbytes only when the recipe quantizes).
 from .config import (
     ALIASES,
     RECIPE_DIRS,
@@ -49,9 +55,22 @@ from .config import (
     valid_keys,
     write_recipe,
 )
-from .data import RecipeData, build_data, tokenize_messages
-from .model import add_lora, build_model, build_tokenizer, configure_checkpointing_for_lora
-from .run import RECIPE_FILE, SUMMARY_FILE, RecipeRun, load_trained, run_recipe
+
+_LAZY = {
+    "checkpointing_enabled": "hf_accum._compat",
+    **dict.fromkeys(["RecipeData", "build_data", "tokenize_messages"], "hf_accum.recipes.data"),
+    **dict.fromkeys(["add_lora", "build_model", "build_tokenizer", "configure_checkpointing_for_lora"],
+                    "hf_accum.recipes.model"),
+    **dict.fromkeys(["RECIPE_FILE", "SUMMARY_FILE", "Built", "RecipeProbe", "RecipeRun", "build", "load_trained",
+                     "probe_recipe", "run_recipe"], "hf_accum.recipes.run"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ALIASES",
@@ -64,11 +83,14 @@ __all__ = [
     "ModelSection",
     "Recipe",
     "RecipeData",
+    "Built",
     "RecipeError",
+    "RecipeProbe",
     "RecipeRun",
     "add_lora",
     "apply_overrides",
     "available_recipes",
+    "build",
     "build_data",
     "build_model",
     "build_tokenizer",
@@ -78,6 +100,7 @@ __all__ = [
     "load_recipe",
     "load_trained",
     "parse_value",
+    "probe_recipe",
     "read_yaml",
     "recipe_path",
     "resolve_key",

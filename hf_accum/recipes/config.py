@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..loading import KBIT_PREPARATIONS
+
 SECTIONS = ("model", "data", "lora", "training")
 ALIASES = {"model": "model.name", "dataset": "data.dataset"}
 TASKS = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS"}
-KBIT_PREPARATIONS = ("light", "peft")
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # hf_accum/
 # Packaged copy first (a wheel ships recipes/ as hf_accum/recipes_data), then the repository's own directory.
@@ -131,8 +132,16 @@ def _yaml_loader():
     import yaml
 
     class Loader(yaml.SafeLoader):
-        """PyYAML follows YAML 1.1, where `1e-4` is a string; recipes mean the float, as YAML 1.2 does."""
+        """PyYAML follows YAML 1.1, where `1e-4` is a string and `no` / `off` are false; recipes mean what YAML 1.2
+        means: the float, and the strings (`save_strategy=no`)."""
 
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+    )
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
         re.compile(
@@ -162,7 +171,13 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     import yaml
 
     with open(path) as f:
-        data = yaml.load(f, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+        try:
+            data = yaml.load(f, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise RecipeError(f"recipe file {str(path)!r}{where}: not valid YAML ({problem}); fix that line") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -198,15 +213,16 @@ def recipe_path(recipe: str | os.PathLike) -> Path:
 
 # --- overrides ------------------------------------------------------------------------------------------------
 def _unknown_key(key: str, keys: dict[str, list[str]], extra: str = "") -> RecipeError:
+    """One line: the key, why, and the closest valid keys (all of them: `--print-config` or the section's class)."""
     dotted = [f"{s}.{k}" for s, ks in keys.items() for k in ks] + list(ALIASES)
-    close = difflib.get_close_matches(key, dotted + [k for ks in keys.values() for k in ks], n=3, cutoff=0.6)
-    hint = f" Did you mean {' or '.join(close)}?" if close else ""
-    listing = "\n".join(f"  {s}: {', '.join(ks)}" for s, ks in keys.items())
-    aliases = ", ".join(f"{a} = {t}" for a, t in ALIASES.items())
-    return RecipeError(
-        f"unknown key {key!r}.{extra}{hint}\nValid keys (section.key; a bare key works when one section has it; "
-        f"aliases: {aliases}):\n{listing}"
-    )
+    bare = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(key, dotted, n=3, cutoff=0.6)
+    close += [d for d in difflib.get_close_matches(bare, [d.rsplit(".", 1)[-1] for d in dotted], n=3, cutoff=0.6)
+              for d in [next(x for x in dotted if x.rsplit(".", 1)[-1] == d)] if d not in close]
+    hint = f" Did you mean {' or '.join(close[:3])}?" if close else (
+        f" Keys are section.key with sections {', '.join(SECTIONS)} (or a bare key that one section has).")
+    return RecipeError(f"unknown key {key!r}.{extra}{hint} (`--print-config` shows the recipe's keys; training.* takes "
+                       "any AccumTrainingArguments field, lora.* any peft.LoraConfig field)")
 
 
 def resolve_key(key: str, keys: dict[str, list[str]] | None = None) -> tuple[str, ...]:
@@ -299,8 +315,14 @@ class Recipe:
 
     def validate(self):
         """Build everything that needs no model: LoRA config, training arguments. Returns the arguments."""
-        self.lora_config()
-        return self.training_args()
+        for section, build in (("lora", self.lora_config), ("training", self.training_args)):
+            try:
+                out = build()
+            except RecipeError:
+                raise
+            except (ValueError, TypeError) as exc:  # the dataclasses' own checks; their messages name the field
+                raise RecipeError(f"{section}: {' '.join(str(exc).split())}") from None
+        return out
 
 
 def load_recipe(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[str] = ()) -> Recipe:
@@ -311,6 +333,7 @@ def load_recipe(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[
         p = recipe_path(recipe)
         name, path, config = p.stem, str(p), read_yaml(p)
     config = apply_overrides(config, overrides)
+    _save_steps_imply_steps(config, overrides)
     keys = valid_keys()
     for section, values in config.items():
         if section not in SECTIONS:
@@ -324,11 +347,79 @@ def load_recipe(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[
             if isinstance(value, dict) and (section, key) in _NESTED_KEYS:
                 for sub in value:
                     resolve_key(f"{'.'.join(path_)}.{sub}", keys)
+    check_types(config)
     model = ModelSection(**config.get("model", {}))
     data = DataSection(**config.get("data", {}))
     out = Recipe(name, path, model, data, dict(config.get("lora", {})), dict(config.get("training", {})))
     _check_sections(out)
     return out
+
+
+def wants_quantization(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[str] = ()) -> bool:
+    """Whether the recipe, after overrides, has a quantized base; read without importing torch, transformers or
+    peft, so the CLI can decide whether bitsandbytes may be imported at all."""
+    config = recipe if isinstance(recipe, dict) else read_yaml(recipe_path(recipe))
+    quantization = (config.get("model") or {}).get("quantization")
+    for item in overrides:
+        key, _, text = item.partition("=")
+        key = ALIASES.get(key.strip(), key.strip())
+        if key in ("quantization", "model.quantization"):
+            quantization = parse_value(text)
+        elif key.startswith("model.quantization."):
+            quantization = quantization if isinstance(quantization, dict) else {}
+    return quantization is not None
+
+
+def _save_steps_imply_steps(config: dict[str, Any], overrides: Sequence[str]) -> None:
+    """`save_steps=N` without `save_strategy=...` means "save every N steps", though the recipe says "no"."""
+    keys = {item.split("=", 1)[0].strip() for item in overrides}
+    if keys & {"save_steps", "training.save_steps"} and not keys & {"save_strategy", "training.save_strategy"}:
+        config.setdefault("training", {})["save_strategy"] = "steps"
+
+
+# Values the run interprets before the dataclass sees them.
+_EXTRA_TYPES: dict[tuple[str, str], Any] = {("training", "resume_from_checkpoint"): bool | str | None}
+
+
+def _section_classes() -> dict[str, type]:
+    from peft import LoraConfig
+
+    from ..args import AccumTrainingArguments
+
+    return {"model": ModelSection, "data": DataSection, "lora": LoraConfig, "training": AccumTrainingArguments}
+
+
+def check_types(config: dict[str, Any]) -> None:
+    """Every value has its field's type (`learning_rate=abc` is an error here, not a TypeError mid-run)."""
+    from .values import describe, field_types, fits, kind
+
+    classes = _section_classes()
+    for section, values in config.items():
+        types = field_types(classes[section]) if section in classes else {}
+        defaults = {f.name: f.default for f in dataclasses.fields(classes[section])} if section in classes else {}
+        for key, value in (values or {}).items():
+            hint = _EXTRA_TYPES.get((section, key), types.get(key))
+            if hint is not None and not fits(value, hint):
+                raise RecipeError(
+                    f"{section}.{key}={value!r} is {kind(value)}, but {section}.{key} takes {describe(hint)}; "
+                    f"set it to such a value (e.g. {key}={_example(hint, defaults.get(key))})"
+                )
+
+
+def _example(hint: Any, default: Any = None) -> str:
+    import enum
+
+    from .values import fits
+
+    if isinstance(default, enum.Enum):
+        default = default.value
+    if isinstance(default, bool | str) or (isinstance(default, int | float) and default > 0):
+        if fits(default, hint):
+            return str(default).lower() if isinstance(default, bool) else str(default)
+    for candidate, text in ((0.0001, "1e-4"), (8, "8"), (True, "true"), ("name", "name"), ([], "[a,b]"), ({}, "{}")):
+        if fits(candidate, hint):
+            return text
+    return "null"
 
 
 def _check_sections(recipe: Recipe) -> None:
@@ -346,8 +437,31 @@ def _check_sections(recipe: Recipe) -> None:
                                  ("model", "cpu_threads", m.cpu_threads)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise RecipeError(f"{section}.{name}={value!r} must be a positive integer")
+    r = recipe.lora.get("r")
+    if r is not None and r < 1:
+        raise RecipeError(f"lora.r={r!r} must be a positive integer (the adapter's rank, e.g. lora.r=16)")
+    _check_dataset_value(d)
     if "output_dir" not in recipe.training:
         raise RecipeError("training.output_dir is not set: add output_dir to the recipe or pass output_dir=DIR")
+
+
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _check_dataset_value(d: DataSection) -> None:
+    """What the name alone decides: a local file must exist and be of a kind `datasets` reads."""
+    if d.dataset == "tiny":
+        return
+    path = Path(d.dataset)
+    suffix = path.suffix.lower()
+    known = ", ".join(DATA_FILE_BUILDERS)
+    if suffix in DATA_FILE_BUILDERS and not path.is_file():
+        raise RecipeError(f"data.dataset={d.dataset!r}: no such file; give an existing {known} file or a hub id")
+    if path.is_file() and suffix not in DATA_FILE_BUILDERS:
+        raise RecipeError(
+            f"data.dataset={d.dataset!r} is a {suffix or 'suffix-less'} file; give a {known} file (JSON lines: one "
+            "object per line), a dataset directory or a hub id"
+        )
 
 
 @contextlib.contextmanager

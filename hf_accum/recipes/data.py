@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..loading import hub_unreachable
 from ..loss import IGNORE_INDEX
-from .config import DataSection, Recipe, RecipeError
+from .config import DATA_FILE_BUILDERS, DataSection, Recipe, RecipeError
 
 
 @dataclass
@@ -59,19 +60,75 @@ def _target_count(labels) -> int:
 
 
 def _load_rows(d: DataSection):
-    from datasets import load_dataset
-
-    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    """The rows of a local file (checked first, so a bad file is named with its line) or a hub / directory dataset."""
     path = Path(d.dataset)
-    if path.suffix.lower() in builders:
-        if not path.is_file():
-            raise RecipeError(f"data.dataset={d.dataset!r}: no such file")
-        ds = load_dataset(builders[path.suffix.lower()], data_files=str(path), split="train")
+    suffix = path.suffix.lower()
+    if suffix in DATA_FILE_BUILDERS:
+        _check_data_file(d.dataset, path)
+        ds = _load_dataset(d.dataset, DATA_FILE_BUILDERS[suffix], data_files=str(path), split="train")
     else:
-        ds = load_dataset(d.dataset, d.subset, split=d.split)
+        if not path.exists():
+            unreachable = hub_unreachable("data.dataset", d.dataset, kind="dataset")
+            if unreachable is not None:
+                raise RecipeError(str(unreachable))
+        ds = _load_dataset(d.dataset, d.dataset, d.subset, split=d.split)
+    if len(ds) == 0:
+        raise RecipeError(f"data.dataset={d.dataset!r} has no rows; give a dataset with at least one example")
     if d.num_examples is not None:
         ds = ds.select(range(min(d.num_examples, len(ds))))
     return ds
+
+
+def _load_dataset(name: str, *args, **kwargs):
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(*args, **kwargs)
+    except Exception as exc:  # datasets' errors are long and name its internals: say which file and what
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise RecipeError(f"data.dataset={name!r} could not be read: {reason[:300]}") from None
+
+
+def _check_data_file(name: str, path: Path) -> None:
+    """Empty files, JSON that does not parse (with the line), CSV with a header and no rows."""
+    import json
+
+    label = f"data.dataset={name!r}"
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    if not head.strip():
+        raise RecipeError(f"{label}: the file is empty; give a file with at least one example")
+    suffix = path.suffix.lower()
+    if suffix in (".json", ".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if suffix == ".json" and text.lstrip()[:1] in ("[", "{"):
+            try:
+                json.loads(text)
+                return
+            except ValueError:
+                if text.lstrip()[:1] == "[":  # one JSON document: the error's own line is the line
+                    _raise_json_line(label, text, None)
+        for number, line in enumerate(text.splitlines(), 1):  # JSON lines
+            if line.strip():
+                _raise_json_line(label, line, number)
+    elif suffix == ".csv":
+        lines = [line for line in head.decode("utf-8", "replace").splitlines() if line.strip()]
+        if len(lines) < 2 and len(head) < (1 << 16):
+            raise RecipeError(f"{label}: the CSV file has a header line and no rows; add one row per example")
+
+
+def _raise_json_line(label: str, text: str, number: int | None) -> None:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        line = number if number is not None else exc.lineno
+        raise RecipeError(f"{label} line {line}: not valid JSON ({exc.msg}); fix or remove that line") from None
+    if number is not None and not isinstance(value, dict):
+        raise RecipeError(f"{label} line {number}: a JSON line must be an object ({{\"prompt\": ..., ...}}), not "
+                          f"{type(value).__name__}")
 
 
 def _tokenize_sft_row(row: dict[str, Any], tokenizer, d: DataSection) -> dict[str, list[int]]:

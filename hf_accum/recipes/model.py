@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from .._compat import checkpointing_enabled
-from ..loading import load_model, not_loadable, require_bitsandbytes
+from ..loading import hub_unreachable, load_model, not_loadable, require_bitsandbytes
 from .config import Recipe, RecipeError, _quiet_deprecations
 
 logger = logging.getLogger(__name__)
@@ -18,6 +18,9 @@ def build_tokenizer(recipe: Recipe):
         from .. import tiny
 
         return tiny.build_tokenizer()
+    unreachable = hub_unreachable("model.name", m.name)
+    if unreachable is not None:
+        raise RecipeError(str(unreachable))
     from transformers import AutoTokenizer
 
     try:
@@ -86,18 +89,31 @@ def configure_checkpointing_for_lora(args) -> bool:
 
 
 def add_lora(model, recipe: Recipe, args):
-    """k-bit preparation (quantized bases), input grads for checkpointing, then `get_peft_model`."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    """`loading.add_lora` (shared with `hf-accum probe`) with the recipe's LoRA and k-bit settings; a
+    `lora.target_modules` that matches no layer of this model is a RecipeError listing the layers there are."""
+    from ..loading import add_lora as shared_add_lora
 
     checkpointing = configure_checkpointing_for_lora(args)
     with _quiet_deprecations():
-        if recipe.model.quantization is not None and recipe.model.kbit_preparation == "peft":
-            kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
-            model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs=kwargs
+        try:
+            return shared_add_lora(
+                model, recipe.lora_config(), quantized=recipe.model.quantization is not None,
+                kbit_preparation=recipe.model.kbit_preparation, checkpointing=checkpointing,
             )
-        if checkpointing:
-            # The embeddings' output requires grad, so any checkpointed segment has an input that needs a gradient.
-            model.enable_input_require_grads()
-        return get_peft_model(model, recipe.lora_config())
+        except ValueError as exc:
+            if "target_modules" not in recipe.lora and "not found in the base model" not in str(exc):
+                raise
+            raise RecipeError(
+                f"lora.target_modules={recipe.lora.get('target_modules')!r} does not fit {recipe.model.name!r}: "
+                f"{str(exc).splitlines()[0]} Its layers that LoRA can adapt: {', '.join(_adaptable(model))}; "
+                "or lora.target_modules=all-linear"
+            ) from None
 
+
+def _adaptable(model) -> list[str]:
+    """Names (last component) of the linear and embedding layers of ``model``."""
+    import torch
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d)
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if n and (isinstance(m, kinds) or type(m).__name__ in ("Linear4bit", "Linear8bitLt", "Conv1D"))})

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import preflight
 from .config import Recipe, RecipeError, _quiet_deprecations, load_recipe, write_recipe
 from .data import build_data
 from .model import add_lora, build_model, build_tokenizer
@@ -37,17 +38,26 @@ def run_recipe(
     say: Callable[[str], None] | None = None,
     callbacks: Sequence[Any] = (),
 ) -> RecipeRun:
-    """Load, build, plan, train, save. ``say`` prints the plan and results (default: print on the main process)."""
+    """Load, check the output directory, build, plan, train, save. ``say`` prints the plan and results (default:
+    print on the main process)."""
     start = time.perf_counter()
+    recipe, args = _load(recipe, overrides)
+    target = preflight.requested_target(args)
+    preflight.check_output_dir(args.output_dir, target)
+    resume = preflight.resolve_resume(args.resume_from_checkpoint, args.output_dir, target)
+    args.resume_from_checkpoint = resume
+    main_process = args.process_index == 0
+    say = say or (print if main_process else (lambda _msg: None))
+    with _cpu_threads(recipe.model.cpu_threads, args):
+        return _run(recipe, args, resume, say, callbacks, start, main_process)
+
+
+def _load(recipe, overrides) -> tuple[Recipe, Any]:
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
     elif overrides:
         raise RecipeError("overrides go with a recipe name or path, not with an already loaded Recipe")
-    args = recipe.validate()
-    main_process = args.process_index == 0
-    say = say or (print if main_process else (lambda _msg: None))
-    with _cpu_threads(recipe.model.cpu_threads, args):
-        return _run(recipe, args, say, callbacks, start, main_process)
+    return recipe, recipe.validate()
 
 
 @contextlib.contextmanager
@@ -65,7 +75,24 @@ def _cpu_threads(n: int | None, args):
         torch.set_num_threads(before)
 
 
-def _run(recipe: Recipe, args, say, callbacks, start: float, main_process: bool) -> RecipeRun:
+# --- what `hf-accum train RECIPE` and `hf-accum probe RECIPE` both build --------------------------------------
+@dataclass
+class Built:
+    """The trainer of a recipe with everything it holds. One code path for the run and for `hf-accum probe RECIPE`,
+    so the probe measures exactly what the run trains (model, quantization, LoRA, checkpointing, data, collator,
+    loss)."""
+
+    recipe: Recipe
+    args: Any
+    tokenizer: Any
+    data: Any
+    model: Any
+    trainer: Any
+    trainable: int
+    total: int
+
+
+def build(recipe: Recipe, args, say: Callable[[str], None], callbacks: Sequence[Any] = ()) -> Built:
     say(f"recipe {recipe.name}" + (f" ({recipe.path})" if recipe.path else ""))
 
     from transformers import set_seed
@@ -83,10 +110,9 @@ def _run(recipe: Recipe, args, say, callbacks, start: float, main_process: bool)
         + _quantization_text(recipe.model.quantization)
         + f"), LoRA r={model.peft_config['default'].r}: {trainable:,} trainable of {total:,} parameters"
     )
-    unit = "target tokens" if recipe.model.task == "causal_lm" else "labels"
     say(
         f"data {recipe.data.dataset}: {len(data.dataset)} examples, {data.mean_tokens:.1f} tokens and "
-        f"{data.mean_targets:.1f} {unit} per example on average, longest {data.longest}"
+        f"{data.mean_targets:.1f} {_unit(recipe)} per example on average, longest {data.longest}"
     )
 
     from ..trainer import AccumTrainer
@@ -95,43 +121,129 @@ def _run(recipe: Recipe, args, say, callbacks, start: float, main_process: bool)
         model=model, args=args, train_dataset=data.dataset, data_collator=data.collator,
         processing_class=tokenizer, callbacks=list(callbacks),
     )
-    plan = None
-    if args.tunes:
-        say(f"probing memory: real training steps against a budget of {_budget_text(args)} ...")
-        plan = trainer.tune()
-        trainer.args.auto_tune = False  # planned once, here; train() must not probe again (nor forget probe_result)
-    plan_dict = plan.to_dict() if plan is not None else {
+    return Built(recipe, args, tokenizer, data, model, trainer, trainable, total)
+
+
+def _unit(recipe: Recipe) -> str:
+    return "target tokens" if recipe.model.task == "causal_lm" else "labels"
+
+
+def _configured_plan(args) -> dict[str, Any]:
+    return {
         "micro_batch_size": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "world_size": args.world_size,
         "target_batch_size": args.effective_batch_size,
     }
-    per_step = plan_dict["target_batch_size"]
-    probe = _probe_summary(trainer, plan_dict["micro_batch_size"])
-    say(
-        f"plan: micro {plan_dict['micro_batch_size']} x accumulation {plan_dict['gradient_accumulation_steps']} x "
-        f"world {plan_dict['world_size']} = {per_step} samples per optimizer step"
-        + (" (reused the stored plan)" if plan is not None and trainer.probe_result is None else "")
-    )
-    say(
-        f"tokens per optimizer step: {per_step} x {data.mean_tokens:.1f} = ~{per_step * data.mean_tokens:,.0f} "
-        f"(~{per_step * data.mean_targets:,.0f} {unit}, over which the loss is averaged: "
-        f"loss_normalization={args.loss_normalization})"
-    )
-    if probe.get("peak_bytes") is not None:
-        say(f"peak memory per step at micro {plan_dict['micro_batch_size']}: {_mib(probe['peak_bytes'])} "
-            f"({probe['peak_source']}; budget {_mib(probe['budget_bytes'])})")
 
-    if main_process and args.should_save:
-        os.makedirs(args.output_dir, exist_ok=True)  # before training: a crash still leaves what was run
-        write_recipe(recipe, os.path.join(args.output_dir, RECIPE_FILE))
+
+def _describe(plan: dict[str, Any]) -> str:
+    return (f"micro {plan['micro_batch_size']} x accumulation {plan['gradient_accumulation_steps']} x "
+            f"world {plan['world_size']} = {plan['target_batch_size']}")
+
+
+# --- probe ------------------------------------------------------------------------------------------------------
+@dataclass
+class RecipeProbe:
+    recipe: Recipe
+    plan: Any
+    result: Any
+    seq_len: int
+    plan_file: str | None
+
+
+def probe_recipe(
+    recipe: str | os.PathLike | dict[str, Any] | Recipe,
+    overrides: Sequence[str] = (),
+    *,
+    store: bool = False,
+    say: Callable[[str], None] = print,
+) -> RecipeProbe:
+    """Build what `run_recipe` would train and measure it (`trainer.tune()`, always a fresh probe). With ``store``,
+    the plan file is written to the recipe's output_dir, where `hf-accum train` with the same recipe and overrides
+    reuses it."""
+    import shutil
+    import tempfile
+
+    recipe, args = _load(recipe, overrides)
+    store_in = args.output_dir if store else None
+    if store_in is not None:
+        preflight.check_output_dir(store_in, preflight.requested_target(args), what="probe")
+    if not args.tunes:
+        raise RecipeError("the probe plans target_batch_size: set target_batch_size=N and auto_tune=true")
+    scratch = tempfile.mkdtemp(prefix="hf_accum_probe_")
+    args.output_dir = scratch  # tune() writes its plan file here; a stored plan elsewhere is never reused
+    try:
+        with _cpu_threads(recipe.model.cpu_threads, args):
+            built = build(recipe, args, say)
+            say(f"probing memory: real training steps against a budget of {_budget_text(args)} ...")
+            plan = built.trainer.tune()
+        plan_file = None
+        if store_in is not None:
+            os.makedirs(store_in, exist_ok=True)
+            plan_file = os.path.join(store_in, preflight.PLAN_FILE)
+            shutil.copyfile(os.path.join(scratch, preflight.PLAN_FILE), plan_file + ".tmp")
+            os.replace(plan_file + ".tmp", plan_file)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    seq_len = args.probe_seq_len or built.data.longest
+    return RecipeProbe(recipe, plan, built.trainer.probe_result, seq_len, plan_file)
+
+
+# --- the run ------------------------------------------------------------------------------------------------------
+def _write_recipe_at_start(recipe: Recipe):
+    from transformers import TrainerCallback
+
+    class WriteRecipe(TrainerCallback):
+        """`recipe.yaml` is written when training starts: after the Trainer's checks passed, so a refused run leaves
+        the output directory as it was, and before the first step, so a crash still leaves what was run."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if args.should_save:
+                os.makedirs(args.output_dir, exist_ok=True)
+                write_recipe(recipe, os.path.join(args.output_dir, RECIPE_FILE))
+
+    return WriteRecipe()
+
+
+def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float, main_process: bool) -> RecipeRun:
+    built = build(recipe, args, say, [*callbacks, _write_recipe_at_start(recipe)])
+    trainer, data, model = built.trainer, built.data, built.model
+    unit = _unit(recipe)
+    plan = None
+    if resume is not None:
+        from ..plan_store import load_stored_plan
+
+        stored = load_stored_plan(resume)
+        say(f"resuming from {resume}" + (f" with its plan {stored.describe()}" if stored else ""))
+    elif args.tunes:
+        say(f"probing memory: real training steps against a budget of {_budget_text(args)} ...")
+        plan = trainer.tune()
+        trainer.args.auto_tune = False  # planned once, here; train() must not probe again (nor forget probe_result)
+    if resume is None:
+        plan_dict = plan.to_dict() if plan is not None else _configured_plan(args)
+        probe = _probe_summary(trainer, plan_dict["micro_batch_size"])
+        say(f"plan: {_describe(plan_dict)} samples per optimizer step"
+            + (" (reused the stored plan)" if probe.get("reused_stored_plan") else ""))
+        _say_tokens(say, plan_dict["target_batch_size"], data, unit, args)
+        if probe.get("peak_bytes") is not None:
+            say(f"peak memory per step at micro {plan_dict['micro_batch_size']}: {_mib(probe['peak_bytes'])} "
+                f"({probe['peak_source']}; budget {_mib(probe['budget_bytes'])})")
+
     cuda_peak = _reset_cuda_peak(model)
     with _quiet_deprecations():
-        result = trainer.train()
+        result = trainer.train(resume_from_checkpoint=resume)
     train_seconds = result.metrics.get("train_runtime")
-    if trainer.plan is not None and trainer.plan.to_dict() != plan_dict:  # out of memory mid-run: a smaller micro
-        say(f"the plan was lowered during training (out of memory): {trainer.plan.describe()}")
-        plan_dict = trainer.plan.to_dict()
+    final = trainer.plan.to_dict() if trainer.plan is not None else _configured_plan(trainer.args)
+    if resume is not None:
+        plan_dict = final
+        probe = _probe_summary(trainer, plan_dict["micro_batch_size"])
+        say(f"plan: {_describe(plan_dict)} samples per optimizer step")
+        _say_tokens(say, plan_dict["target_batch_size"], data, unit, args)
+    elif final != plan_dict:  # out of memory mid-run: a smaller micro
+        say(f"the plan was lowered during training (out of memory): {_describe(final)}")
+        plan_dict = final
+    per_step = plan_dict["target_batch_size"]
     losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h and "step" in h]
     tokens = getattr(trainer.state, "num_input_tokens_seen", 0) or None
     if tokens is None:  # include_num_input_tokens_seen is off: estimate from the data
@@ -142,24 +254,23 @@ def _run(recipe: Recipe, args, say, callbacks, start: float, main_process: bool)
         "recipe": recipe.name,
         "recipe_path": recipe.path,
         "plan": plan_dict,
-        "plan_description": (
-            f"micro {plan_dict['micro_batch_size']} x accumulation {plan_dict['gradient_accumulation_steps']} x "
-            f"world {plan_dict['world_size']} = {per_step}"
-        ),
+        "plan_description": _describe(plan_dict),
+        "reused_stored_plan": bool(probe.get("reused_stored_plan")),
+        "resumed_from": resume,
         "tokens_per_optimizer_step": per_step * data.mean_tokens,
         "targets_per_optimizer_step": per_step * data.mean_targets,
         "loss_normalization": args.loss_normalization,
         "peak_memory_bytes": probe.get("peak_bytes"),
         "probe": probe,
         "training_peak_memory_bytes": cuda_peak() if cuda_peak else None,
-        "trainable_parameters": trainable,
-        "total_parameters": total,
+        "trainable_parameters": built.trainable,
+        "total_parameters": built.total,
         "examples": len(data.dataset),
         "steps": trainer.state.global_step,
         "tokens_seen": tokens,
         "train_seconds": train_seconds,
         "tokens_per_second": tokens / train_seconds if train_seconds else None,
-        "train_loss": result.metrics.get("train_loss"),  # mean over all steps
+        "train_loss": result.metrics.get("train_loss"),  # mean over the steps of this call
         "first_loss": losses[0][1] if losses else None,
         "last_loss": losses[-1][1] if losses else None,
         "losses": [{"step": s, "loss": v} for s, v in losses],
@@ -177,8 +288,15 @@ def _run(recipe: Recipe, args, say, callbacks, start: float, main_process: bool)
             f"{summary['tokens_per_second']:,.0f} tokens/s")
     say(f"saved the adapter and tokenizer to {args.output_dir}; summary: {os.path.join(args.output_dir, SUMMARY_FILE)} "
         f"(wall time {summary['wall_seconds']:.1f} s)")
-    return RecipeRun(recipe, trainer, model, tokenizer, summary, args.output_dir)
+    return RecipeRun(recipe, trainer, model, built.tokenizer, summary, args.output_dir)
 
+
+def _say_tokens(say, per_step: int, data, unit: str, args) -> None:
+    say(
+        f"tokens per optimizer step: {per_step} x {data.mean_tokens:.1f} = ~{per_step * data.mean_tokens:,.0f} "
+        f"(~{per_step * data.mean_targets:,.0f} {unit}, over which the loss is averaged: "
+        f"loss_normalization={args.loss_normalization})"
+    )
 
 
 def load_trained(output_dir: str, *, use_cpu: bool = True):
@@ -276,4 +394,5 @@ def _versions() -> dict[str, str | None]:
     return {name: _version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes", "trl")}
 
 
-__all__ = ["RECIPE_FILE", "SUMMARY_FILE", "RecipeRun", "load_trained", "run_recipe"]
+__all__ = ["RECIPE_FILE", "SUMMARY_FILE", "Built", "RecipeProbe", "RecipeRun", "build", "load_trained", "probe_recipe",
+           "run_recipe"]
