@@ -90,7 +90,11 @@ def load_model(name: str = TINY, *, task: str = "causal_lm", dtype=None, quantiz
     with tempfile.TemporaryDirectory(prefix="hf_accum_tiny_") as tmp:
         base.save_pretrained(tmp)
         del base
-        return _from_pretrained(label, name, tmp, task, dtype, num_labels, tokenizer, **extra)
+        model = _from_pretrained(label, name, tmp, task, dtype, num_labels, tokenizer, **extra)
+    # Named "tiny", not after the temporary directory: peft records the name in the adapter config, and the plan key
+    # holds that, so a random name would make every run probe again.
+    model.name_or_path = model.config._name_or_path = TINY
+    return model
 
 
 def _from_pretrained(label, name, source, task, dtype, num_labels, tokenizer, **kwargs):

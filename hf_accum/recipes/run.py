@@ -217,7 +217,8 @@ def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float,
         stored = load_stored_plan(resume)
         say(f"resuming from {resume}" + (f" with its plan {stored.describe()}" if stored else ""))
     elif args.tunes:
-        say(f"probing memory: real training steps against a budget of {_budget_text(args)} ...")
+        say(f"planning: the plan stored in output_dir if nothing that changes memory changed, else a memory probe "
+            f"(real training steps against a budget of {_budget_text(args)}) ...")
         plan = trainer.tune()
         trainer.args.auto_tune = False  # planned once, here; train() must not probe again (nor forget probe_result)
     if resume is None:
