@@ -270,8 +270,10 @@ def _import_bitsandbytes_only_if(args: argparse.Namespace, quantizing: bool) -> 
 def _require_recipe_extra() -> None:
     import importlib.util
 
-    if importlib.util.find_spec("yaml") is None:
-        raise UsageError("recipes need pyyaml and datasets: pip install 'hf-accum[recipes]'")
+    missing = [name for name in ("yaml", "datasets") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"recipes need pyyaml and datasets ({', '.join(missing)} missing): "
+                         "pip install 'hf-accum[recipes]'")
 
 
 class _Parser(argparse.ArgumentParser):
