@@ -195,7 +195,7 @@ def _probe_recipe(args: argparse.Namespace) -> int:
     try:
         out = probe_recipe(args.recipe, args.overrides, store=store, say=lambda msg: print(msg, flush=True))
     except NothingFitsError as exc:
-        print(table(exc.result, 0))
+        print(table(exc.result, getattr(exc, "seq_len", 0)))
         raise
     _report_probe(args, out.result, out.plan, out.seq_len)
     if out.plan_file:
@@ -295,6 +295,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, raw: list[str]) -> argparse.Namespace:
+    """As parse_args, but key=value overrides may also follow flags (`train lora_sft --print-config max_steps=3`)."""
+    args, extra = parser.parse_known_args(raw)
+    overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+    unknown = [item for item in extra if item not in overrides]
+    if unknown or (overrides and getattr(args, "overrides", None) is None):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit status (2: a user error, printed as one line on stderr)."""
     # Kineto (the CPU meter's profiler) reads this when torch loads; it would print stage lines per trial.
@@ -303,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     command = next((a for a in raw if a in ("probe", "train")), None)
     try:
-        args = parser.parse_args(raw)
+        args = _parse(parser, raw)
         if getattr(args, "func", None) is None:
             parser.print_help()
             return 2

@@ -169,3 +169,20 @@ def test_the_wheel_ships_the_recipe_package_the_yamls_and_py_typed(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"hf_accum/py.typed", "hf_accum/recipes/run.py", "hf_accum/recipes_data/lora_sft.yaml",
             "hf_accum/recipes_data/qlora_sft.yaml", "hf_accum/recipes_data/lora_classification.yaml"} <= names
+
+
+@pytest.mark.parametrize("argv,recipe,overrides", [
+    (["probe", "lora_sft", "--json", "x.json", "output_dir=y"], "lora_sft", ["output_dir=y"]),
+    (["train", "lora_sft", "a=1", "--print-config", "b=2"], "lora_sft", ["a=1", "b=2"]),
+    (["probe", "--json", "x.json", "lora_sft", "a=1"], "lora_sft", ["a=1"]),
+])
+def test_overrides_may_follow_flags(argv, recipe, overrides):
+    from hf_accum.cli import _parse, build_parser
+
+    args = _parse(build_parser(), argv)
+    assert (args.recipe, args.overrides) == (recipe, overrides)
+
+
+def test_an_unknown_flag_is_one_line(capsys):
+    assert main(["train", "lora_sft", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in error_line(capsys)

@@ -176,8 +176,13 @@ def probe_recipe(
     try:
         with _cpu_threads(recipe.model.cpu_threads, args):
             built = build(recipe, args, say)
+            seq_len = args.probe_seq_len or built.data.longest
             say(f"probing memory: real training steps against a budget of {_budget_text(args)} ...")
-            plan = built.trainer.tune()
+            try:
+                plan = built.trainer.tune()
+            except ValueError as exc:
+                exc.seq_len = seq_len  # for the table of what was measured (NothingFitsError.result)
+                raise
         plan_file = None
         if store_in is not None:
             os.makedirs(store_in, exist_ok=True)
@@ -186,7 +191,6 @@ def probe_recipe(
             os.replace(plan_file + ".tmp", plan_file)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    seq_len = args.probe_seq_len or built.data.longest
     return RecipeProbe(recipe, plan, built.trainer.probe_result, seq_len, plan_file)
 
 
