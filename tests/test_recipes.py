@@ -118,6 +118,8 @@ def test_the_cli_reports_recipe_errors_in_one_line_with_exit_2(capsys):
     ("dataset=notes.txt", "data.dataset='notes.txt' is a .txt file; give a .json, .jsonl, .csv, .parquet file"),
     ("dataset=missing.jsonl", "data.dataset='missing.jsonl': no such file"),
     ("target_batch_size=0", "target_batch_size=0 must be a positive integer"),
+    ("model.dtype=float33", "model.dtype='float33' is not a torch dtype"),
+    ("model.quantization.load_in_4bit=yes", "model.quantization: load_in_4bit must be a boolean"),
 ])
 def test_a_wrong_value_is_refused_when_the_recipe_loads(override, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

@@ -306,6 +306,14 @@ class Recipe:
             (args,) = HfArgumentParser(AccumTrainingArguments).parse_dict(self.training, allow_extra_keys=False)
         return args
 
+    def quantization_config(self):
+        """`transformers.BitsAndBytesConfig` of `model.quantization` (None without); builds without bitsandbytes."""
+        if self.model.quantization is None:
+            return None
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(**self.model.quantization)
+
     def lora_config(self):
         from peft import LoraConfig
 
@@ -315,12 +323,13 @@ class Recipe:
 
     def validate(self):
         """Build everything that needs no model: LoRA config, training arguments. Returns the arguments."""
-        for section, build in (("lora", self.lora_config), ("training", self.training_args)):
+        for section, build in (("model.quantization", self.quantization_config), ("lora", self.lora_config),
+                               ("training", self.training_args)):
             try:
                 out = build()
             except RecipeError:
                 raise
-            except (ValueError, TypeError) as exc:  # the dataclasses' own checks; their messages name the field
+            except (ValueError, TypeError, AttributeError) as exc:  # the classes' own checks name the field
                 raise RecipeError(f"{section}: {' '.join(str(exc).split())}") from None
         return out
 
@@ -437,6 +446,12 @@ def _check_sections(recipe: Recipe) -> None:
                                  ("model", "cpu_threads", m.cpu_threads)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise RecipeError(f"{section}.{name}={value!r} must be a positive integer")
+    if m.dtype not in (None, "auto"):
+        import torch
+
+        if not isinstance(getattr(torch, str(m.dtype), None), torch.dtype):
+            raise RecipeError(f"model.dtype={m.dtype!r} is not a torch dtype; use float32, bfloat16, float16, auto or "
+                              "null")
     r = recipe.lora.get("r")
     if r is not None and r < 1:
         raise RecipeError(f"lora.r={r!r} must be a positive integer (the adapter's rank, e.g. lora.r=16)")
