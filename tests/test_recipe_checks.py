@@ -36,7 +36,8 @@ def test_fits(value, hint, ok):
 
 @pytest.mark.parametrize("hint,text", [
     (float, "a number"), (int | None, "an integer or null"), (bool, "true or false"),
-    (str | list[str] | None, "a string or a list of strings or null"), (Color | str, "one of 'red', 'blue'"),
+    (str | list[str] | None, "a list of strings or a string or null"), (Color | str, "one of 'red', 'blue'"),
+    (list[str] | str | None, "a list of strings or a string or null"), (int | float, "a number or an integer"),
     (Literal["none", "all"], "one of 'none', 'all'"), (dict[str, Any], "a mapping"),
 ])
 def test_describe(hint, text):

@@ -111,7 +111,7 @@ def test_the_cli_reports_recipe_errors_in_one_line_with_exit_2(capsys):
     ("save_strategy=sometimes", "training.save_strategy takes one of 'no', 'steps', 'epoch', 'best'"),
     ("lora.r=abc", "lora.r='abc' is a string, but lora.r takes an integer"),
     ("lora.r=0", "lora.r=0 must be a positive integer"),
-    ("lora.target_modules=3", "lora.target_modules=3 is an integer, but lora.target_modules takes a string or a list"),
+    ("lora.target_modules=3", "lora.target_modules=3 is an integer, but lora.target_modules takes a list of strings or a string or null"),
     ("data.max_length=abc", "data.max_length='abc' is a string, but data.max_length takes an integer"),
     ("model.cpu_threads=0", "model.cpu_threads=0 must be a positive integer"),
     ("resume_from_checkpoint=3", "training.resume_from_checkpoint=3 is an integer"),

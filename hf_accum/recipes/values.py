@@ -86,7 +86,8 @@ def describe(hint: Any) -> str:
     if origin in _UNION_TYPES:
         if any(isinstance(a, type) and issubclass(a, enum.Enum) for a in args) and str in args:
             args = tuple(a for a in args if a is not str)
-        parts = [describe(a) for a in args if a is not type(None)]
+        # Sorted: typing caches a Union by its set of members, so their order depends on which was built first.
+        parts = sorted(describe(a) for a in args if a is not type(None))
         parts += ["null"] if type(None) in args else []
         return " or ".join(dict.fromkeys(parts))
     if origin is typing.Literal:
