@@ -212,54 +212,75 @@ def _write_recipe_at_start(recipe: Recipe):
 
 def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float, main_process: bool) -> RecipeRun:
     built = build(recipe, args, say, [*callbacks, _write_recipe_at_start(recipe)])
-    trainer, data, model = built.trainer, built.data, built.model
-    unit = _unit(recipe)
-    plan = None
-    if resume is not None:
+    trainer = built.trainer
+    plan_dict = None
+    if resume is not None:  # the Trainer restores the plan stored with the checkpoint (and refuses another target)
         from ..plan_store import load_stored_plan
 
         stored = load_stored_plan(resume)
         say(f"resuming from {resume}" + (f" with its plan {stored.describe()}" if stored else ""))
-    elif args.tunes:
-        say(f"planning: the plan stored in output_dir if nothing that changes memory changed, else a memory probe "
-            f"(real training steps against a budget of {_budget_text(args)}) ...")
-        plan = trainer.tune()
-        trainer.args.auto_tune = False  # planned once, here; train() must not probe again (nor forget probe_result)
-    if resume is None:
-        plan_dict = plan.to_dict() if plan is not None else _configured_plan(args)
-        probe = _probe_summary(trainer, plan_dict["micro_batch_size"])
-        say(f"plan: {_describe(plan_dict)} samples per optimizer step"
-            + (" (reused the stored plan)" if probe.get("reused_stored_plan") else ""))
-        _say_tokens(say, plan_dict["target_batch_size"], data, unit, args)
-        if probe.get("peak_bytes") is not None:
-            say(f"peak memory per step at micro {plan_dict['micro_batch_size']}: {_mib(probe['peak_bytes'])} "
-                f"({probe['peak_source']}; budget {_mib(probe['budget_bytes'])})")
+    else:
+        if args.tunes:
+            say(f"planning: the plan stored in output_dir if nothing that changes memory changed, else a memory "
+                f"probe (real training steps against a budget of {_budget_text(args)}) ...")
+            trainer.tune()
+            trainer.args.auto_tune = False  # planned once, here; train() must not probe again (nor lose probe_result)
+        plan_dict = _plan_in_force(trainer)
+        _say_plan(say, built, plan_dict)
 
-    cuda_peak = _reset_cuda_peak(model)
+    cuda_peak = _reset_cuda_peak(built.model)
     with _quiet_deprecations():
         result = trainer.train(resume_from_checkpoint=resume)
-    train_seconds = result.metrics.get("train_runtime")
-    final = trainer.plan.to_dict() if trainer.plan is not None else _configured_plan(trainer.args)
-    if resume is not None:
-        plan_dict = final
-        probe = _probe_summary(trainer, plan_dict["micro_batch_size"])
-        say(f"plan: {_describe(plan_dict)} samples per optimizer step")
-        _say_tokens(say, plan_dict["target_batch_size"], data, unit, args)
+    final = _plan_in_force(trainer)
+    if plan_dict is None:
+        _say_plan(say, built, final)
     elif final != plan_dict:  # out of memory mid-run: a smaller micro
         say(f"the plan was lowered during training (out of memory): {_describe(final)}")
-        plan_dict = final
-    per_step = plan_dict["target_batch_size"]
+    trainer.save_model(args.output_dir)  # adapter (adapter_config.json + weights, modules_to_save too) + tokenizer
+
+    summary = _summary(built, result, final, resume, cuda_peak() if cuda_peak else None, start)
+    if main_process and args.should_save:
+        with open(os.path.join(args.output_dir, SUMMARY_FILE), "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    if summary["losses"]:
+        say(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} (first and last logged, every "
+            f"{args.logging_steps} steps); {summary['steps']} steps in {summary['train_seconds']:.1f} s, "
+            f"{summary['tokens_per_second']:,.0f} tokens/s")
+    say(f"saved the adapter and tokenizer to {args.output_dir}; summary: {os.path.join(args.output_dir, SUMMARY_FILE)} "
+        f"(wall time {summary['wall_seconds']:.1f} s)")
+    return RecipeRun(recipe, trainer, built.model, built.tokenizer, summary, args.output_dir)
+
+
+def _plan_in_force(trainer) -> dict[str, Any]:
+    return trainer.plan.to_dict() if trainer.plan is not None else _configured_plan(trainer.args)
+
+
+def _say_plan(say, built: Built, plan: dict[str, Any]) -> None:
+    probe = _probe_summary(built.trainer, plan["micro_batch_size"])
+    say(f"plan: {_describe(plan)} samples per optimizer step"
+        + (" (reused the stored plan)" if probe.get("reused_stored_plan") else ""))
+    _say_tokens(say, plan["target_batch_size"], built.data, _unit(built.recipe), built.args)
+    if probe.get("peak_bytes") is not None:
+        say(f"peak memory per step at micro {plan['micro_batch_size']}: {_mib(probe['peak_bytes'])} "
+            f"({probe['peak_source']}; budget {_mib(probe['budget_bytes'])})")
+
+
+def _summary(built: Built, result, plan: dict[str, Any], resume: str | None, cuda_peak: int | None,
+             start: float) -> dict[str, Any]:
+    """What `run_summary.json` holds."""
+    recipe, args, trainer, data = built.recipe, built.args, built.trainer, built.data
+    per_step = plan["target_batch_size"]
+    probe = _probe_summary(trainer, plan["micro_batch_size"])
+    train_seconds = result.metrics.get("train_runtime")
     losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h and "step" in h]
     tokens = getattr(trainer.state, "num_input_tokens_seen", 0) or None
     if tokens is None:  # include_num_input_tokens_seen is off: estimate from the data
         tokens = round(trainer.state.global_step * per_step * data.mean_tokens)
-    trainer.save_model(args.output_dir)  # adapter (adapter_config.json + weights, modules_to_save too) + tokenizer
-
-    summary = {
+    return {
         "recipe": recipe.name,
         "recipe_path": recipe.path,
-        "plan": plan_dict,
-        "plan_description": _describe(plan_dict),
+        "plan": plan,
+        "plan_description": _describe(plan),
         "reused_stored_plan": bool(probe.get("reused_stored_plan")),
         "resumed_from": resume,
         "tokens_per_optimizer_step": per_step * data.mean_tokens,
@@ -267,7 +288,7 @@ def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float,
         "loss_normalization": args.loss_normalization,
         "peak_memory_bytes": probe.get("peak_bytes"),
         "probe": probe,
-        "training_peak_memory_bytes": cuda_peak() if cuda_peak else None,
+        "training_peak_memory_bytes": cuda_peak,
         "trainable_parameters": built.trainable,
         "total_parameters": built.total,
         "examples": len(data.dataset),
@@ -284,16 +305,6 @@ def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float,
         "config": recipe.to_dict(),
         "versions": _versions(),
     }
-    if main_process and args.should_save:
-        with open(os.path.join(args.output_dir, SUMMARY_FILE), "w") as f:
-            json.dump(summary, f, indent=2, default=str)
-    if losses:
-        say(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} (first and last logged, every "
-            f"{args.logging_steps} steps); {summary['steps']} steps in {train_seconds:.1f} s, "
-            f"{summary['tokens_per_second']:,.0f} tokens/s")
-    say(f"saved the adapter and tokenizer to {args.output_dir}; summary: {os.path.join(args.output_dir, SUMMARY_FILE)} "
-        f"(wall time {summary['wall_seconds']:.1f} s)")
-    return RecipeRun(recipe, trainer, model, built.tokenizer, summary, args.output_dir)
 
 
 def _say_tokens(say, per_step: int, data, unit: str, args) -> None:
