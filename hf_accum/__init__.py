@@ -1,8 +1,28 @@
 """hf_accum: exact gradient accumulation and memory-aware batch planning for transformers' Trainer."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from .args import AccumTrainingArguments  # noqa: E402
-from .trainer import AccumTrainer  # noqa: E402
+# Imported on first use: `import hf_accum` (and so `hf-accum --help`) must not pay for torch and transformers.
+_LAZY = {"AccumTrainer": ".trainer", "AccumTrainingArguments": ".args"}
+
+if TYPE_CHECKING:
+    from .args import AccumTrainingArguments
+    from .trainer import AccumTrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = ["AccumTrainer", "AccumTrainingArguments", "__version__"]

@@ -1,7 +1,9 @@
 """The `hf-accum` console script: `hf-accum probe ...` and `hf-accum train ...`.
 
-Each sub-command owns one `_add_<name>_parser` function (its flags) and one `_run_<name>` function;
-`main` only dispatches, so heavy imports (torch, transformers) happen after argument errors are reported.
+Each sub-command owns one `_add_<name>_parser` function (its flags) and one `_run_<name>` function; `main` parses,
+dispatches, and turns a user error into one line on stderr and exit status 2 (`--debug` shows the traceback).
+Nothing heavy is imported before the arguments are checked: `--help` and argument errors need neither torch nor
+transformers, and a command that quantizes nothing never imports bitsandbytes.
 """
 
 from __future__ import annotations
@@ -17,13 +19,33 @@ from . import __version__
 # seq 256 on CPU, so the plan needs accumulation > 1.
 DEFAULT_PROBE_BUDGET_BYTES = 24 * 2**20
 
+# Flags of the bare-model probe, and the recipe key that says the same with `hf-accum probe RECIPE`.
+BARE_MODEL_FLAGS = {
+    "model": "model=...", "seq_len": "probe_seq_len=N", "target_batch": "target_batch_size=N",
+    "world_size": "a launch with N processes (torchrun)", "lora": "(recipes always train LoRA)", "lora_r": "lora.r=N",
+    "lora_target_modules": "lora.target_modules=[...]", "load_in_4bit": "model.quantization.load_in_4bit=true",
+    "load_in_8bit": "model.quantization.load_in_8bit=true", "kbit_preparation": "model.kbit_preparation=...",
+    "gradient_checkpointing": "gradient_checkpointing=true", "bf16": "bf16=true", "budget": "memory_budget=F",
+    "budget_bytes": "memory_budget_bytes=N", "max_micro_batch": "probe_max_micro_batch=N",
+    "optimize": "auto_tune_optimize=...",
+}
+
+
+class UsageError(Exception):
+    """A command line that cannot run; the message names the flag or key and what to give instead."""
+
 
 def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "probe", help="measure peak memory per micro-batch and print the plan",
+        "probe", help="measure peak memory per micro-batch and print the plan (of a recipe, or of a bare model)",
         description="Measure the peak memory of real training steps at increasing micro-batch sizes and plan "
-                    "micro-batch x accumulation x world = target.",
+                    "micro-batch x accumulation x world = target. With RECIPE: probe exactly what `hf-accum train "
+                    "RECIPE key=value ...` trains (same model, quantization, LoRA, checkpointing, data, collator, "
+                    "loss); with output_dir=DIR the plan is stored there and `hf-accum train` reuses it. Without "
+                    "RECIPE: a bare model (--model) on random tokens.",
     )
+    p.add_argument("recipe", nargs="?", default=None, help="recipe name or YAML path (as for `hf-accum train`)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of recipe keys (with RECIPE)")
     p.add_argument("--model", default="tiny", help="hub id, local directory (save_pretrained), or 'tiny' (offline)")
     p.add_argument("--seq-len", type=int, default=256, help="sequence length to measure at (default 256)")
     p.add_argument("--target-batch", type=int, default=32, help="effective batch: samples per optimizer step")
@@ -34,6 +56,9 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     q = p.add_mutually_exclusive_group()
     q.add_argument("--load-in-4bit", action="store_true", help="NF4 base weights (bitsandbytes)")
     q.add_argument("--load-in-8bit", action="store_true", help="LLM.int8 base weights (bitsandbytes, CUDA)")
+    p.add_argument("--kbit-preparation", choices=["light", "peft"], default="light",
+                   help="quantized base: 'light' (as the recipes: no upcast) or 'peft' (prepare_model_for_kbit_"
+                        "training, which upcasts the non-quantized weights to float32)")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     b = p.add_mutually_exclusive_group()
@@ -49,59 +74,99 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_probe)
 
 
-def _check_probe_args(args: argparse.Namespace) -> None:
+def _check_output_file(flag: str, path: str | None) -> None:
+    """Checked before anything is measured: a bad path must not cost a whole probe."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise UsageError(f"{flag}={path} is a directory; give a file name, e.g. {flag} {os.path.join(path, 'probe')}"
+                         + (".png" if flag == "--plot" else ".json"))
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag}={path}: {folder} is not a writable directory; create it or give another path")
+
+
+def _check_probe_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.recipe is not None:
+        if "=" in args.recipe:
+            raise UsageError(f"{args.recipe!r} looks like an override; give the recipe first: "
+                             f"hf-accum probe RECIPE {args.recipe}")
+        for dest, key in BARE_MODEL_FLAGS.items():
+            if getattr(args, dest) != parser.get_default(dest):
+                flag = "--" + dest.replace("_", "-")
+                raise UsageError(f"{flag} is for a bare model; with a recipe use {key}")
+    elif args.overrides:
+        raise UsageError(f"key=value overrides ({args.overrides[0]}) go with a recipe: hf-accum probe RECIPE "
+                         f"{' '.join(args.overrides)}")
     for name in ("seq_len", "target_batch", "world_size", "lora_r", "max_micro_batch", "budget_bytes"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise SystemExit(f"hf-accum probe: --{name.replace('_', '-')}={value} must be a positive integer")
+            raise UsageError(f"--{name.replace('_', '-')}={value} must be a positive integer")
     if args.budget is not None and not 0 < args.budget <= 1:
-        raise SystemExit(f"hf-accum probe: --budget={args.budget} must be a fraction in (0, 1]; "
+        raise UsageError(f"--budget={args.budget} must be a fraction in (0, 1]; "
                          "for an absolute budget use --budget-bytes")
     if args.target_batch % args.world_size:
         from .plan import nearest_exact_targets
 
         options = " or ".join(map(str, nearest_exact_targets(args.target_batch, args.world_size)))
-        raise SystemExit(f"hf-accum probe: --target-batch={args.target_batch} is not divisible by "
+        raise UsageError(f"--target-batch={args.target_batch} is not divisible by "
                          f"--world-size={args.world_size}; use --target-batch {options}")
+    _check_output_file("--json", args.json)
+    _check_output_file("--plot", args.plot)
     if args.plot:
         try:
-            import matplotlib  # noqa: F401
+            from matplotlib.backend_bases import FigureCanvasBase
         except ImportError:
-            raise SystemExit("hf-accum probe: --plot needs matplotlib: pip install 'hf-accum[plot]'") from None
+            raise UsageError("--plot needs matplotlib: pip install 'hf-accum[plot]'") from None
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        suffix = os.path.splitext(args.plot)[1].lstrip(".").lower()
+        if suffix not in kinds:
+            raise UsageError(f"--plot={args.plot}: the file name must end in an image type matplotlib writes "
+                             f"({', '.join('.' + k for k in sorted(kinds))}), e.g. .png")
 
 
 def _run_probe(args: argparse.Namespace) -> int:
-    _check_probe_args(args)  # before any model is loaded
+    _check_probe_args(args, args.parser)  # before any model is loaded
+    if args.recipe is not None:
+        return _probe_recipe(args)
+    _import_bitsandbytes_only_if(args, args.load_in_4bit or args.load_in_8bit)
     import torch
 
     from .loading import add_lora, load_model, require_bitsandbytes
     from .probe import NothingFitsError, probe_model
-    from .probe_report import summary, table, write_json, write_plot
+    from .probe_report import table
 
     quantization = None
-    try:
-        if args.load_in_4bit or args.load_in_8bit:
-            require_bitsandbytes("--load-in-4bit/--load-in-8bit", "probe without quantization")
-            if args.load_in_8bit and not torch.cuda.is_available():
-                raise ValueError("8-bit (LLM.int8) training needs a CUDA GPU; on CPU use --load-in-4bit (NF4) or neither")
-            quantization = (
-                {"load_in_8bit": True} if args.load_in_8bit else
-                {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-                 "bnb_4bit_compute_dtype": torch.bfloat16 if args.bf16 else torch.float32}
-            )
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        print(f"loading {args.model} on {device} ...", flush=True)
-        model = load_model(args.model, quantization=quantization, device=device)
-    except ValueError as exc:
-        raise SystemExit(f"hf-accum probe: {exc}") from None
-    quantized = args.load_in_4bit or args.load_in_8bit
+    if args.load_in_4bit or args.load_in_8bit:
+        require_bitsandbytes("--load-in-4bit/--load-in-8bit", "probe without quantization")
+        if args.load_in_8bit and not torch.cuda.is_available():
+            raise UsageError("--load-in-8bit: 8-bit (LLM.int8) training needs a CUDA GPU; on CPU use --load-in-4bit "
+                             "(NF4) or neither")
+        quantization = (
+            {"load_in_8bit": True} if args.load_in_8bit else
+            {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+             "bnb_4bit_compute_dtype": torch.bfloat16 if args.bf16 else torch.float32}
+        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"loading {args.model} on {device} ...", flush=True)
+    model = load_model(args.model, quantization=quantization, device=device)
+    quantized = quantization is not None
     if args.lora or quantized:
-        targets = args.lora_target_modules.split(",") if args.lora_target_modules else None
-        model = add_lora(model, r=args.lora_r, target_modules=targets, quantized=quantized)
+        from peft import LoraConfig
+
+        targets = args.lora_target_modules.split(",") if args.lora_target_modules else "all-linear"
+        lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=targets, lora_dropout=0.0,
+                          task_type="CAUSAL_LM")
+        model = add_lora(model, lora, quantized=quantized, kbit_preparation=args.kbit_preparation,
+                         checkpointing=args.gradient_checkpointing)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if hasattr(model, "enable_input_require_grads"):
-            model.enable_input_require_grads()
+        from types import SimpleNamespace
+
+        from ._compat import enable_checkpointing
+
+        # Switched on as training switches it on (the one helper the tuner uses too), LoRA-safe kind.
+        enable_checkpointing(model, SimpleNamespace(gradient_checkpointing=True,
+                                                    gradient_checkpointing_kwargs={"use_reentrant": False}))
     budget_bytes = args.budget_bytes
     if budget_bytes is None and args.budget is None and args.model == "tiny":
         budget_bytes = DEFAULT_PROBE_BUDGET_BYTES
@@ -114,76 +179,156 @@ def _run_probe(args: argparse.Namespace) -> int:
         )
     except NothingFitsError as exc:
         print(table(exc.result, args.seq_len))
-        raise SystemExit(f"hf-accum probe: {exc}") from None
-    except ValueError as exc:
-        raise SystemExit(f"hf-accum probe: {exc}") from None
+        raise
+    _report_probe(args, result, plan, args.seq_len)
+    return 0
+
+
+def _probe_recipe(args: argparse.Namespace) -> int:
+    from .recipes.config import wants_quantization
+
+    _import_bitsandbytes_only_if(args, wants_quantization(args.recipe, args.overrides))
+    from .probe import NothingFitsError
+    from .probe_report import table
+    from .recipes.run import probe_recipe
+
+    store = any(item.partition("=")[0].strip() in ("output_dir", "training.output_dir") for item in args.overrides)
+    try:
+        out = probe_recipe(args.recipe, args.overrides, store=store, say=lambda msg: print(msg, flush=True))
+    except NothingFitsError as exc:
+        print(table(exc.result, getattr(exc, "seq_len", 0)))
+        raise
+    _report_probe(args, out.result, out.plan, out.seq_len)
+    if out.plan_file:
+        print(f"stored the plan in {out.plan_file}: `hf-accum train {args.recipe} {' '.join(args.overrides)}` "
+              "reuses it without probing")
+    else:
+        print("(plan not stored: add output_dir=DIR to store it where `hf-accum train` reuses it)")
+    return 0
+
+
+def _report_probe(args: argparse.Namespace, result, plan, seq_len: int) -> None:
+    from .probe_report import summary, table, write_json, write_plot
+
     print()
-    print(table(result, args.seq_len))
+    print(table(result, seq_len))
     print()
-    print(summary(result, plan, args.seq_len))
+    print(summary(result, plan, seq_len))
     if args.json:
-        write_json(args.json, result, plan, args.seq_len)
+        write_json(args.json, result, plan, seq_len)
         print(f"wrote {args.json}")
     if args.plot:
         write_plot(args.plot, result, plan)
         print(f"wrote {args.plot}")
-    return 0
 
 
 # --- train -------------------------------------------------------------------------------------------
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train", help="run a recipe (a name from recipes/ or a YAML path) with key=value overrides",
-        description="Run a LoRA / QLoRA recipe: probe memory, plan micro-batch x accumulation x world = "
-                    "target_batch_size, train, save the adapter and run_summary.json in output_dir.",
+        description="Run a LoRA / QLoRA recipe: probe memory (or reuse the plan stored in output_dir), plan "
+                    "micro-batch x accumulation x world = target_batch_size, train, save the adapter and "
+                    "run_summary.json in output_dir.",
         epilog="Overrides: section.key=value (model.dtype=bfloat16, lora.r=32, training.learning_rate=1e-4), a bare "
                "key when one section has it (max_steps=100), model=HUB_ID_OR_DIR, dataset=HUB_ID_OR_FILE. Values "
-               "are YAML scalars. Recipes: lora_sft, qlora_sft, lora_classification (see recipes/*.yaml).",
+               "are YAML scalars. Checkpoints: save_steps=N; continue a run with resume_from_checkpoint=true (the "
+               "newest complete checkpoint in output_dir) or =PATH. Recipes: lora_sft, qlora_sft, "
+               "lora_classification (see recipes/*.yaml).",
     )
     p.add_argument("recipe", help="recipe name (e.g. lora_sft) or path of a recipe YAML file")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of recipe keys")
     p.add_argument("--print-config", action="store_true",
-                   help="print the resolved recipe (after overrides) and exit without training")
+                   help="check the resolved recipe (after overrides), print it and exit without training")
     p.set_defaults(func=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    try:
-        from .recipes import RecipeError, format_recipe, load_recipe, run_recipe
-    except ImportError as exc:  # pyyaml / datasets live in the `recipes` extra
-        raise SystemExit(
-            f"hf-accum train: {exc}; install the recipe dependencies: pip install 'hf-accum[recipes]'"
-        ) from None
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        if args.print_config:
-            print(format_recipe(recipe), end="")
-            return 0
-        run_recipe(recipe)
-    except RecipeError as exc:  # a key or value of the recipe: the message says what to set
-        raise SystemExit(f"hf-accum train: {exc}") from None
+    from .recipes.config import load_recipe, wants_quantization
+
+    _import_bitsandbytes_only_if(args, wants_quantization(args.recipe, args.overrides))
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.print_config:
+        from .recipes.config import format_recipe
+
+        recipe.validate()
+        print(format_recipe(recipe), end="")
+        return 0
+    from .recipes.run import run_recipe
+
+    run_recipe(recipe)
     return 0
 
 
-# --- dispatch ----------------------------------------------------------------------------------------
+# --- shared ------------------------------------------------------------------------------------------
+def _import_bitsandbytes_only_if(args: argparse.Namespace, quantizing: bool) -> None:
+    """In the `hf-accum` process itself (not when `main` is called from Python), keep bitsandbytes out unless the
+    command quantizes: transformers and peft import it whenever it is installed, which costs time and, on CPU,
+    prints a warning about an optional kernel package. The choice is per process (both cache it)."""
+    if args.own_process and not quantizing and "bitsandbytes" not in sys.modules:
+        sys.modules["bitsandbytes"] = None  # import fails; transformers and peft then treat it as not installed
+
+
+def _require_recipe_extra() -> None:
+    import importlib.util
+
+    missing = [name for name in ("yaml", "datasets") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"recipes need pyyaml and datasets ({', '.join(missing)} missing): "
+                         "pip install 'hf-accum[recipes]'")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints the usage and exits; one line with the fix instead
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-accum", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="hf-accum", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"hf-accum {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{probe,train}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    sub = parser.add_subparsers(dest="command", metavar="{probe,train}", parser_class=_Parser)
     _add_probe_parser(sub)
     _add_train_parser(sub)
+    for name, p in sub.choices.items():
+        # Also after the sub-command; SUPPRESS keeps `hf-accum --debug train` from being reset to False.
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the full traceback")
+        p.set_defaults(parser=p, command=name)
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, raw: list[str]) -> argparse.Namespace:
+    """As parse_args, but key=value overrides may also follow flags (`train lora_sft --print-config max_steps=3`)."""
+    args, extra = parser.parse_known_args(raw)
+    overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+    unknown = [item for item in extra if item not in overrides]
+    if unknown or (overrides and getattr(args, "overrides", None) is None):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status (2: a user error, printed as one line on stderr)."""
     # Kineto (the CPU meter's profiler) reads this when torch loads; it would print stage lines per trial.
     os.environ.setdefault("KINETO_LOG_LEVEL", "3")
+    raw = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "func", None) is None:
-        parser.print_help()
+    command = next((a for a in raw if a in ("probe", "train")), None)
+    try:
+        args = _parse(parser, raw)
+        if getattr(args, "func", None) is None:
+            parser.print_help()
+            return 2
+        args.own_process = argv is None
+        if args.func is _run_train or args.recipe is not None:
+            _require_recipe_extra()
+        return int(args.func(args) or 0)
+    except (UsageError, ValueError) as exc:  # RecipeError, the Trainer's and the probe's refusals are ValueErrors
+        if "--debug" in raw:
+            raise
+        print(f"hf-accum{' ' + command if command else ''}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":

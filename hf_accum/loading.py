@@ -1,16 +1,18 @@
-"""Loading the model a user names: the built-in offline `tiny`, a local directory saved with `save_pretrained`,
-or a hub id; optionally with a 4/8-bit base (bitsandbytes). Used by the recipes and by `hf-accum probe`.
-Errors say what to do instead."""
+"""Building the model a user names, for the recipes and `hf-accum probe` alike: the built-in offline `tiny`, a
+local directory saved with `save_pretrained`, or a hub id; optionally with a 4/8-bit base (bitsandbytes); then the
+one LoRA preparation (:func:`add_lora`). Errors say what to do instead."""
 
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from typing import Any
-
-import torch
+from urllib.parse import urlparse
 
 TINY = "tiny"
+KBIT_PREPARATIONS = ("light", "peft")
+HUB_TIMEOUT_S = 3.0
 
 
 def require_bitsandbytes(what: str, instead: str) -> None:
@@ -26,6 +28,27 @@ def require_bitsandbytes(what: str, instead: str) -> None:
 
 def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+
+
+def hub_unreachable(label: str, name: str, kind: str = "model") -> ValueError | None:
+    """None when ``name`` needs no hub (a local path, HF_HUB_OFFLINE set) or the hub answers within a few seconds;
+    otherwise the error to raise. huggingface_hub retries an unreachable hub for about a minute before failing."""
+    if offline() or os.path.exists(name):
+        return None
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") if endpoint.scheme == "https" else (
+        os.environ.get("HTTP_PROXY") or os.environ.get("http_proxy"))
+    target = urlparse(proxy) if proxy else endpoint
+    port = target.port or (443 if target.scheme == "https" else 80)
+    try:
+        socket.create_connection((target.hostname, port), timeout=HUB_TIMEOUT_S).close()
+        return None
+    except OSError as exc:
+        return ValueError(
+            f"{label}={name!r} is not a local path, so it is a hub id, but the hub ({endpoint.geturl()}) is not "
+            f"reachable from here ({exc}). Set HF_HUB_OFFLINE=1 to use the {kind}s in the local cache, or give a "
+            f"local directory{' saved with save_pretrained' if kind == 'model' else ' or file'}."
+        )
 
 
 def not_loadable(label: str, name: str, exc: Exception) -> ValueError:
@@ -45,6 +68,7 @@ def load_model(name: str = TINY, *, task: str = "causal_lm", dtype=None, quantiz
 
     ``task``: "causal_lm" or "seq_cls". ``tiny``: keywords of `hf_accum.tiny.build_model`.
     """
+    import torch
     from transformers import BitsAndBytesConfig
 
     extra = dict(from_pretrained)
@@ -52,6 +76,9 @@ def load_model(name: str = TINY, *, task: str = "causal_lm", dtype=None, quantiz
         target = device if device is not None else (torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
         extra.update(quantization_config=BitsAndBytesConfig(**quantization), device_map={"": target})
     if name != TINY:
+        unreachable = hub_unreachable(label, name)
+        if unreachable is not None:
+            raise unreachable
         return _from_pretrained(label, name, name, task, dtype, num_labels, tokenizer, **extra)
     from . import tiny as tiny_models
 
@@ -63,7 +90,11 @@ def load_model(name: str = TINY, *, task: str = "causal_lm", dtype=None, quantiz
     with tempfile.TemporaryDirectory(prefix="hf_accum_tiny_") as tmp:
         base.save_pretrained(tmp)
         del base
-        return _from_pretrained(label, name, tmp, task, dtype, num_labels, tokenizer, **extra)
+        model = _from_pretrained(label, name, tmp, task, dtype, num_labels, tokenizer, **extra)
+    # Named "tiny", not after the temporary directory: peft records the name in the adapter config, and the plan key
+    # holds that, so a random name would make every run probe again.
+    model.name_or_path = model.config._name_or_path = TINY
+    return model
 
 
 def _from_pretrained(label, name, source, task, dtype, num_labels, tokenizer, **kwargs):
@@ -94,15 +125,23 @@ def _from_pretrained(label, name, source, task, dtype, num_labels, tokenizer, **
         hf_logging.set_verbosity(verbosity)
 
 
-def add_lora(model, *, r: int = 8, alpha: int | None = None, target_modules: list[str] | None = None,
-             quantized: bool = False):
-    """LoRA as `hf-accum probe --lora` measures it (the recipes configure theirs from the YAML)."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+def add_lora(model, lora_config, *, quantized: bool = False, kbit_preparation: str = "light",
+             checkpointing: bool = False):
+    """The one LoRA preparation, for `hf-accum train` and `hf-accum probe` alike: k-bit preparation of a quantized
+    base, input gradients for checkpointing, then `get_peft_model`. Checkpointing itself is switched on where
+    training switches it on (the Trainer, and `_compat.enable_checkpointing` before a probe).
 
-    if quantized:
-        # peft's k-bit preparation (casts non-quantized weights to float32; the probe measures what that costs).
-        # use_gradient_checkpointing=False: the caller decides checkpointing and the input-grad hook with it.
+    ``kbit_preparation`` (quantized bases): "light" leaves the non-quantized weights in their dtype (get_peft_model
+    freezes the base); "peft" runs `peft.prepare_model_for_kbit_training`, which also upcasts them to float32.
+    """
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if kbit_preparation not in KBIT_PREPARATIONS:
+        raise ValueError(f"kbit_preparation={kbit_preparation!r} must be one of {list(KBIT_PREPARATIONS)}")
+    if quantized and kbit_preparation == "peft":
+        # Checkpointing off here: it is switched on in one place (see above), with the run's own kwargs.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    config = LoraConfig(r=r, lora_alpha=alpha or 2 * r, target_modules=target_modules or "all-linear",
-                        lora_dropout=0.0, task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    if checkpointing:
+        # The embeddings' output requires grad, so any checkpointed segment has an input that needs a gradient.
+        model.enable_input_require_grads()
+    return get_peft_model(model, lora_config)

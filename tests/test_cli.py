@@ -1,5 +1,8 @@
+import os
+import re
 import subprocess
 import sys
+import time
 
 from hf_accum import __version__
 from hf_accum.cli import main
@@ -37,6 +40,13 @@ def test_probe_default_run_plans_accumulation(tmp_path, capsys):
 import pytest  # noqa: E402
 
 
+def error_line(capsys) -> str:
+    """The one line a user error prints on stderr (and nothing else there)."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -44,37 +54,141 @@ import pytest  # noqa: E402
         (["--budget-bytes", "0"], "--budget-bytes=0 must be a positive integer"),
         (["--target-batch", "9", "--world-size", "2"], "use --target-batch 8 or 10"),
         (["--seq-len", "0"], "--seq-len=0 must be a positive integer"),
+        (["--seq-len", "abc"], "argument --seq-len: invalid int value: 'abc'"),
         (["--model", "/nonexistent/model-dir"], "model='/nonexistent/model-dir' could not be loaded as a hub id"),
         (["--seq-len", "5000"], "exceeds the model's max_position_embeddings=4096"),
         (["--budget-bytes", "100000"], "even micro-batch 1 does not fit"),
+        (["--json", "/nonexistent-dir/p.json"], "--json=/nonexistent-dir/p.json: /nonexistent-dir is not a writable"),
+        (["--plot", "curve.txt"], "--plot=curve.txt: the file name must end in an image type"),
+        (["lora_sft", "--model", "tiny2"], "--model is for a bare model; with a recipe use model=..."),
+        (["max_steps=3"], "looks like an override; give the recipe first"),
     ],
 )
-def test_probe_bad_input_says_the_fix(argv, message, monkeypatch):
+def test_probe_bad_input_is_one_line_with_the_fix_and_exit_2(argv, message, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(SystemExit) as info:
-        main(["probe", *argv])
-    assert message in str(info.value)
+    assert main(["probe", *argv]) == 2
+    line = error_line(capsys)
+    assert line.startswith("hf-accum probe: ") and message in line, line
 
 
-def test_quantization_without_bitsandbytes_says_what_to_install(monkeypatch):
-    import sys
-
+def test_quantization_without_bitsandbytes_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as if not installed
-    with pytest.raises(SystemExit, match=r"needs bitsandbytes, which is not installed.*pip install 'hf-accum\[qlora\]'"):
-        main(["probe", "--load-in-4bit"])
+    assert main(["probe", "--load-in-4bit"]) == 2
+    assert re.search(r"needs bitsandbytes, which is not installed.*pip install 'hf-accum\[qlora\]'", error_line(capsys))
 
 
-def test_8bit_on_a_machine_without_cuda_is_refused_before_loading():
+def test_8bit_on_a_machine_without_cuda_is_refused_before_loading(capsys):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: 8-bit is allowed")
-    with pytest.raises(SystemExit, match="8-bit .* needs a CUDA GPU; on CPU use --load-in-4bit"):
-        main(["probe", "--load-in-8bit"])
+    assert main(["probe", "--load-in-8bit"]) == 2
+    assert re.search("8-bit .* needs a CUDA GPU; on CPU use --load-in-4bit", error_line(capsys))
 
 
-def test_probe_budget_errors_name_the_flags():
-    with pytest.raises(SystemExit) as info:
-        main(["probe", "--seq-len", "16", "--budget-bytes", str(2**60)])
-    message = str(info.value)
-    assert message.startswith(f"hf-accum probe: --budget-bytes={2**60} ") and "Set --budget instead" in message
+# --- the process: fast start, one-line errors, --debug ----------------------------------------------------
+HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "datasets")
+
+
+def run_cli(code: str, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["probe", "--help"], ["probe", "--budget", "2"],
+                                  ["trian"], ["train"]])
+def test_help_and_argument_errors_import_nothing_heavy(argv):
+    code = (f"import sys, time; t = time.perf_counter(); from hf_accum.cli import main\n"
+            f"try:\n    rc = main({argv!r})\nexcept SystemExit as e:\n    rc = e.code\n"
+            f"print('RESULT', rc, time.perf_counter() - t, [m for m in {HEAVY!r} if m in sys.modules])")
+    out = run_cli(code)
+    rc, seconds, heavy = out.stdout.split("RESULT")[1].split(maxsplit=2)
+    assert heavy.strip() == "[]", heavy  # what makes `hf-accum --help` take seconds
+    assert int(rc) == (0 if "--help" in argv else 2)
+    if rc != "0":
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_user_error_is_one_line_and_debug_shows_the_traceback():
+    plain = subprocess.run([sys.executable, "-m", "hf_accum.cli", "train", "lora_sft", "max_steps=abc"],
+                           capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 2 and plain.stdout == ""
+    assert plain.stderr.strip().splitlines() == [
+        "hf-accum train: training.max_steps='abc' is a string, but training.max_steps takes an integer; set it to "
+        "such a value (e.g. max_steps=8)"]
+    debug = subprocess.run([sys.executable, "-m", "hf_accum.cli", "train", "lora_sft", "max_steps=abc", "--debug"],
+                           capture_output=True, text=True, timeout=300)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "RecipeError" in debug.stderr
+
+
+@pytest.mark.parametrize("recipe,imported", [("lora_sft", False), ("qlora_sft", True)])
+def test_bitsandbytes_is_imported_only_when_the_command_quantizes(recipe, imported):
+    pytest.importorskip("bitsandbytes")
+    code = (f"import sys; sys.argv = ['hf-accum', 'train', {recipe!r}, '--print-config']\n"
+            "from hf_accum.cli import main\nrc = main(); print('RESULT', rc, sys.modules.get('bitsandbytes') is not None)")
+    out = run_cli(code)
+    assert out.stdout.split("RESULT")[1].split() == ["0", str(imported)], out.stderr
+    if not imported:
+        assert "bitsandbytes" not in out.stderr and "kernels" not in out.stderr, out.stderr
+
+
+def test_an_unreachable_hub_fails_fast_with_the_offline_hint(monkeypatch, capsys):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: refused at once
+    start = time.perf_counter()
+    assert main(["train", "lora_sft", "model=someone/some-model"]) == 2
+    line = error_line(capsys)
+    assert "model.name='someone/some-model'" in line and "hub (http://127.0.0.1:9) is not reachable" in line
+    assert "Set HF_HUB_OFFLINE=1" in line and "local directory" in line
+    assert main(["probe", "--model", "someone/some-model"]) == 2
+    assert "Set HF_HUB_OFFLINE=1" in error_line(capsys)
+    assert time.perf_counter() - start < 60  # huggingface_hub alone retried for ~57 s per load
+
+
+def test_py_typed_ships():
+    import tomllib
+    from pathlib import Path
+
+    import hf_accum
+
+    assert (Path(hf_accum.__file__).parent / "py.typed").is_file()
+    config = tomllib.loads((Path(hf_accum.__file__).parent.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "py.typed" in config["package-data"]["hf_accum"]
+    assert {"hf_accum", "hf_accum.recipes", "hf_accum.recipes_data"} <= set(config["packages"])
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_recipe_package_the_yamls_and_py_typed(tmp_path):
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(root)], check=True, capture_output=True, timeout=600, cwd=tmp_path)
+    (wheel,) = tmp_path.glob("hf_accum-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"hf_accum/py.typed", "hf_accum/recipes/run.py", "hf_accum/recipes_data/lora_sft.yaml",
+            "hf_accum/recipes_data/qlora_sft.yaml", "hf_accum/recipes_data/lora_classification.yaml"} <= names
+
+
+@pytest.mark.parametrize("argv,recipe,overrides", [
+    (["probe", "lora_sft", "--json", "x.json", "output_dir=y"], "lora_sft", ["output_dir=y"]),
+    (["train", "lora_sft", "a=1", "--print-config", "b=2"], "lora_sft", ["a=1", "b=2"]),
+    (["probe", "--json", "x.json", "lora_sft", "a=1"], "lora_sft", ["a=1"]),
+])
+def test_overrides_may_follow_flags(argv, recipe, overrides):
+    from hf_accum.cli import _parse, build_parser
+
+    args = _parse(build_parser(), argv)
+    assert (args.recipe, args.overrides) == (recipe, overrides)
+
+
+def test_an_unknown_flag_is_one_line(capsys):
+    assert main(["train", "lora_sft", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in error_line(capsys)
+
+
+def test_probe_budget_errors_name_the_flags(capsys):
+    assert main(["probe", "--seq-len", "16", "--budget-bytes", str(2**60)]) == 2
+    line = error_line(capsys)
+    assert f"--budget-bytes={2**60} " in line and "Set --budget instead" in line

@@ -4,6 +4,7 @@ with the same logits, and writes its run summary."""
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -64,19 +65,24 @@ def test_overrides_resolve_dotted_bare_and_aliased_keys_with_yaml_values():
     assert out["model"]["name"] == "someone/model" and out["data"]["dataset"] == "data.jsonl"
     assert out["model"]["quantization"]["bnb_4bit_quant_type"] == "fp4"
     assert out["training"]["report_to"] is None
+    assert [recipes.parse_value(v) for v in ("no", "off", "true", "False", "1e-4")] == ["no", "off", True, False, 1e-4]
     assert config["training"]["max_steps"] != 7  # the original is left alone
 
 
-@pytest.mark.parametrize("key", ["lora.rank", "bogus", "training.learning_rat", "optimizer.lr"])
-def test_an_unknown_key_is_an_error_that_lists_the_valid_ones(key):
+@pytest.mark.parametrize("key,suggested", [
+    ("lora.rank", "lora.r"), ("training.learning_rat", "training.learning_rate"), ("learning_rat", "training.learning_rate"),
+    ("optimizer.lr", None), ("bogus", None), ("max_step", "training.max_steps"),
+])
+def test_an_unknown_key_is_one_line_with_the_closest_keys(key, suggested):
     with pytest.raises(RecipeError) as info:
         load_recipe("lora_sft", [f"{key}=1"])
     message = str(info.value)
-    assert f"unknown key {key!r}" in message
-    for valid in ("model: name, task", "lora: ", " r,", "training: output_dir", "target_batch_size", "data: dataset"):
-        assert valid in message
-    if key == "lora.rank":
-        assert "Did you mean lora.r" in message
+    assert "\n" not in message and message.startswith(f"unknown key {key!r}.") and len(message) < 400, message
+    assert "training.* takes any AccumTrainingArguments field" in message
+    if suggested:
+        assert f"Did you mean {suggested}" in message, message
+    else:
+        assert "sections model, data, lora, training" in message or "is not a section" in message, message
 
 
 def test_ambiguous_and_nested_keys_say_what_to_write():
@@ -86,13 +92,84 @@ def test_ambiguous_and_nested_keys_say_what_to_write():
         resolve_key("model.quantization.quant_type")
 
 
-def test_the_cli_reports_recipe_errors_without_a_traceback(capsys):
-    with pytest.raises(SystemExit, match=r"hf-accum train: unknown key 'lora\.rank'"):
-        main(["train", "lora_sft", "lora.rank=3"])
-    with pytest.raises(SystemExit, match=r"unknown recipe 'nope'.*lora_sft"):
-        main(["train", "nope"])
+def test_the_cli_reports_recipe_errors_in_one_line_with_exit_2(capsys):
+    assert main(["train", "lora_sft", "lora.rank=3"]) == 2
+    assert capsys.readouterr().err.startswith("hf-accum train: unknown key 'lora.rank'. Did you mean lora.r")
+    assert main(["train", "nope"]) == 2
+    assert re.search(r"unknown recipe 'nope'.*lora_sft", capsys.readouterr().err)
     assert main(["train", "lora_sft", "max_steps=3", "--print-config"]) == 0
     assert "max_steps: 3" in capsys.readouterr().out
+
+
+# Values the YAML gives but the field cannot take: refused when the recipe loads, before any model or data work.
+@pytest.mark.parametrize("override,message", [
+    ("learning_rate=abc", "training.learning_rate='abc' is a string, but training.learning_rate takes a number"),
+    ("max_steps=abc", "training.max_steps='abc' is a string, but training.max_steps takes an integer"),
+    ("max_steps=2.5", "training.max_steps=2.5 is a number, but training.max_steps takes an integer"),
+    ("memory_budget=abc", "training.memory_budget='abc' is a string, but training.memory_budget takes a number"),
+    ("bf16=maybe", "training.bf16='maybe' is a string, but training.bf16 takes true or false"),
+    ("save_strategy=sometimes", "training.save_strategy takes one of 'no', 'steps', 'epoch', 'best'"),
+    ("lora.r=abc", "lora.r='abc' is a string, but lora.r takes an integer"),
+    ("lora.r=0", "lora.r=0 must be a positive integer"),
+    ("lora.target_modules=3", "lora.target_modules=3 is an integer, but lora.target_modules takes a list of strings or a string or null"),
+    ("data.max_length=abc", "data.max_length='abc' is a string, but data.max_length takes an integer"),
+    ("model.cpu_threads=0", "model.cpu_threads=0 must be a positive integer"),
+    ("resume_from_checkpoint=3", "training.resume_from_checkpoint=3 is an integer"),
+    ("dataset=notes.txt", "data.dataset='notes.txt' is a .txt file; give a .json, .jsonl, .csv, .parquet file"),
+    ("dataset=missing.jsonl", "data.dataset='missing.jsonl': no such file"),
+    ("target_batch_size=0", "target_batch_size=0 must be a positive integer"),
+    ("model.dtype=float33", "model.dtype='float33' is not a torch dtype"),
+    ("model.quantization.load_in_4bit=yes", "model.quantization: load_in_4bit must be a boolean"),
+])
+def test_a_wrong_value_is_refused_when_the_recipe_loads(override, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("hello\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe("lora_sft", [override]).validate()
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert main(["train", "lora_sft", override, "--print-config"]) == 2  # --print-config validates too
+    assert message in capsys.readouterr().err
+
+
+def test_a_yaml_error_names_the_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: tiny\ntraining:\n  max_steps: [3\n")
+    assert main(["train", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hf-accum train: recipe file '{bad}' line 5") and "not valid YAML" in err, err
+
+
+def test_save_steps_without_save_strategy_means_steps():
+    assert load_recipe("lora_sft", ["save_steps=10"]).training_args().save_strategy == "steps"
+    assert load_recipe("lora_sft", ["save_steps=10", "save_strategy=no"]).training_args().save_strategy == "no"
+    assert load_recipe("lora_sft").training_args().save_strategy == "no"  # the recipe's own setting
+
+
+@pytest.mark.parametrize("content,suffix,message", [
+    ("", ".jsonl", "the file is empty"),
+    ("\n\n", ".jsonl", "the file is empty"),
+    ('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response":\n', ".jsonl", "line 2: not valid JSON"),
+    ('{"prompt": "a", "response": "b"}\n[1, 2]\n', ".jsonl", "line 2: a JSON line must be an object"),
+    ('[{"prompt": "a", "response": "b"},\n {"prompt": "c" "response": "d"}]', ".json", "line 2: not valid JSON"),
+    ("prompt,response\n", ".csv", "the CSV file has a header line and no rows"),
+])
+def test_a_bad_data_file_is_named_with_its_line(content, suffix, message, tmp_path):
+    path = tmp_path / f"data{suffix}"
+    path.write_text(content)
+    recipe = load_recipe("lora_sft", [f"dataset={path}"])
+    with pytest.raises(RecipeError) as info:
+        recipes.build_data(recipe, recipes.build_tokenizer(recipe))
+    assert str(info.value).startswith(f"data.dataset={str(path)!r}") and message in str(info.value), str(info.value)
+
+
+def test_lora_target_modules_that_match_nothing_list_the_layers():
+    recipe = load_recipe("lora_sft", ["lora.target_modules=[qproj]"])
+    args = recipe.validate()
+    tok = recipes.build_tokenizer(recipe)
+    with pytest.raises(RecipeError, match=r"lora\.target_modules=\['qproj'\] does not fit 'tiny'.*q_proj.*"
+                                          r"all-linear") as info:
+        recipes.add_lora(recipes.build_model(recipe, tok), recipe, args)
+    assert "\n" not in str(info.value)
 
 
 def test_4bit_without_bitsandbytes_says_what_to_install(monkeypatch):

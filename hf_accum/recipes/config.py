@@ -1,0 +1,503 @@
+"""Step 1 of a recipe: the config. A YAML file (or mapping) with `model` / `data` / `lora` / `training`
+sections, `key=value` overrides applied, every key and value that needs no model checked (:func:`load_recipe`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..loading import KBIT_PREPARATIONS
+
+SECTIONS = ("model", "data", "lora", "training")
+ALIASES = {"model": "model.name", "dataset": "data.dataset"}
+TASKS = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS"}
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # hf_accum/
+# Packaged copy first (a wheel ships recipes/ as hf_accum/recipes_data), then the repository's own directory.
+RECIPE_DIRS = (_PACKAGE_DIR / "recipes_data", _PACKAGE_DIR.parent / "recipes")
+
+
+class RecipeError(ValueError):
+    """A recipe or an override that cannot be used; the message names the key and what to set instead."""
+
+
+# --- sections ------------------------------------------------------------------------------------------------
+@dataclass
+class ModelSection:
+    name: str = "tiny"
+    """"tiny" (a small Llama built from config, offline), a hub id, or a local directory."""
+    task: str = "causal_lm"
+    """"causal_lm" (AutoModelForCausalLM) or "seq_cls" (AutoModelForSequenceClassification)."""
+    dtype: str | None = None
+    """dtype of the weights that are not quantized: float32 (None), bfloat16, float16, or "auto" (the checkpoint's)."""
+    num_labels: int | None = None
+    """seq_cls: number of classes; None: from the data."""
+    quantization: dict[str, Any] | None = None
+    """`transformers.BitsAndBytesConfig` keyword arguments (QLoRA: load_in_4bit, bnb_4bit_quant_type nf4, ...)."""
+    kbit_preparation: str = "light"
+    """Quantized bases only. "light": freeze, input grads, non-reentrant checkpointing, no upcast (the default);
+    "peft": `peft.prepare_model_for_kbit_training`, which also upcasts every non-quantized weight to float32."""
+    revision: str | None = None
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+    tiny: dict[str, Any] = field(default_factory=dict)
+    """name=tiny: keyword arguments of `hf_accum.tiny.build_model` (hidden_size, num_layers, num_heads, seed)."""
+    cpu_threads: int | None = None
+    """On CPU: torch.set_num_threads for the run (restored after); None: torch's default (one per core). A tiny
+    model's matmuls are too small to split: 1 thread is fastest, and on shared cores 2 were 10-100x slower."""
+
+
+@dataclass
+class DataSection:
+    dataset: str = "tiny"
+    """"tiny" (generated tasks, offline), a hub id, a dataset directory, or a local .json/.jsonl/.csv/.parquet file."""
+    subset: str | None = None
+    """Hub dataset configuration name."""
+    split: str = "train"
+    num_examples: int | None = None
+    """tiny: how many examples to generate (default 2000); otherwise: use the first N rows (None: all)."""
+    max_length: int = 512
+    """Tokens per example after truncation (the end is cut)."""
+    seed: int = 0
+    """Seed of the generated tiny data."""
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    """SFT rows are {prompt_field, response_field} pairs, or chat `messages` whose last turn (assistant) is the target."""
+    text_field: str = "text"
+    label_field: str = "label"
+    """seq_cls rows are {text_field, label_field}; string labels are mapped to ids in sorted order."""
+
+
+_SECTION_CLASSES = {"model": ModelSection, "data": DataSection}
+_NESTED_KEYS: dict[tuple[str, str], Callable[[], set[str]]] = {}  # filled below, for 3-level keys
+
+
+def _init_fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
+def _lora_keys() -> list[str]:
+    from peft import LoraConfig
+
+    return [k for k in _init_fields(LoraConfig) if k not in ("peft_type", "auto_mapping")]
+
+
+def _training_keys() -> list[str]:
+    from ..args import AccumTrainingArguments
+
+    return _init_fields(AccumTrainingArguments)
+
+
+def valid_keys() -> dict[str, list[str]]:
+    """The keys each section accepts."""
+    return {
+        "model": _init_fields(ModelSection),
+        "data": _init_fields(DataSection),
+        "lora": _lora_keys(),
+        "training": _training_keys(),
+    }
+
+
+def _bnb_keys() -> set[str]:
+    import inspect
+
+    from transformers import BitsAndBytesConfig
+
+    return {p for p in inspect.signature(BitsAndBytesConfig.__init__).parameters if p not in ("self", "kwargs")}
+
+
+def _tiny_keys() -> set[str]:
+    import inspect
+
+    from .. import tiny
+
+    return {p for p in inspect.signature(tiny.build_model).parameters if p not in ("kind", "tokenizer", "dtype")}
+
+
+_NESTED_KEYS.update({("model", "quantization"): _bnb_keys, ("model", "tiny"): _tiny_keys})
+
+
+# --- YAML ---------------------------------------------------------------------------------------------------
+def _yaml_loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """PyYAML follows YAML 1.1, where `1e-4` is a string and `no` / `off` are false; recipes mean what YAML 1.2
+        means: the float, and the strings (`save_strategy=no`)."""
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+    )
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(
+            r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+            |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+            |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+            |[-+]?\.(?:inf|Inf|INF)
+            |\.(?:nan|NaN|NAN))$""",
+            re.X,
+        ),
+        list("-+0123456789."),
+    )
+    return Loader
+
+
+def parse_value(text: str) -> Any:
+    """An override's value as a YAML scalar (or flow list/mapping): "1e-4" -> 1e-4, "null" -> None."""
+    import yaml
+
+    try:
+        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError:
+        return text
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    import yaml
+
+    with open(path) as f:
+        try:
+            data = yaml.load(f, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise RecipeError(f"recipe file {str(path)!r}{where}: not valid YAML ({problem}); fix that line") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping with sections {list(SECTIONS)}, not {type(data).__name__}")
+    return data
+
+
+# --- finding a recipe ---------------------------------------------------------------------------------------
+def available_recipes() -> list[str]:
+    names: set[str] = set()
+    for d in RECIPE_DIRS:
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def recipe_path(recipe: str | os.PathLike) -> Path:
+    """The YAML file of a recipe name (from the shipped recipes) or a path."""
+    p = Path(recipe)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise RecipeError(f"recipe file {str(p)!r} does not exist; known recipes: {', '.join(available_recipes())}")
+        return p
+    for d in RECIPE_DIRS:
+        candidate = d / f"{recipe}.yaml"
+        if candidate.is_file():
+            return candidate
+    raise RecipeError(
+        f"unknown recipe {str(recipe)!r}: give one of {', '.join(available_recipes()) or '(none found)'} "
+        f"or the path of a YAML file (searched {', '.join(str(d) for d in RECIPE_DIRS)})"
+    )
+
+
+# --- overrides ------------------------------------------------------------------------------------------------
+def _unknown_key(key: str, keys: dict[str, list[str]], extra: str = "") -> RecipeError:
+    """One line: the key, why, and the closest valid keys (all of them: `--print-config` or the section's class)."""
+    dotted = [f"{s}.{k}" for s, ks in keys.items() for k in ks] + list(ALIASES)
+    bare = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(key, dotted, n=3, cutoff=0.6)
+    close += [d for d in difflib.get_close_matches(bare, [d.rsplit(".", 1)[-1] for d in dotted], n=3, cutoff=0.6)
+              for d in [next(x for x in dotted if x.rsplit(".", 1)[-1] == d)] if d not in close]
+    hint = f" Did you mean {' or '.join(close[:3])}?" if close else (
+        f" Keys are section.key with sections {', '.join(SECTIONS)} (or a bare key that one section has).")
+    return RecipeError(f"unknown key {key!r}.{extra}{hint} (`--print-config` shows the recipe's keys; training.* takes "
+                       "any AccumTrainingArguments field, lora.* any peft.LoraConfig field)")
+
+
+def resolve_key(key: str, keys: dict[str, list[str]] | None = None) -> tuple[str, ...]:
+    """`"lr"`-style bare keys, aliases and dotted keys -> a (section, field[, subfield]) path; unknown -> error."""
+    keys = keys or valid_keys()
+    key = ALIASES.get(key, key)
+    parts = tuple(key.split("."))
+    if len(parts) == 1:
+        owners = [s for s, ks in keys.items() if parts[0] in ks]
+        if len(owners) == 1:
+            return (owners[0], parts[0])
+        if len(owners) > 1:
+            raise RecipeError(
+                f"key {key!r} is in sections {owners}; write it with its section: "
+                + " or ".join(f"{s}.{key}" for s in owners)
+            )
+        raise _unknown_key(key, keys)
+    section, name, *rest = parts
+    if section not in keys:
+        raise _unknown_key(key, keys, f" {section!r} is not a section ({', '.join(SECTIONS)}).")
+    if name not in keys[section]:
+        raise _unknown_key(key, keys)
+    if len(rest) > 1:
+        raise _unknown_key(key, keys, " Keys go at most one level into a mapping (section.field.key).")
+    if rest:
+        allowed = _NESTED_KEYS.get((section, name))
+        if allowed is not None and rest[0] not in allowed():
+            raise RecipeError(f"unknown key {key!r}: {section}.{name} accepts {', '.join(sorted(allowed()))}")
+    return parts
+
+
+def apply_overrides(config: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """A copy of ``config`` with each "key=value" applied (see the module docstring)."""
+    import copy
+
+    config = copy.deepcopy(config)
+    keys = valid_keys()
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r} is not key=value (e.g. max_steps=100, lora.r=32, model=gpt2)")
+        key, text = item.split("=", 1)
+        path = resolve_key(key.strip(), keys)
+        section = config.setdefault(path[0], {})
+        if len(path) == 2:
+            section[path[1]] = parse_value(text)
+        else:
+            mapping = section.get(path[1])
+            if mapping is None:
+                mapping = section[path[1]] = {}
+            if not isinstance(mapping, dict):
+                raise RecipeError(f"{path[0]}.{path[1]} is {mapping!r}, not a mapping, so {key!r} cannot be set")
+            mapping[path[2]] = parse_value(text)
+    return config
+
+
+# --- the loaded recipe --------------------------------------------------------------------------------------
+@dataclass
+class Recipe:
+    name: str
+    path: str | None
+    model: ModelSection
+    data: DataSection
+    lora: dict[str, Any]
+    training: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": dataclasses.asdict(self.model),
+            "data": dataclasses.asdict(self.data),
+            "lora": dict(self.lora),
+            "training": dict(self.training),
+        }
+
+    def training_args(self):
+        """`AccumTrainingArguments` from the training section (HfArgumentParser, no extra keys allowed)."""
+        from transformers import HfArgumentParser
+
+        from ..args import AccumTrainingArguments
+
+        with _quiet_deprecations():
+            (args,) = HfArgumentParser(AccumTrainingArguments).parse_dict(self.training, allow_extra_keys=False)
+        return args
+
+    def quantization_config(self):
+        """`transformers.BitsAndBytesConfig` of `model.quantization` (None without); builds without bitsandbytes."""
+        if self.model.quantization is None:
+            return None
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(**self.model.quantization)
+
+    def lora_config(self):
+        from peft import LoraConfig
+
+        kwargs = dict(self.lora)
+        kwargs.setdefault("task_type", TASKS[self.model.task])
+        return LoraConfig(**kwargs)
+
+    def validate(self):
+        """Build everything that needs no model: LoRA config, training arguments. Returns the arguments."""
+        for section, build in (("model.quantization", self.quantization_config), ("lora", self.lora_config),
+                               ("training", self.training_args)):
+            try:
+                out = build()
+            except RecipeError:
+                raise
+            except (ValueError, TypeError, AttributeError) as exc:  # the classes' own checks name the field
+                raise RecipeError(f"{section}: {' '.join(str(exc).split())}") from None
+        return out
+
+
+def load_recipe(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[str] = ()) -> Recipe:
+    """Read a recipe (name, path or mapping), apply overrides, check every key and value that needs no model."""
+    if isinstance(recipe, dict):
+        name, path, config = "custom", None, recipe
+    else:
+        p = recipe_path(recipe)
+        name, path, config = p.stem, str(p), read_yaml(p)
+    config = apply_overrides(config, overrides)
+    _save_steps_imply_steps(config, overrides)
+    keys = valid_keys()
+    for section, values in config.items():
+        if section not in SECTIONS:
+            raise _unknown_key(section, keys, f" {section!r} is not a section ({', '.join(SECTIONS)}).")
+        if values is None:
+            config[section] = values = {}
+        if not isinstance(values, dict):
+            raise RecipeError(f"section {section!r} must be a mapping of keys to values, not {values!r}")
+        for key, value in values.items():
+            path_ = resolve_key(f"{section}.{key}", keys)
+            if isinstance(value, dict) and (section, key) in _NESTED_KEYS:
+                for sub in value:
+                    resolve_key(f"{'.'.join(path_)}.{sub}", keys)
+    check_types(config)
+    model = ModelSection(**config.get("model", {}))
+    data = DataSection(**config.get("data", {}))
+    out = Recipe(name, path, model, data, dict(config.get("lora", {})), dict(config.get("training", {})))
+    _check_sections(out)
+    return out
+
+
+def wants_quantization(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[str] = ()) -> bool:
+    """Whether the recipe, after overrides, has a quantized base; read without importing torch, transformers or
+    peft, so the CLI can decide whether bitsandbytes may be imported at all."""
+    config = recipe if isinstance(recipe, dict) else read_yaml(recipe_path(recipe))
+    quantization = (config.get("model") or {}).get("quantization")
+    for item in overrides:
+        key, _, text = item.partition("=")
+        key = ALIASES.get(key.strip(), key.strip())
+        if key in ("quantization", "model.quantization"):
+            quantization = parse_value(text)
+        elif key.startswith("model.quantization."):
+            quantization = quantization if isinstance(quantization, dict) else {}
+    return quantization is not None
+
+
+def _save_steps_imply_steps(config: dict[str, Any], overrides: Sequence[str]) -> None:
+    """`save_steps=N` without `save_strategy=...` means "save every N steps", though the recipe says "no"."""
+    keys = {item.split("=", 1)[0].strip() for item in overrides}
+    if keys & {"save_steps", "training.save_steps"} and not keys & {"save_strategy", "training.save_strategy"}:
+        config.setdefault("training", {})["save_strategy"] = "steps"
+
+
+# Values the run interprets before the dataclass sees them.
+_EXTRA_TYPES: dict[tuple[str, str], Any] = {("training", "resume_from_checkpoint"): bool | str | None}
+
+
+def _section_classes() -> dict[str, type]:
+    from peft import LoraConfig
+
+    from ..args import AccumTrainingArguments
+
+    return {"model": ModelSection, "data": DataSection, "lora": LoraConfig, "training": AccumTrainingArguments}
+
+
+def check_types(config: dict[str, Any]) -> None:
+    """Every value has its field's type (`learning_rate=abc` is an error here, not a TypeError mid-run)."""
+    from .values import describe, field_types, fits, kind
+
+    classes = _section_classes()
+    for section, values in config.items():
+        types = field_types(classes[section]) if section in classes else {}
+        defaults = {f.name: f.default for f in dataclasses.fields(classes[section])} if section in classes else {}
+        for key, value in (values or {}).items():
+            hint = _EXTRA_TYPES.get((section, key), types.get(key))
+            if hint is not None and not fits(value, hint):
+                raise RecipeError(
+                    f"{section}.{key}={value!r} is {kind(value)}, but {section}.{key} takes {describe(hint)}; "
+                    f"set it to such a value (e.g. {key}={_example(hint, defaults.get(key))})"
+                )
+
+
+def _example(hint: Any, default: Any = None) -> str:
+    import enum
+
+    from .values import fits
+
+    if isinstance(default, enum.Enum):
+        default = default.value
+    if isinstance(default, bool | str) or (isinstance(default, int | float) and default > 0):
+        if fits(default, hint):
+            return str(default).lower() if isinstance(default, bool) else str(default)
+    for candidate, text in ((0.0001, "1e-4"), (8, "8"), (True, "true"), ("name", "name"), ([], "[a,b]"), ({}, "{}")):
+        if fits(candidate, hint):
+            return text
+    return "null"
+
+
+def _check_sections(recipe: Recipe) -> None:
+    m, d = recipe.model, recipe.data
+    if m.task not in TASKS:
+        raise RecipeError(f"model.task={m.task!r} must be one of {list(TASKS)}")
+    if m.kbit_preparation not in KBIT_PREPARATIONS:
+        raise RecipeError(f"model.kbit_preparation={m.kbit_preparation!r} must be one of {list(KBIT_PREPARATIONS)}")
+    if m.quantization is not None and not isinstance(m.quantization, dict):
+        raise RecipeError(
+            f"model.quantization={m.quantization!r} must be a mapping of BitsAndBytesConfig arguments "
+            "(e.g. {load_in_4bit: true, bnb_4bit_quant_type: nf4}) or null"
+        )
+    for section, name, value in (("data", "max_length", d.max_length), ("data", "num_examples", d.num_examples),
+                                 ("model", "cpu_threads", m.cpu_threads)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise RecipeError(f"{section}.{name}={value!r} must be a positive integer")
+    if m.dtype not in (None, "auto"):
+        import torch
+
+        if not isinstance(getattr(torch, str(m.dtype), None), torch.dtype):
+            raise RecipeError(f"model.dtype={m.dtype!r} is not a torch dtype; use float32, bfloat16, float16, auto or "
+                              "null")
+    r = recipe.lora.get("r")
+    if r is not None and r < 1:
+        raise RecipeError(f"lora.r={r!r} must be a positive integer (the adapter's rank, e.g. lora.r=16)")
+    _check_dataset_value(d)
+    if "output_dir" not in recipe.training:
+        raise RecipeError("training.output_dir is not set: add output_dir to the recipe or pass output_dir=DIR")
+
+
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _check_dataset_value(d: DataSection) -> None:
+    """What the name alone decides: a local file must exist and be of a kind `datasets` reads."""
+    if d.dataset == "tiny":
+        return
+    path = Path(d.dataset)
+    suffix = path.suffix.lower()
+    known = ", ".join(DATA_FILE_BUILDERS)
+    if suffix in DATA_FILE_BUILDERS and not path.is_file():
+        raise RecipeError(f"data.dataset={d.dataset!r}: no such file; give an existing {known} file or a hub id")
+    if path.is_file() and suffix not in DATA_FILE_BUILDERS:
+        raise RecipeError(
+            f"data.dataset={d.dataset!r} is a {suffix or 'suffix-less'} file; give a {known} file (JSON lines: one "
+            "object per line), a dataset directory or a hub id"
+        )
+
+
+@contextlib.contextmanager
+def _quiet_deprecations():
+    # transformers 5.23 renamed gradient_checkpointing(_kwargs) to activation_checkpointing(_kwargs); recipes keep
+    # the old names, the only ones transformers 5.17 (the oldest supported) knows, so the rename warning is noise.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
+        yield
+
+
+
+def format_recipe(recipe: Recipe) -> str:
+    """The resolved recipe as YAML (every key, overrides applied): what `recipe.yaml` in output_dir holds."""
+    import yaml
+
+    header = f"# resolved recipe {recipe.name!r}" + (f" from {recipe.path}" if recipe.path else "") + "\n"
+    return header + yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+
+
+def write_recipe(recipe: Recipe, path: str) -> None:
+    with open(path, "w") as f:
+        f.write(format_recipe(recipe))
+

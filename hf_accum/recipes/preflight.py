@@ -1,0 +1,101 @@
+"""What the output directory and `resume_from_checkpoint` decide before any model or data work: a run that would
+lose or change the user's files is refused here, with nothing written.
+
+- `output_dir` must be a directory that can be created or written to;
+- a plan stored in `output_dir` (a finished or stopped run, or `hf-accum probe RECIPE output_dir=...`) for another
+  `target_batch_size` is refused: that run's plan, recipe and checkpoints stay as they are;
+- checkpoints in `output_dir` are continued only when asked (`resume_from_checkpoint=true|PATH`), never
+  overwritten by a run starting again from step 0;
+- `resume_from_checkpoint=true` means the newest complete checkpoint (`checkpoints.newest_complete_checkpoint`),
+  a path must be a checkpoint directory. What a checkpoint must hold to be resumed is the Trainer's rule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from .config import RecipeError
+
+PLAN_FILE = "hf_accum_plan.json"  # plan_store.PLAN_FILE, without importing torch for it
+_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
+
+
+def requested_target(args) -> int:
+    return args.target_batch_size or args.effective_batch_size
+
+
+def stored_target(folder: str) -> int | None:
+    """The `target_batch_size` of the plan stored in ``folder``; None when there is no readable one."""
+    try:
+        with open(os.path.join(folder, PLAN_FILE)) as f:
+            return int(json.load(f)["plan"]["target_batch_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_output_dir(output_dir: str, target: int, *, what: str = "run") -> None:
+    """Writable, and not holding a plan for another target."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise RecipeError(f"training.output_dir={output_dir!r} is a file; pass output_dir=DIR with a directory")
+    parent = os.path.abspath(output_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise RecipeError(f"training.output_dir={output_dir!r} cannot be written ({parent} is not a writable "
+                          "directory); pass output_dir=DIR with a writable place")
+    stored = stored_target(output_dir)
+    if stored is not None and stored != target:
+        raise RecipeError(
+            f"output_dir={output_dir!r} holds a run planned for target_batch_size={stored} "
+            f"({os.path.join(output_dir, PLAN_FILE)}), but this {what} asks for target_batch_size={target}; "
+            f"keep target_batch_size={stored} to continue it, or pass output_dir=ANOTHER_DIR (nothing was changed)"
+        )
+
+
+def checkpoints(output_dir: str) -> list[str]:
+    if not os.path.isdir(output_dir):
+        return []
+    names = [n for n in os.listdir(output_dir) if _CHECKPOINT.match(n)]
+    return sorted(names, key=lambda n: int(n.split("-")[1]))
+
+
+def resolve_resume(value, output_dir: str, target: int) -> str | None:
+    """The checkpoint directory to resume from (None: a new run), or a RecipeError saying what to set."""
+    if value in (None, False, ""):
+        found = checkpoints(output_dir)
+        if found:
+            raise RecipeError(
+                f"output_dir={output_dir!r} holds checkpoints of an earlier run (newest: {found[-1]}) that a new run "
+                "would overwrite; continue it with resume_from_checkpoint=true, or pass output_dir=ANOTHER_DIR "
+                "(nothing was changed)"
+            )
+        return None
+    if value is True:
+        from ..checkpoints import newest_complete_checkpoint
+
+        path = newest_complete_checkpoint(output_dir)
+        if path is None:
+            found = checkpoints(output_dir)
+            raise RecipeError(
+                f"resume_from_checkpoint=true, but output_dir={output_dir!r} holds no complete checkpoint "
+                f"(checkpoint-N with trainer_state.json and {PLAN_FILE}"
+                + (f"; incomplete: {', '.join(found)}" if found else "")
+                + "); set resume_from_checkpoint=PATH to one, or leave it unset to start a new run"
+            )
+    else:
+        path = str(value)
+        if not os.path.isdir(path):
+            raise RecipeError(
+                f"resume_from_checkpoint={path!r}: no such checkpoint directory; give a checkpoint-N directory, or "
+                "true for the newest complete checkpoint in output_dir"
+            )
+    stored = stored_target(path)
+    if stored is not None and stored != target:
+        raise RecipeError(
+            f"resume_from_checkpoint={path!r} is a run trained with target_batch_size={stored}, but "
+            f"target_batch_size={target} now; resume with target_batch_size={stored}, or start a new run in "
+            "another output_dir (nothing was changed)"
+        )
+    return path

@@ -1,0 +1,414 @@
+"""Step 4 of a recipe: the run. Plan micro x accumulation x world = target with the memory probe, print the plan
+and tokens per optimizer step, train, and write the adapter, the tokenizer, `recipe.yaml` and `run_summary.json`.
+:func:`load_trained` rebuilds the trained model from an output directory."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import preflight
+from .config import Recipe, RecipeError, _quiet_deprecations, load_recipe, write_recipe
+from .data import build_data
+from .model import add_lora, build_model, build_tokenizer
+
+SUMMARY_FILE = "run_summary.json"
+RECIPE_FILE = "recipe.yaml"
+
+
+@dataclass
+class RecipeRun:
+    recipe: Recipe
+    trainer: Any
+    model: Any
+    tokenizer: Any
+    summary: dict[str, Any]
+    output_dir: str
+
+
+def run_recipe(
+    recipe: str | os.PathLike | dict[str, Any] | Recipe,
+    overrides: Sequence[str] = (),
+    *,
+    say: Callable[[str], None] | None = None,
+    callbacks: Sequence[Any] = (),
+) -> RecipeRun:
+    """Load, check the output directory, build, plan, train, save. ``say`` prints the plan and results (default:
+    print on the main process)."""
+    start = time.perf_counter()
+    recipe, args = _load(recipe, overrides)
+    target = preflight.requested_target(args)
+    preflight.check_output_dir(args.output_dir, target)
+    resume = preflight.resolve_resume(args.resume_from_checkpoint, args.output_dir, target)
+    args.resume_from_checkpoint = resume
+    main_process = args.process_index == 0
+    say = say or (print if main_process else (lambda _msg: None))
+    with _cpu_threads(recipe.model.cpu_threads, args):
+        return _run(recipe, args, resume, say, callbacks, start, main_process)
+
+
+def _load(recipe, overrides) -> tuple[Recipe, Any]:
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe, overrides)
+    elif overrides:
+        raise RecipeError("overrides go with a recipe name or path, not with an already loaded Recipe")
+    return recipe, recipe.validate()
+
+
+@contextlib.contextmanager
+def _cpu_threads(n: int | None, args):
+    import torch
+
+    if n is None or not (args.use_cpu or not torch.cuda.is_available()):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# --- what `hf-accum train RECIPE` and `hf-accum probe RECIPE` both build --------------------------------------
+@dataclass
+class Built:
+    """The trainer of a recipe with everything it holds. One code path for the run and for `hf-accum probe RECIPE`,
+    so the probe measures exactly what the run trains (model, quantization, LoRA, checkpointing, data, collator,
+    loss)."""
+
+    recipe: Recipe
+    args: Any
+    tokenizer: Any
+    data: Any
+    model: Any
+    trainer: Any
+    trainable: int
+    total: int
+
+
+def build(recipe: Recipe, args, say: Callable[[str], None], callbacks: Sequence[Any] = ()) -> Built:
+    say(f"recipe {recipe.name}" + (f" ({recipe.path})" if recipe.path else ""))
+
+    from transformers import set_seed
+
+    # Seeded before the model is built: the LoRA matrices (and a new head) are initialized from the global RNG,
+    # which the Trainer only seeds later, in its __init__. Without this two runs of a recipe differ.
+    set_seed(args.seed)
+    tokenizer = build_tokenizer(recipe)
+    data = build_data(recipe, tokenizer)
+    model = build_model(recipe, tokenizer, num_labels=data.num_labels, use_cpu=args.use_cpu)
+    model = add_lora(model, recipe, args)
+    trainable, total = _count_parameters(model)
+    say(
+        f"model {recipe.model.name} ({type(model.get_base_model()).__name__}"
+        + _quantization_text(recipe.model.quantization)
+        + f"), LoRA r={model.peft_config['default'].r}: {trainable:,} trainable of {total:,} parameters"
+    )
+    say(
+        f"data {recipe.data.dataset}: {len(data.dataset)} examples, {data.mean_tokens:.1f} tokens and "
+        f"{data.mean_targets:.1f} {_unit(recipe)} per example on average, longest {data.longest}"
+    )
+
+    from ..trainer import AccumTrainer
+
+    trainer = AccumTrainer(
+        model=model, args=args, train_dataset=data.dataset, data_collator=data.collator,
+        processing_class=tokenizer, callbacks=list(callbacks),
+    )
+    return Built(recipe, args, tokenizer, data, model, trainer, trainable, total)
+
+
+def _unit(recipe: Recipe) -> str:
+    return "target tokens" if recipe.model.task == "causal_lm" else "labels"
+
+
+def _configured_plan(args) -> dict[str, Any]:
+    return {
+        "micro_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "world_size": args.world_size,
+        "target_batch_size": args.effective_batch_size,
+    }
+
+
+def _describe(plan: dict[str, Any]) -> str:
+    return (f"micro {plan['micro_batch_size']} x accumulation {plan['gradient_accumulation_steps']} x "
+            f"world {plan['world_size']} = {plan['target_batch_size']}")
+
+
+# --- probe ------------------------------------------------------------------------------------------------------
+@dataclass
+class RecipeProbe:
+    recipe: Recipe
+    plan: Any
+    result: Any
+    seq_len: int
+    plan_file: str | None
+
+
+def probe_recipe(
+    recipe: str | os.PathLike | dict[str, Any] | Recipe,
+    overrides: Sequence[str] = (),
+    *,
+    store: bool = False,
+    say: Callable[[str], None] = print,
+) -> RecipeProbe:
+    """Build what `run_recipe` would train and measure it (`trainer.tune()`, always a fresh probe). With ``store``,
+    the plan file is written to the recipe's output_dir, where `hf-accum train` with the same recipe and overrides
+    reuses it."""
+    import shutil
+    import tempfile
+
+    recipe, args = _load(recipe, overrides)
+    store_in = args.output_dir if store else None
+    if store_in is not None:
+        preflight.check_output_dir(store_in, preflight.requested_target(args), what="probe")
+    if not args.tunes:
+        raise RecipeError("the probe plans target_batch_size: set target_batch_size=N and auto_tune=true")
+    scratch = tempfile.mkdtemp(prefix="hf_accum_probe_")
+    args.output_dir = scratch  # tune() writes its plan file here; a stored plan elsewhere is never reused
+    try:
+        with _cpu_threads(recipe.model.cpu_threads, args):
+            built = build(recipe, args, say)
+            seq_len = args.probe_seq_len or built.data.longest
+            say(f"probing memory: real training steps against a budget of {_budget_text(args)} ...")
+            try:
+                plan = built.trainer.tune()
+            except ValueError as exc:
+                exc.seq_len = seq_len  # for the table of what was measured (NothingFitsError.result)
+                raise
+        plan_file = None
+        if store_in is not None:
+            os.makedirs(store_in, exist_ok=True)
+            plan_file = os.path.join(store_in, preflight.PLAN_FILE)
+            shutil.copyfile(os.path.join(scratch, preflight.PLAN_FILE), plan_file + ".tmp")
+            os.replace(plan_file + ".tmp", plan_file)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return RecipeProbe(recipe, plan, built.trainer.probe_result, seq_len, plan_file)
+
+
+# --- the run ------------------------------------------------------------------------------------------------------
+def _write_recipe_at_start(recipe: Recipe):
+    from transformers import TrainerCallback
+
+    class WriteRecipe(TrainerCallback):
+        """`recipe.yaml` is written when training starts: after the Trainer's checks passed, so a refused run leaves
+        the output directory as it was, and before the first step, so a crash still leaves what was run."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if args.should_save:
+                os.makedirs(args.output_dir, exist_ok=True)
+                write_recipe(recipe, os.path.join(args.output_dir, RECIPE_FILE))
+
+    return WriteRecipe()
+
+
+def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float, main_process: bool) -> RecipeRun:
+    built = build(recipe, args, say, [*callbacks, _write_recipe_at_start(recipe)])
+    trainer = built.trainer
+    plan_dict = None
+    if resume is not None:  # the Trainer restores the plan stored with the checkpoint (and refuses another target)
+        from ..plan_store import load_stored_plan
+
+        stored = load_stored_plan(resume)
+        say(f"resuming from {resume}" + (f" with its plan {stored.describe()}" if stored else ""))
+    else:
+        if args.tunes:
+            say(f"planning: the plan stored in output_dir if nothing that changes memory changed, else a memory "
+                f"probe (real training steps against a budget of {_budget_text(args)}) ...")
+            trainer.tune()
+            trainer.args.auto_tune = False  # planned once, here; train() must not probe again (nor lose probe_result)
+        plan_dict = _plan_in_force(trainer)
+        _say_plan(say, built, plan_dict)
+
+    cuda_peak = _reset_cuda_peak(built.model)
+    with _quiet_deprecations():
+        result = trainer.train(resume_from_checkpoint=resume)
+    final = _plan_in_force(trainer)
+    if plan_dict is None:
+        _say_plan(say, built, final)
+    elif final != plan_dict:  # out of memory mid-run: a smaller micro
+        say(f"the plan was lowered during training (out of memory): {_describe(final)}")
+    trainer.save_model(args.output_dir)  # adapter (adapter_config.json + weights, modules_to_save too) + tokenizer
+
+    summary = _summary(built, result, final, resume, cuda_peak() if cuda_peak else None, start)
+    if main_process and args.should_save:
+        with open(os.path.join(args.output_dir, SUMMARY_FILE), "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    if summary["losses"]:
+        say(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} (first and last logged, every "
+            f"{args.logging_steps} steps); {summary['steps']} steps in {summary['train_seconds']:.1f} s, "
+            f"{summary['tokens_per_second']:,.0f} tokens/s")
+    say(f"saved the adapter and tokenizer to {args.output_dir}; summary: {os.path.join(args.output_dir, SUMMARY_FILE)} "
+        f"(wall time {summary['wall_seconds']:.1f} s)")
+    return RecipeRun(recipe, trainer, built.model, built.tokenizer, summary, args.output_dir)
+
+
+def _plan_in_force(trainer) -> dict[str, Any]:
+    return trainer.plan.to_dict() if trainer.plan is not None else _configured_plan(trainer.args)
+
+
+def _say_plan(say, built: Built, plan: dict[str, Any]) -> None:
+    probe = _probe_summary(built.trainer, plan["micro_batch_size"])
+    say(f"plan: {_describe(plan)} samples per optimizer step"
+        + (" (reused the stored plan)" if probe.get("reused_stored_plan") else ""))
+    _say_tokens(say, plan["target_batch_size"], built.data, _unit(built.recipe), built.args)
+    if probe.get("peak_bytes") is not None:
+        say(f"peak memory per step at micro {plan['micro_batch_size']}: {_mib(probe['peak_bytes'])} "
+            f"({probe['peak_source']}; budget {_mib(probe['budget_bytes'])})")
+
+
+def _summary(built: Built, result, plan: dict[str, Any], resume: str | None, cuda_peak: int | None,
+             start: float) -> dict[str, Any]:
+    """What `run_summary.json` holds."""
+    recipe, args, trainer, data = built.recipe, built.args, built.trainer, built.data
+    per_step = plan["target_batch_size"]
+    probe = _probe_summary(trainer, plan["micro_batch_size"])
+    train_seconds = result.metrics.get("train_runtime")
+    losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h and "step" in h]
+    tokens = getattr(trainer.state, "num_input_tokens_seen", 0) or None
+    if tokens is None:  # include_num_input_tokens_seen is off: estimate from the data
+        tokens = round(trainer.state.global_step * per_step * data.mean_tokens)
+    return {
+        "recipe": recipe.name,
+        "recipe_path": recipe.path,
+        "plan": plan,
+        "plan_description": _describe(plan),
+        "reused_stored_plan": bool(probe.get("reused_stored_plan")),
+        "resumed_from": resume,
+        "tokens_per_optimizer_step": per_step * data.mean_tokens,
+        "targets_per_optimizer_step": per_step * data.mean_targets,
+        "loss_normalization": args.loss_normalization,
+        "peak_memory_bytes": probe.get("peak_bytes"),
+        "probe": probe,
+        "training_peak_memory_bytes": cuda_peak,
+        "trainable_parameters": built.trainable,
+        "total_parameters": built.total,
+        "examples": len(data.dataset),
+        "steps": trainer.state.global_step,
+        "tokens_seen": tokens,
+        "train_seconds": train_seconds,
+        "tokens_per_second": tokens / train_seconds if train_seconds else None,
+        "train_loss": result.metrics.get("train_loss"),  # mean over the steps of this call
+        "first_loss": losses[0][1] if losses else None,
+        "last_loss": losses[-1][1] if losses else None,
+        "losses": [{"step": s, "loss": v} for s, v in losses],
+        "wall_seconds": time.perf_counter() - start,
+        "output_dir": os.path.abspath(args.output_dir),
+        "config": recipe.to_dict(),
+        "versions": _versions(),
+    }
+
+
+def _say_tokens(say, per_step: int, data, unit: str, args) -> None:
+    say(
+        f"tokens per optimizer step: {per_step} x {data.mean_tokens:.1f} = ~{per_step * data.mean_tokens:,.0f} "
+        f"(~{per_step * data.mean_targets:,.0f} {unit}, over which the loss is averaged: "
+        f"loss_normalization={args.loss_normalization})"
+    )
+
+
+def load_trained(output_dir: str, *, use_cpu: bool = True):
+    """(model, tokenizer): the base rebuilt from `output_dir/recipe.yaml`, the saved adapter loaded onto it."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    recipe = load_recipe(os.path.join(output_dir, RECIPE_FILE))
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    num_labels = recipe.model.num_labels
+    if recipe.model.task == "seq_cls" and num_labels is None:
+        num_labels = build_data(recipe, tokenizer).num_labels
+    base = build_model(recipe, tokenizer, num_labels=num_labels, use_cpu=use_cpu)
+    return PeftModel.from_pretrained(base, output_dir), tokenizer
+
+
+# --- summary helpers ----------------------------------------------------------------------------------------------
+def _count_parameters(model) -> tuple[int, int]:
+    trainable = total = 0
+    for p in model.parameters():
+        # A 4-bit weight is stored packed, two values per byte: count the values it holds.
+        n = p.numel() * 2 if p.__class__.__name__ == "Params4bit" else p.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total
+
+
+def _probe_summary(trainer, micro: int) -> dict[str, Any]:
+    """What the probe measured (this run, or the run whose stored plan was reused), and the peak at ``micro``."""
+    from ..plan_store import PLAN_FILE
+
+    if trainer.probe_result is not None:
+        probe, reused = trainer.probe_result.to_dict(), False
+    else:
+        try:
+            with open(os.path.join(trainer.args.output_dir, PLAN_FILE)) as f:
+                probe, reused = json.load(f).get("probe") or {}, True
+        except (OSError, ValueError):
+            return {}
+    trials = [
+        {k: t.get(k) for k in ("micro_batch_size", "peak_bytes", "seconds", "status")} for t in probe.get("trials", [])
+    ]
+    out = {
+        "reused_stored_plan": reused,
+        "device": probe.get("device"),
+        "budget_bytes": probe.get("budget_bytes"),
+        "max_micro_batch_size": probe.get("max_micro_batch_size"),
+        "trials": trials,
+        "peak_bytes": None,
+        "peak_source": None,
+    }
+    measured = [t for t in trials if t["micro_batch_size"] == micro and t["peak_bytes"] is not None]
+    fitted = probe.get("fitted")
+    if measured:
+        out["peak_bytes"], out["peak_source"] = measured[0]["peak_bytes"], f"measured by the probe at micro {micro}"
+    elif fitted:
+        out["peak_bytes"] = int(fitted["a_bytes"] + fitted["b_bytes_per_sample"] * micro)
+        out["peak_source"] = "the probe's line through its measurements"
+    return out
+
+
+def _reset_cuda_peak(model) -> Callable[[], int] | None:
+    import torch
+
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    return lambda: int(torch.cuda.max_memory_allocated(device))
+
+
+def _quantization_text(quantization: dict[str, Any] | None) -> str:
+    if not quantization:
+        return ""
+    if quantization.get("load_in_4bit"):
+        return f", 4-bit {quantization.get('bnb_4bit_quant_type', 'fp4')}"
+    return ", 8-bit" if quantization.get("load_in_8bit") else ""
+
+
+def _budget_text(args) -> str:
+    if args.memory_budget_bytes is not None:
+        return _mib(args.memory_budget_bytes)
+    return f"{args.memory_budget:.0%} of the device's memory"
+
+
+def _mib(n: float | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def _versions() -> dict[str, str | None]:
+    from ..plan_store import _version
+
+    return {name: _version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes", "trl")}
+
+
+__all__ = ["RECIPE_FILE", "SUMMARY_FILE", "Built", "RecipeProbe", "RecipeRun", "build", "load_trained", "probe_recipe",
+           "run_recipe"]

@@ -1,0 +1,106 @@
+"""The pure checks behind the CLI's one-line errors: value types against dataclass fields (recipes/values.py) and
+what the output directory and resume_from_checkpoint decide before any model work (recipes/preflight.py)."""
+
+import enum
+import json
+import os
+from typing import Any, Literal
+
+import pytest
+
+from hf_accum.recipes import RecipeError, preflight, values
+from hf_accum.recipes.preflight import PLAN_FILE
+
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@pytest.mark.parametrize("value,hint,ok", [
+    (1e-4, float, True), (3, float, True), ("abc", float, False), (True, float, False),
+    (3, int, True), (3.0, int, False), (True, int, False), ("3", int, False),
+    (True, bool, True), ("yes", bool, False), (0, bool, False),
+    ("x", str, True), (None, str, False), (None, int | None, True), (2, int | None, True),
+    ("x", str | bool, True), (False, str | bool, True), (1.5, str | bool, False),
+    (["a", "b"], list[str], True), (["a", 1], list[str], False), ("a", list[str], False),
+    ("all-linear", str | list[str] | None, True), (3, str | list[str] | None, False),
+    ({"a": 1}, dict[str, Any], True), ([1], dict[str, Any], False),
+    ("red", Color, True), ("green", Color, False), ("red", Color | str, True), ("green", Color | str, False),
+    ("none", Literal["none", "all"], True), ("some", Literal["none", "all"], False),
+    (object(), Any, True),
+])
+def test_fits(value, hint, ok):
+    assert values.fits(value, hint) is ok
+
+
+@pytest.mark.parametrize("hint,text", [
+    (float, "a number"), (int | None, "an integer or null"), (bool, "true or false"),
+    (str | list[str] | None, "a list of strings or a string or null"), (Color | str, "one of 'red', 'blue'"),
+    (list[str] | str | None, "a list of strings or a string or null"), (int | float, "a number or an integer"),
+    (Literal["none", "all"], "one of 'none', 'all'"), (dict[str, Any], "a mapping"),
+])
+def test_describe(hint, text):
+    assert values.describe(hint) == text
+
+
+def test_field_types_resolve_every_field_of_the_sections():
+    import dataclasses
+
+    from peft import LoraConfig
+
+    from hf_accum.args import AccumTrainingArguments
+
+    for cls in (AccumTrainingArguments, LoraConfig):
+        assert set(values.field_types(cls)) >= {f.name for f in dataclasses.fields(cls) if f.init}
+    assert values.field_types(AccumTrainingArguments)["learning_rate"] is float
+
+
+# --- the output directory and resume ---------------------------------------------------------------------------
+def plan_file(folder, target):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, PLAN_FILE), "w") as f:
+        json.dump({"plan": {"micro_batch_size": 4, "gradient_accumulation_steps": target // 4, "world_size": 1,
+                            "target_batch_size": target}, "key": {}, "probe": None}, f)
+
+
+def checkpoint(out, step, target=16, complete=True):
+    folder = os.path.join(out, f"checkpoint-{step}")
+    os.makedirs(folder)
+    if complete:
+        with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+            json.dump({"global_step": step}, f)
+        plan_file(folder, target)
+    return folder
+
+
+def test_an_output_dir_planned_for_another_target_is_refused(tmp_path):
+    out = str(tmp_path / "run")
+    preflight.check_output_dir(out, 16)  # absent: fine (created later, by the run)
+    plan_file(out, 16)
+    preflight.check_output_dir(out, 16)
+    with pytest.raises(RecipeError, match=r"holds a run planned for target_batch_size=16 .* asks for "
+                                          r"target_batch_size=32; keep target_batch_size=16 .* output_dir=ANOTHER_DIR"):
+        preflight.check_output_dir(out, 32)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RecipeError, match="is a file; pass output_dir=DIR"):
+        preflight.check_output_dir(str(tmp_path / "file"), 16)
+
+
+def test_resume_values(tmp_path):
+    out = str(tmp_path / "run")
+    assert preflight.resolve_resume(None, out, 16) is None and preflight.resolve_resume(False, out, 16) is None
+    with pytest.raises(RecipeError, match="holds no complete checkpoint"):
+        preflight.resolve_resume(True, out, 16)
+    checkpoint(out, 2)
+    newest = checkpoint(out, 10)
+    checkpoint(out, 12, complete=False)  # a kill while saving: passed over
+    assert preflight.resolve_resume(True, out, 16) == newest
+    assert preflight.resolve_resume(newest, out, 16) == newest
+    with pytest.raises(RecipeError, match=r"holds checkpoints of an earlier run \(newest: checkpoint-12\).*"
+                                          "resume_from_checkpoint=true"):
+        preflight.resolve_resume(None, out, 16)
+    with pytest.raises(RecipeError, match="no such checkpoint directory"):
+        preflight.resolve_resume(str(tmp_path / "nope"), out, 16)
+    with pytest.raises(RecipeError, match=r"trained with target_batch_size=16, but target_batch_size=8 now"):
+        preflight.resolve_resume(True, out, 8)
