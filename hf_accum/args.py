@@ -104,6 +104,23 @@ class AccumTrainingArguments(TrainingArguments):
             )
         },
     )
+    micro_batching: str = field(
+        default="samples",
+        metadata={
+            "help": (
+                "'samples': every forward holds micro_batch_size samples padded to their longest (sized for the "
+                "worst-case example). 'tokens': each rank loads its whole window (target / world samples, the "
+                "same samples and windows as 'samples'), sorts it by length and cuts it into the fewest forwards "
+                "whose rows x padded length fit a token budget the probe measures (max_tokens_per_forward without "
+                "auto_tune); exact like 'samples', with less padding and fewer forwards on long-tailed data."
+            ),
+            "choices": ["samples", "tokens"],
+        },
+    )
+    max_tokens_per_forward: int | None = field(
+        default=None,
+        metadata={"help": "micro_batching='tokens' with auto_tune off: the token budget of one forward."},
+    )
     handle_preemption: bool = field(
         default=True,
         metadata={
@@ -152,6 +169,13 @@ class AccumTrainingArguments(TrainingArguments):
                 or self.max_nonfinite_steps < 0:
             raise ValueError(f"max_nonfinite_steps={self.max_nonfinite_steps!r} must be an integer >= 0 "
                              "(0: stop at the first non-finite loss).")
+        if self.micro_batching not in ("samples", "tokens"):
+            raise ValueError(f"micro_batching={self.micro_batching!r} must be 'samples' or 'tokens'.")
+        if self.max_tokens_per_forward is not None:
+            _require_positive("max_tokens_per_forward", self.max_tokens_per_forward)
+        if self.micro_batching == "tokens" and not self.tunes and self.max_tokens_per_forward is None:
+            raise ValueError("micro_batching='tokens' needs a token budget: set target_batch_size (the probe measures "
+                             "it) or, with auto_tune off, max_tokens_per_forward.")
         if self.auto_find_batch_size and self.target_batch_size is not None:
             raise ValueError(
                 "auto_find_batch_size=True cannot be combined with target_batch_size: accelerate's back-off restarts "

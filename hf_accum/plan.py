@@ -98,24 +98,34 @@ class Plan:
     gradient_accumulation_steps: int
     world_size: int
     target_batch_size: int
+    token_budget: int | None = None  # micro_batching="tokens": tokens per forward; micro = the per-rank window
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "world_size", "target_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"inconsistent plan: {name}={value!r} is not a positive integer")
+        if self.token_budget is not None and (not isinstance(self.token_budget, int)
+                                              or isinstance(self.token_budget, bool) or self.token_budget < 1):
+            raise ValueError(f"inconsistent plan: token_budget={self.token_budget!r} is not a positive integer")
         product = self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
         if product != self.target_batch_size:
             raise ValueError(f"inconsistent plan: {self.describe()} but the product is {product}")
 
     def describe(self) -> str:
+        if self.token_budget is not None:
+            return (f"window {self.micro_batch_size} × world {self.world_size} = {self.target_batch_size}, "
+                    f"cut into forwards of at most {self.token_budget} tokens")
         return (
             f"micro {self.micro_batch_size} × accumulation {self.gradient_accumulation_steps} "
             f"× world {self.world_size} = {self.target_batch_size}"
         )
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        out = asdict(self)
+        if self.token_budget is None:
+            del out["token_budget"]  # plan files of "samples" mode keep their four fields
+        return out
 
 
 def plan_batch(target_batch_size: int, world_size: int, max_micro_batch_size: int) -> Plan:

@@ -63,6 +63,7 @@ def key_fields(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> di
         "target_batch_size": args.target_batch_size,
         "world_size": args.world_size,
         "optimize": args.auto_tune_optimize,
+        "micro_batching": args.micro_batching,
         "versions": {name: _version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes")},
     }
 

@@ -128,7 +128,9 @@ class AccumulationMixin:
         collective = TorchDistributed(world, self.args.device) if world > 1 else Local()
         policy = _compat.window_policy(self, self.collectives_in_compute_loss)
         engine = WindowEngine(cutter, self._normalization, WindowProtocol(collective, policy),
-                              shrink=_weakly(self._shrink), reset=_weakly(self._zero_grad), device=self.args.device)
+                              shrink=_weakly(self._shrink), reset=_weakly(self._zero_grad),
+                              shrink_tokens=_weakly(self._shrink_tokens), device=self.args.device)
+        engine.token_budget = self.plan.token_budget if self.plan is not None else None
         engine.stop_requested = self._stop_request.__bool__
         return engine
 
@@ -218,6 +220,23 @@ class AccumulationMixin:
         self.apply_plan(plan, in_training_loop=True)
         return plan.micro_batch_size
 
+    def _shrink_tokens(self, budget: int) -> int:
+        """micro_batching="tokens": after an OOM, three quarters of the token budget (same samples, same windows)."""
+        longest = max(max(self._engine.cutter.lengths(b)) for b in self._engine._batches)
+        smaller = budget * 3 // 4
+        if smaller < longest:
+            raise RuntimeError(
+                f"hf_accum: out of memory with a token budget of {budget}, and a smaller one cannot hold this window's "
+                f"longest example ({longest} tokens). Checkpoints in {self.args.output_dir} are intact. To fit: "
+                "enable gradient_checkpointing, train LoRA adapters, shorten sequences, or free memory; then resume."
+            )
+        plan = Plan(self.plan.micro_batch_size, 1, self.plan.world_size, self.plan.target_batch_size,
+                    token_budget=smaller)
+        logger.warning("hf_accum: out of memory at step %d; re-running this accumulation window with %s",
+                       self.state.global_step, plan.describe())
+        self.apply_plan(plan, in_training_loop=True)
+        return smaller
+
     def _smaller_plan(self, units: int | None = None) -> Plan | None:
         current = units or self.args.per_device_train_batch_size
         world = self._engine.world if self._engine is not None else self.accelerator.num_processes
@@ -249,6 +268,8 @@ class AccumulationMixin:
         the loop's window length are fixed, so the engine cuts each loaded batch into chunks of the new size
         (same samples per window: the effective batch and step count are kept); here the plan is only recorded.
         """
+        if self._engine is not None:
+            self._engine.token_budget = plan.token_budget
         if not in_training_loop:
             self.args.per_device_train_batch_size = plan.micro_batch_size
             self.args.gradient_accumulation_steps = plan.gradient_accumulation_steps
@@ -273,6 +294,8 @@ class AccumulationMixin:
             resume_from_checkpoint, stored = self._check_output_dir(resume_from_checkpoint)
             if getattr(self.args, "tunes", False) and self.plan is None:  # a tune() before train() counts
                 self.tune()
+            elif getattr(self.args, "micro_batching", "samples") == "tokens" and self.plan is None:
+                self.apply_plan(self._given_token_plan())
             elif stored is not None and resume_from_checkpoint:
                 self.apply_plan(stored)  # the plan in force when the checkpoint was written (maybe downgraded)
             if getattr(self.args, "check_accumulation", False):
@@ -291,6 +314,12 @@ class AccumulationMixin:
                 self._engine.end()
             if downgraded and self.plan is not None:
                 self.apply_plan(self.plan)  # the downgraded plan becomes the configured one for later calls
+
+    def _given_token_plan(self) -> Plan:
+        """micro_batching="tokens" with auto_tune off: the window as given, loaded whole, cut by the given budget."""
+        args, world = self.args, self.accelerator.num_processes
+        per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        return Plan(per_rank, 1, world, per_rank * world, token_budget=args.max_tokens_per_forward)
 
     def _raise_if_stopped(self) -> None:
         """After the Trainer's loop ended early on our request: say where the checkpoint is and how to resume."""

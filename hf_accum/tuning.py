@@ -55,25 +55,30 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
     _compat.enable_checkpointing(trainer.model, args)  # as train() will, so the probe measures it
     optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, trainer.model)
     autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-    result, plan = probe_model(
-        trainer.model,
-        seq_len=seq_len,
-        target_batch_size=args.target_batch_size,
-        world_size=args.world_size,
-        budget_bytes=budget,
-        budget_names=BUDGET_NAMES,
-        make_batch=make_batch,
-        optimizer_cls=optimizer_cls,
-        optimizer_kwargs=optimizer_kwargs,
-        optimizer=trainer.optimizer,
-        forward=lambda model, batch: trainer.compute_loss(model, batch),
-        autocast_dtype=autocast,
-        max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
-        meter=meter,
-        max_micro_batch=args.probe_max_micro_batch,
-        optimize=args.auto_tune_optimize,
-        log=logger.info,
-    )
+    def probe(make, length):
+        return probe_model(
+            trainer.model,
+            seq_len=length,
+            target_batch_size=args.target_batch_size,
+            world_size=args.world_size,
+            budget_bytes=budget,
+            budget_names=BUDGET_NAMES,
+            make_batch=make,
+            optimizer_cls=optimizer_cls,
+            optimizer_kwargs=optimizer_kwargs,
+            optimizer=trainer.optimizer,
+            forward=lambda model, batch: trainer.compute_loss(model, batch),
+            autocast_dtype=autocast,
+            max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
+            meter=meter,
+            max_micro_batch=args.probe_max_micro_batch,
+            optimize=args.auto_tune_optimize,
+            log=logger.info,
+        )
+
+    result, plan = probe(make_batch, seq_len)
+    if args.micro_batching == "tokens":
+        plan, result = token_plan(trainer, plan, result, seq_len, probe)
     figures = plan_figures(plan, budget, result.to_dict(), reused=False)
     where = ""
     if args.should_save:
@@ -81,6 +86,26 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
     _show("hf_accum: %s%s", args, _summary(plan, figures, args), where)
     _log_in_trainer(trainer, figures)
     return plan, result, key
+
+
+def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe) -> tuple[Plan, ProbeResult]:
+    """``micro_batching="tokens"``: the most tokens one forward may hold, measured, not extrapolated.
+
+    For a fixed token count, a step's peak is convex in the padded length (per-row terms fall, attention's
+    quadratic term grows), so the largest token count fitting at the longest *and* at the shortest example fits
+    every length between: the budget is the smaller of the two measured capacities (rows that fit x length).
+    Each rank loads its whole window (micro = the per-rank target, accumulation 1); the engine cuts it."""
+    make_short, short_len = probe_batches(trainer, shortest=True)
+    short_result, _ = probe(make_short, short_len)
+    budget = min(result.max_micro_batch_size * seq_len, short_result.max_micro_batch_size * short_len)
+    budget = max(budget, seq_len)  # the longest example fits alone: the first probe found micro >= 1
+    per_rank = plan.target_batch_size // plan.world_size
+    result.extra["token_budget"] = {
+        "tokens_per_forward": budget, "longest": seq_len, "rows_at_longest": result.max_micro_batch_size,
+        "shortest": short_len, "rows_at_shortest": short_result.max_micro_batch_size,
+        "short_trials": [t.__dict__ for t in short_result.measured_trials],
+    }
+    return Plan(per_rank, 1, plan.world_size, plan.target_batch_size, token_budget=budget), result
 
 
 def _stored_plan(output_dir: str, key: dict[str, Any]):
@@ -157,9 +182,10 @@ def _log_in_trainer(trainer, figures: dict[str, float]) -> None:
     trainer.add_callback(PlanLog(trainer, figures))
 
 
-def probe_batches(trainer) -> tuple[Callable[[int], dict[str, Any]], int]:
+def probe_batches(trainer, shortest: bool = False) -> tuple[Callable[[int], dict[str, Any]], int]:
     """``make_batch(micro)`` at the worst-case length: the longest training example, collated ``micro`` times
-    (or random tokens at ``probe_seq_len`` for causal LMs), and that length."""
+    (or random tokens at ``probe_seq_len`` for causal LMs), and that length. ``shortest``: the shortest example
+    instead (the token-budget probe's second length)."""
     args = trainer.args
     if args.probe_seq_len is not None:
         if not loss_shifts_labels(trainer.model):
@@ -168,7 +194,8 @@ def probe_batches(trainer) -> tuple[Callable[[int], dict[str, Any]], int]:
                 f"{type(trainer.model).__name__} is not a causal LM. Leave probe_seq_len unset: the probe then "
                 "measures with the longest training example."
             )
-        return random_token_batch(trainer.model, args.probe_seq_len), args.probe_seq_len
+        length = max(8, args.probe_seq_len // 8) if shortest else args.probe_seq_len
+        return random_token_batch(trainer.model, length), length
     loader = trainer.get_train_dataloader()
     dataset, collate = loader.dataset, loader.collate_fn
     try:
@@ -180,7 +207,8 @@ def probe_batches(trainer) -> tuple[Callable[[int], dict[str, Any]], int]:
         ) from None
     if size == 0:
         raise ValueError("train_dataset is empty: nothing to probe or train on.")
-    longest = max(range(size), key=lambda i: _length(dataset[i]))
+    pick = min if shortest else max
+    longest = pick(range(size), key=lambda i: _length(dataset[i]))
     example = dataset[longest]
 
     def make_batch(micro: int) -> dict[str, Any]:

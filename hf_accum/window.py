@@ -30,11 +30,12 @@ from .units import Cutter, sliver
 class WindowEngine:
     def __init__(self, cutter: Cutter, mode: str, protocol: WindowProtocol | None = None, *,
                  shrink: Callable[[int | None], int] | None = None, reset: Callable[[], None] | None = None,
-                 device=None):
+                 shrink_tokens: Callable[[int], int] | None = None, device=None):
         self.cutter = cutter
         self.mode = mode
         self.protocol = protocol or WindowProtocol(Local(), Policy.RERUN)
         self.shrink = shrink or _cannot_shrink
+        self.shrink_tokens = shrink_tokens or _cannot_shrink
         self.reset = reset or (lambda: None)
         self.device = device
         self.cut_units: int | None = None  # units per forward after an OOM; None: as loaded
@@ -169,7 +170,7 @@ class WindowEngine:
     def _rerun_window(self, run_chunk) -> torch.Tensor:
         while True:
             if self.token_budget is not None:
-                self.token_budget = self.shrink(self.token_budget)  # the trainer's rule for budgets
+                self.token_budget = self.shrink_tokens(self.token_budget)
             else:
                 self.cut_units = self.shrink(self.cut_units)  # raises when nothing smaller keeps the effective batch
             self.protocol.rerun()

@@ -1,0 +1,130 @@
+"""micro_batching="tokens": the same samples and windows as "samples", each window loaded whole, sorted by length
+and cut into the fewest forwards under a token budget — exact against an independent reference (one pass over
+the window, or each sequence alone, float64), for padded and padding-free batches, and after an OOM that lowers
+the budget. The partition rule itself is checked by table and by brute force."""
+
+import itertools
+import logging
+import random
+
+import pytest
+import torch
+from transformers import DataCollatorWithFlattening
+from transformers.trainer_callback import PrinterCallback
+
+from hf_accum import AccumTrainer, AccumTrainingArguments
+from hf_accum.token_budget import TooLongForBudget, fewest_groups, padded_tokens, partition_packed, partition_padded
+
+from .exactness import StepRecorder, lm_examples, max_relative_error, pad_collate, recording, reference_run, tiny_llama
+from .test_oom_recovery import OOMAt
+from .test_padding_free import reference_grads as flat_reference
+
+
+# --- the partition rule -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lengths, budget, groups", [
+    ([10, 10, 10, 10], 40, 1),
+    ([10, 10, 10, 10], 39, 2),
+    ([50, 5, 5, 5, 5, 5, 5, 5, 5], 50, 2),  # the long one alone, the eight short ones together
+    ([3, 9, 27], 27, 2),  # 27 alone; 9 and 3 padded to 9
+])
+def test_fewest_groups_table(lengths, budget, groups):
+    assert fewest_groups(lengths, budget) == groups
+    parts = partition_padded(lengths, budget)
+    assert len(parts) == groups and sorted(i for g in parts for i in g) == list(range(len(lengths)))
+    assert all(len(g) * max(lengths[i] for i in g) <= budget for g in parts)
+
+
+def test_partition_is_optimal_by_brute_force():
+    g = random.Random(0)
+    for _ in range(60):
+        lengths = [g.randint(1, 20) for _ in range(g.randint(1, 7))]
+        budget = g.randint(max(lengths), 60)
+        parts = partition_padded(lengths, budget)
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        best = None  # every contiguous partition of the sorted order
+        for cuts in itertools.product([0, 1], repeat=len(order) - 1):
+            groups, cur = [], [order[0]]
+            for c, i in zip(cuts, order[1:]):
+                if c:
+                    groups.append(cur)
+                    cur = []
+                cur.append(i)
+            groups.append(cur)
+            if all(len(gr) * max(lengths[i] for i in gr) <= budget for gr in groups):
+                score = (len(groups), padded_tokens(lengths, groups))
+                best = score if best is None or score < best else best
+        assert (len(parts), padded_tokens(lengths, parts)) == best
+
+
+def test_forced_group_counts_and_refusals():
+    assert len(partition_padded([5, 5, 5, 5], 20, groups=3)) == 3  # ranks agreed on more forwards
+    assert partition_packed([3, 4, 2, 5], 7) == [(0, 2), (2, 4)]
+    assert len(partition_packed([3, 4, 2, 5], 100, groups=3)) == 3
+    with pytest.raises(TooLongForBudget, match="an example of 30 tokens exceeds the token budget of 20"):
+        partition_padded([30, 5], 20)
+
+
+# --- through the trainer ----------------------------------------------------------------------------------------
+def long_tailed(n, seed=0):
+    g = random.Random(seed)
+    rows = lm_examples(n, seed=seed, min_len=4, max_len=12)
+    for i in range(0, n, 7):  # a few long examples, as real SFT data has
+        length = g.randint(40, 60)
+        ids = [g.randint(1, 96) for _ in range(length)]
+        rows[i] = {"input_ids": ids, "labels": [-100] * 3 + ids[3:]}
+    return rows
+
+
+def run(tmp_path, collator=pad_collate, budget=96, oom_calls=(), mode="tokens", n=32, micro=4, accum=4):
+    model = tiny_llama()
+    args = AccumTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+        target_batch_size=micro * accum, auto_tune=False, micro_batching=mode,
+        max_tokens_per_forward=budget if mode == "tokens" else None, num_train_epochs=1, learning_rate=1e-2,
+        max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+        disable_tqdm=True, remove_unused_columns=False,
+    )
+    recorder = StepRecorder()
+    trainer = recording(AccumTrainer)(model=model, args=args, train_dataset=long_tailed(n), data_collator=collator,
+                                      callbacks=[recorder])
+    trainer.remove_callback(PrinterCallback)
+    shapes = []
+    model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)) if m.training
+                                    else None, with_kwargs=True)
+    if oom_calls:
+        OOMAt(model.model.layers[1], oom_calls)
+    trainer.train()
+    return trainer, recorder, shapes
+
+
+def test_padded_windows_cut_by_tokens_are_exact_and_use_fewer_forwards(tmp_path):
+    # the budget holds 2 rows of the longest example (60 tokens): "samples" mode must run micro 2 to fit it
+    tokens, rec, shapes = run(tmp_path / "tokens", budget=120)
+    assert [len(w) for w in tokens.windows] == [1, 1]  # each rank's window loaded whole: 16 rows
+    assert all(rows * width <= 120 for rows, width in shapes)
+    ref = reference_run(tiny_llama(), rec, tokens.windows, "causal")
+    assert max_relative_error(rec.grads, ref.grads) <= 1e-6
+    samples, rec_s, shapes_s = run(tmp_path / "samples", mode="samples", micro=2, accum=8)
+    # same samples, same windows: the same gradients, with fewer forwards and less padding
+    assert max_relative_error(rec.grads, rec_s.grads) <= 1e-6
+    assert len(shapes) < len(shapes_s)
+    assert sum(r * w for r, w in shapes) < sum(r * w for r, w in shapes_s)
+
+
+def test_padding_free_windows_cut_by_tokens_are_exact(tmp_path):
+    trainer, rec, shapes = run(tmp_path, collator=DataCollatorWithFlattening(), budget=120)
+    assert all(rows == 1 and width <= 120 for rows, width in shapes) and len(shapes) > 2
+    assert max_relative_error(rec.grads, flat_reference(rec, trainer.windows, "tokens")) <= 1e-6
+
+
+def test_oom_lowers_the_token_budget_and_reruns_the_window_exactly(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        trainer, rec, shapes = run(tmp_path, oom_calls=(2,))
+    assert "cut into forwards of at most 72 tokens" in caplog.text and trainer.plan.token_budget == 72
+    ref = reference_run(tiny_llama(), rec, trainer.windows, "causal")
+    assert max_relative_error(rec.grads, ref.grads) <= 1e-6
+
+
+def test_an_example_longer_than_the_budget_is_refused_naming_it(tmp_path):
+    with pytest.raises(TooLongForBudget, match="an example of .* tokens exceeds the token budget of 30"):
+        run(tmp_path, budget=30)
