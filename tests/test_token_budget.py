@@ -8,7 +8,6 @@ import logging
 import random
 
 import pytest
-import torch
 from transformers import DataCollatorWithFlattening
 from transformers.trainer_callback import PrinterCallback
 
