@@ -8,6 +8,7 @@ import logging
 import random
 
 import pytest
+import torch
 from transformers import DataCollatorWithFlattening
 from transformers.trainer_callback import PrinterCallback
 
@@ -127,3 +128,38 @@ def test_oom_lowers_the_token_budget_and_reruns_the_window_exactly(tmp_path, cap
 def test_an_example_longer_than_the_budget_is_refused_naming_it(tmp_path):
     with pytest.raises(TooLongForBudget, match="an example of .* tokens exceeds the token budget of 30"):
         run(tmp_path, budget=30)
+
+
+def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(tmp_path):
+    model = tiny_llama(torch.float32)
+    args = AccumTrainingArguments(
+        output_dir=str(tmp_path), target_batch_size=16, micro_batching="tokens", memory_budget_bytes=48 << 20,
+        max_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
+    )
+    trainer = AccumTrainer(model=model, args=args, train_dataset=long_tailed(32), data_collator=pad_collate)
+    plan = trainer.tune()
+    measured = trainer.probe_result.extra["token_budget"]
+    longest = max(len(r["input_ids"]) for r in long_tailed(32))
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (16, 1)
+    assert measured["longest"] == longest and measured["shortest"] < longest and measured["short_trials"]
+    assert plan.token_budget == min(measured["rows_at_longest"] * longest,
+                                    measured["rows_at_shortest"] * measured["shortest"])
+    assert "cut into forwards of at most" in plan.describe()
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+@pytest.mark.slow
+def test_two_ranks_run_equally_many_forwards_and_stay_exact(tmp_path):
+    from .test_ddp import _torchrun
+
+    proc = _torchrun("tokens_worker.py", tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["own_fewest"] != r1["own_fewest"]  # on their own the ranks would run different counts
+    assert r0["forwards"] == r1["forwards"] and len(r0["forwards"]) == 3
+    assert r0["forwards"] == [max(a, b) for a, b in zip(r0["own_fewest"], r1["own_fewest"])]
+    recorder = StepRecorder()
+    recorder.grads, recorder.weights = r0["grads"], r0["weights"]
+    ref = reference_run(tiny_llama(), recorder, [a + b for a, b in zip(r0["windows"], r1["windows"])], "causal")
+    assert max_relative_error(r0["grads"], ref.grads) <= 1e-6
