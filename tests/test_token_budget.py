@@ -163,3 +163,15 @@ def test_two_ranks_run_equally_many_forwards_and_stay_exact(tmp_path):
     recorder.grads, recorder.weights = r0["grads"], r0["weights"]
     ref = reference_run(tiny_llama(), recorder, [a + b for a, b in zip(r0["windows"], r1["windows"])], "causal")
     assert max_relative_error(r0["grads"], ref.grads) <= 1e-6
+
+
+def test_check_accumulation_in_tokens_mode_runs_one_forward_not_the_window(tmp_path):
+    model = tiny_llama()
+    args = AccumTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=4, target_batch_size=16,
+        auto_tune=False, micro_batching="tokens", max_tokens_per_forward=120, use_cpu=True, report_to=[],
+        remove_unused_columns=False, check_accumulation=True, max_steps=1, save_strategy="no", disable_tqdm=True)
+    trainer = AccumTrainer(model=model, args=args, train_dataset=long_tailed(32), data_collator=pad_collate)
+    trainer.train()
+    result = trainer.check_accumulation(num_micro_batches=2)
+    assert result.passed and result.relative_error < 1e-6 and result.one_pass_size < 16
