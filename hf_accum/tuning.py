@@ -55,7 +55,7 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
     _compat.enable_checkpointing(trainer.model, args)  # as train() will, so the probe measures it
     optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, trainer.model)
     autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-    def probe(make, length):
+    def probe(make, length, max_micro=args.probe_max_micro_batch):
         return probe_model(
             trainer.model,
             seq_len=length,
@@ -71,7 +71,7 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
             autocast_dtype=autocast,
             max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
             meter=meter,
-            max_micro_batch=args.probe_max_micro_batch,
+            max_micro_batch=max_micro,
             optimize=args.auto_tune_optimize,
             log=logger.info,
         )
@@ -95,17 +95,53 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe) ->
     quadratic term grows), so the largest token count fitting at the longest *and* at the shortest example fits
     every length between: the budget is the smaller of the two measured capacities (rows that fit x length).
     Each rank loads its whole window (micro = the per-rank target, accumulation 1); the engine cuts it."""
-    make_short, short_len = probe_batches(trainer, shortest=True)
-    short_result, _ = probe(make_short, short_len)
-    budget = min(result.max_micro_batch_size * seq_len, short_result.max_micro_batch_size * short_len)
-    budget = max(budget, seq_len)  # the longest example fits alone: the first probe found micro >= 1
     per_rank = plan.target_batch_size // plan.world_size
+    at_longest = result.max_micro_batch_size * seq_len
+    # A forward never holds more rows than the window, so below at_longest / per_rank tokens per row the chunks
+    # are whole windows whose peak grows with their length: the short end that matters is the shortest example
+    # at or above that length.
+    make_short, short_len = probe_batches(trainer, shortest=-(-at_longest // per_rank))
+    if short_len < seq_len:
+        short_result, _ = probe(make_short, short_len)
+        at_shortest = short_result.max_micro_batch_size
+    else:
+        short_result, at_shortest = None, result.max_micro_batch_size
+    budget = min(at_longest, at_shortest * short_len)
+    budget = max(budget, seq_len)  # the longest example fits alone: the first probe found micro >= 1
+    result.extra["expected"] = _expected_cuts(trainer, per_rank, budget, seq_len, result.max_micro_batch_size)
     result.extra["token_budget"] = {
         "tokens_per_forward": budget, "longest": seq_len, "rows_at_longest": result.max_micro_batch_size,
-        "shortest": short_len, "rows_at_shortest": short_result.max_micro_batch_size,
-        "short_trials": [t.__dict__ for t in short_result.measured_trials],
+        "shortest": short_len, "rows_at_shortest": at_shortest,
+        "short_trials": [t.__dict__ for t in short_result.measured_trials] if short_result else [],
     }
     return Plan(per_rank, 1, plan.world_size, plan.target_batch_size, token_budget=budget), result
+
+
+def _expected_cuts(trainer, per_rank: int, budget: int, longest: int, rows_at_longest: int) -> dict[str, float]:
+    """Forwards per optimizer step and padded / real tokens this budget gives on the user's data (windows of a
+    fixed shuffle), next to "samples" mode at the micro-batch that fits the worst case."""
+    import random
+
+    from .token_budget import partition_padded
+
+    dataset = trainer.train_dataset
+    try:
+        lengths = [_length(dataset[i]) for i in range(len(dataset))]
+    except TypeError:
+        return {}
+    order = list(range(len(lengths)))
+    random.Random(0).shuffle(order)
+    windows = [[lengths[i] for i in order[w:w + per_rank]] for w in range(0, len(order), per_rank)]
+    micro = max(1, min(rows_at_longest, per_rank))
+    real = sum(lengths) or 1
+    tokens = [partition_padded(w, budget) for w in windows]
+    return {
+        "forwards_per_step": sum(map(len, tokens)) / len(windows),
+        "padded_over_real": sum(len(g) * max(w[i] for i in g) for w, gs in zip(windows, tokens) for g in gs) / real,
+        "samples_mode_forwards_per_step": sum(-(-len(w) // micro) for w in windows) / len(windows),
+        "samples_mode_padded_over_real": sum(len(w[m:m + micro]) * max(w[m:m + micro])
+                                             for w in windows for m in range(0, len(w), micro)) / real,
+    }
 
 
 def _stored_plan(output_dir: str, key: dict[str, Any]):
@@ -128,6 +164,10 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
         "hf_accum/budget_bytes": int(budget_bytes),
         "hf_accum/plan_reused": int(reused),
     }
+    if plan.token_budget is not None:
+        figures["hf_accum/token_budget"] = plan.token_budget
+        for name, value in ((probe or {}).get("extra") or {}).get("expected", {}).items():
+            figures[f"hf_accum/expected_{name}" if not name.startswith("samples") else f"hf_accum/{name}"] = value
     trials = (probe or {}).get("trials") or []
     measured = [t for t in trials if isinstance(t, dict) and t.get("status") != "refused"]
     figures["hf_accum/probe_trials"] = len(measured)
@@ -150,8 +190,14 @@ def _summary(plan: Plan, figures: dict[str, float], args) -> str:
     measured = "" if peak is None else (
         f"peak {_mib(peak)} per step, " if at == plan.micro_batch_size
         else f"peak <= {_mib(peak)} per step (measured at micro-batch {at}), ")
+    expected = ""
+    if "hf_accum/expected_forwards_per_step" in figures:
+        expected = (f"; on your data ~{figures['hf_accum/expected_forwards_per_step']:.1f} forwards per optimizer "
+                    f"step, padded/real tokens {figures['hf_accum/expected_padded_over_real']:.2f} (\"samples\" mode: "
+                    f"{figures['hf_accum/samples_mode_forwards_per_step']:.1f} and "
+                    f"{figures['hf_accum/samples_mode_padded_over_real']:.2f})")
     return (f"plan {plan.describe()} (target_batch_size={plan.target_batch_size}): {measured}budget {budget} "
-            f"({asked}), {figures['hf_accum/probe_trials']} probe trials")
+            f"({asked}), {figures['hf_accum/probe_trials']} probe trials{expected}")
 
 
 def _show(message: str, args, *values) -> None:
@@ -182,10 +228,10 @@ def _log_in_trainer(trainer, figures: dict[str, float]) -> None:
     trainer.add_callback(PlanLog(trainer, figures))
 
 
-def probe_batches(trainer, shortest: bool = False) -> tuple[Callable[[int], dict[str, Any]], int]:
+def probe_batches(trainer, shortest: int | None = None) -> tuple[Callable[[int], dict[str, Any]], int]:
     """``make_batch(micro)`` at the worst-case length: the longest training example, collated ``micro`` times
-    (or random tokens at ``probe_seq_len`` for causal LMs), and that length. ``shortest``: the shortest example
-    instead (the token-budget probe's second length)."""
+    (or random tokens at ``probe_seq_len`` for causal LMs), and that length. ``shortest=n``: the shortest example
+    of at least n tokens instead (the token-budget probe's second length; the longest when none is shorter)."""
     args = trainer.args
     if args.probe_seq_len is not None:
         if not loss_shifts_labels(trainer.model):
@@ -194,7 +240,7 @@ def probe_batches(trainer, shortest: bool = False) -> tuple[Callable[[int], dict
                 f"{type(trainer.model).__name__} is not a causal LM. Leave probe_seq_len unset: the probe then "
                 "measures with the longest training example."
             )
-        length = max(8, args.probe_seq_len // 8) if shortest else args.probe_seq_len
+        length = min(args.probe_seq_len, max(shortest, args.probe_seq_len // 8)) if shortest else args.probe_seq_len
         return random_token_batch(trainer.model, length), length
     loader = trainer.get_train_dataloader()
     dataset, collate = loader.dataset, loader.collate_fn
@@ -207,8 +253,10 @@ def probe_batches(trainer, shortest: bool = False) -> tuple[Callable[[int], dict
         ) from None
     if size == 0:
         raise ValueError("train_dataset is empty: nothing to probe or train on.")
-    pick = min if shortest else max
-    longest = pick(range(size), key=lambda i: _length(dataset[i]))
+    longest = max(range(size), key=lambda i: _length(dataset[i]))
+    if shortest:
+        candidates = [i for i in range(size) if _length(dataset[i]) >= shortest] or [longest]
+        longest = min(candidates, key=lambda i: _length(dataset[i]))
     example = dataset[longest]
 
     def make_batch(micro: int) -> dict[str, Any]:
