@@ -11,6 +11,7 @@ of its first training step against this prediction at run time.
 
 from __future__ import annotations
 
+import torch
 from transformers import Trainer
 
 # Older versions ignore the attribute even when a subclass sets it.
@@ -45,3 +46,31 @@ def enable_checkpointing(model, args) -> None:
     elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
 
+
+
+# --- torch's chunked linear + cross-entropy (fused_loss.py) -------------------------------------------------------
+# torch 2.13 added `F.linear_cross_entropy(..., options=LinearCrossEntropyOptions(...))`: a chunked path that never
+# builds the (rows, vocab) logits and computes the gradients inside the forward. Older torch (the supported range
+# starts at 2.6) has neither; fused_loss.py then uses its own checkpointed chunks.
+HAS_LINEAR_CROSS_ENTROPY = hasattr(torch.nn.functional, "linear_cross_entropy") and hasattr(
+    torch.nn, "LinearCrossEntropyOptions"
+)
+
+
+def linear_cross_entropy_sum(hidden, weight, bias, targets, rows: int):
+    """Sum over rows of cross_entropy(hidden @ weight.T + bias, targets) on torch's chunked path, ``rows`` rows per
+    chunk. Raises instead of silently building the full logits when torch declines the chunked path."""
+    import warnings
+
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=rows, chunking_method=None)
+    with warnings.catch_warnings():
+        # torch warns and falls back to the full-logits reference when it cannot chunk: that would be the memory
+        # this path exists to avoid, so make it an error (it means torch changed what it supports).
+        warnings.filterwarnings("error", message=".*options.*ignored", category=UserWarning)
+        return torch.nn.functional.linear_cross_entropy(
+            hidden, weight, targets, linear_bias=bias, reduction="sum", ignore_index=-100, options=options
+        )
+
+
+def is_autocast_enabled(device_type: str) -> bool:
+    return torch.is_autocast_enabled(device_type)

@@ -90,6 +90,20 @@ class AccumTrainingArguments(TrainingArguments):
             "choices": ["memory", "throughput"],
         },
     )
+    fused_loss: bool | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Causal-LM training loss computed from the last hidden states and the LM head's weight in chunks, "
+                "never materializing the logits (same loss and gradient; far less memory at large vocabularies, "
+                "hence a larger planned micro-batch). Unset: on where supported, off otherwise (one log line says "
+                "which and why). True: required, an error names the reason where unsupported (an adapter on "
+                "lm_head, logit softcapping/scaling, label smoothing, compute_loss_func or a compute_loss override "
+                "reading logits). False: the model's own loss from the full logits. Training only: evaluation "
+                "always gets the logits."
+            )
+        },
+    )
     check_accumulation_tolerance: float | None = field(
         default=None,
         metadata={

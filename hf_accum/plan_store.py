@@ -35,6 +35,7 @@ def plan_key(trainer, *, seq_len: int, budget_bytes: int, capacity_bytes: int, d
         "bf16": bool(args.bf16),
         "fp16": bool(args.fp16),
         "gradient_checkpointing": bool(args.gradient_checkpointing),
+        "fused_loss": bool(getattr(trainer, "fused_loss_active", False)),
         "optim": str(args.optim),
         "optim_args": args.optim_args,
         "max_grad_norm": args.max_grad_norm,
