@@ -74,3 +74,14 @@ def linear_cross_entropy_sum(hidden, weight, bias, targets, rows: int):
 
 def is_autocast_enabled(device_type: str) -> bool:
     return torch.is_autocast_enabled(device_type)
+
+
+# --- TRL (trl.py) -----------------------------------------------------------------------------------------------
+def trl_fuses_lm_head() -> bool:
+    """Whether TRL's SFTTrainer computes its loss through `add_fused_lm_head` (a patched `model.forward` called with
+    `fused_lm_head=True`, TRL >= 1.x) rather than from the model's logits."""
+    try:
+        from trl.trainer import utils
+    except ImportError:
+        return False
+    return hasattr(utils, "add_fused_lm_head")

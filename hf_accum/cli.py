@@ -35,6 +35,9 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--load-in-4bit", action="store_true", help="NF4 base weights (bitsandbytes)")
     q.add_argument("--load-in-8bit", action="store_true", help="LLM.int8 base weights (bitsandbytes, CUDA)")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=None,
+                   help="causal-LM loss without the full logits, as training will use it (default: on where "
+                        "supported; --fused-loss: required, --no-fused-loss: off)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     b = p.add_mutually_exclusive_group()
     b.add_argument("--budget", type=float, default=None, help="fraction (0, 1] of the device's memory")
@@ -101,6 +104,15 @@ def _run_probe(args: argparse.Namespace) -> int:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
+    from .fused_loss import patch_model, resolve_for_model
+
+    try:
+        fused, why = resolve_for_model(model, args.fused_loss, ("--fused-loss", "--no-fused-loss"))
+    except ValueError as exc:
+        raise SystemExit(f"hf-accum probe: {exc}") from None
+    print(f"fused loss: {'on' if fused else 'off'} ({why})", flush=True)
+    if fused:
+        patch_model(model)  # for the probe's training steps; the process ends after the probe
     budget_bytes = args.budget_bytes
     if budget_bytes is None and args.budget is None and args.model == "tiny":
         budget_bytes = DEFAULT_PROBE_BUDGET_BYTES

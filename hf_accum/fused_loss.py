@@ -299,14 +299,25 @@ def resolve_fused_loss(trainer) -> tuple[bool, str]:
     if setting is False:
         return False, "fused_loss=False" + (f": {by_trainer} turned off" if by_trainer else "")
     reason = _trainer_reason(trainer)
-    if reason is None and by_trainer is None:
-        reason = unsupported_reason(trainer.model)
+    if reason is None and by_trainer is not None:
+        return True, by_trainer
+    return _decide(setting, reason or unsupported_reason(trainer.model))
+
+
+def resolve_for_model(model: nn.Module, setting: bool | None, flags=("fused_loss=True", "fused_loss=False")):
+    """`resolve_fused_loss` for a bare model (hf-accum probe): the same answer, the same error for True."""
+    if setting is False:
+        return False, flags[1]
+    return _decide(setting, unsupported_reason(model), flags)
+
+
+def _decide(setting, reason, flags=("fused_loss=True", "fused_loss=False")) -> tuple[bool, str]:
     if reason is None:
-        return True, by_trainer or f"chunked cross-entropy from the hidden states ({_describe_implementation()})"
+        return True, f"chunked cross-entropy from the hidden states ({_describe_implementation()})"
     if setting:
         raise ValueError(
-            f"fused_loss=True, but {reason}. Set fused_loss=False to train with the full logits, or leave it unset "
-            "to turn it off automatically where unsupported."
+            f"{flags[0]}, but {reason}. Set {flags[1]} to train with the full logits, or leave it unset to turn it "
+            "off automatically where unsupported."
         )
     return False, reason
 
@@ -355,5 +366,5 @@ def with_fused_loss(method):
     return wrapper
 
 
-__all__ = ["causal_lm_loss", "fused_lm_loss", "fused_loss_for", "patch_model", "resolve_fused_loss",
-           "unsupported_reason", "with_fused_loss"]
+__all__ = ["causal_lm_loss", "fused_lm_loss", "fused_loss_for", "patch_model", "resolve_for_model",
+           "resolve_fused_loss", "unsupported_reason", "with_fused_loss"]
