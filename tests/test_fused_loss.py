@@ -384,3 +384,81 @@ def test_two_ranks_fused_match_one_pass(tmp_path):
     assert all(r["fused"] is True for r in ranks)  # the default (fused_loss unset) fused on both ranks
     assert err <= TOL, err
     assert ranks[0]["losses"] == pytest.approx(ref.losses, rel=1e-6)
+
+
+# --- TRL's SFTTrainer: its own fused head ---------------------------------------------------------------------
+def _sft(tmp_path, model, **args):
+    pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from hf_accum import tiny
+    from hf_accum.trl import AccumSFTConfig, AccumSFTTrainer
+
+    tok = tiny.build_tokenizer()
+    rows = tiny.generate_instruction_data(12, seed=1)
+    data = Dataset.from_list([{"prompt": r["prompt"], "completion": r["response"]} for r in rows])
+    config = AccumSFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=3, num_train_epochs=1,
+        learning_rate=1e-2, max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+        bf16=False, seed=0, disable_tqdm=True, max_length=64, **args,
+    )
+    recorder = StepRecorder()
+    trainer = recording(AccumSFTTrainer)(model=model, args=config, train_dataset=data, processing_class=tok,
+                                         callbacks=[recorder])
+    trainer.remove_callback(PrinterCallback)
+    return trainer, recorder
+
+
+def _sft_model(adapter=None):
+    from hf_accum import tiny
+
+    model = tiny.build_model("causal_lm", tokenizer=tiny.build_tokenizer(), dtype=torch.float64, hidden_size=32)
+    if adapter is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **adapter))
+
+
+@pytest.mark.parametrize("fused", [None, False])
+def test_sft_every_adapter_parameter_trains_and_is_exact(fused, tmp_path):
+    from .exactness import max_step_error, reference_run
+
+    model = _sft_model({"target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]})
+    initial = copy.deepcopy(model)
+    trainer, recorder = _sft(tmp_path, model, fused_loss=fused)
+    trainer.train()
+    on, reason = fl.resolve_fused_loss(trainer)
+    assert trainer.fused_loss_active is on is (fused is None) and "TRL's fused LM head" in reason
+    # TRL logs entropy from its fused head's outputs only: present exactly when the fused head computed the loss
+    assert any("entropy" in h for h in trainer.state.log_history) is (fused is None)
+    names = set(recorder.grads[0])
+    assert any("modules_to_save" in n for n in names) and sum("lora_" in n for n in names) == 8
+    for got in recorder.grads:
+        assert all(float(g.abs().sum()) > 0 for g in got.values())
+    ref = reference_run(initial, recorder, trainer.windows, "causal")
+    assert max_step_error(recorder, ref) <= TOL
+    assert logged_losses(trainer) == pytest.approx(ref.losses, rel=1e-6)
+
+
+@pytest.mark.parametrize("fused", [None, False])
+def test_sft_lora_on_lm_head_is_refused(fused, tmp_path):
+    with pytest.raises(ValueError, match="lm_head"):
+        _sft(tmp_path, _sft_model({"target_modules": ["q_proj", "lm_head"]}), fused_loss=fused)
+
+
+def test_sft_fused_loss_false_needs_the_nll_loss(tmp_path):
+    with pytest.raises(ValueError, match="fused_loss=False computes the model's own"):
+        _sft(tmp_path, _sft_model(), fused_loss=False, loss_type="dft")
+
+
+# --- hf-accum probe --------------------------------------------------------------------------------------------
+def test_probe_cli_switch(capsys):
+    from hf_accum.cli import main
+
+    small = ["probe", "--seq-len", "32", "--target-batch", "4", "--max-micro-batch", "2", "--budget-bytes", str(2**30)]
+    for flag, line in ([], "fused loss: on (chunked"), (["--no-fused-loss"], "fused loss: off (--no-fused-loss)"):
+        assert main(small + flag) == 0
+        assert line in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"--fused-loss, but its LM head is a peft.*Set --no-fused-loss"):
+        main(small + ["--lora", "--lora-target-modules", "q_proj,lm_head", "--fused-loss"])
