@@ -76,6 +76,12 @@ def is_autocast_enabled(device_type: str) -> bool:
     return torch.is_autocast_enabled(device_type)
 
 
+def deepspeed_zero3_enabled() -> bool:
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return bool(is_deepspeed_zero3_enabled())
+
+
 # --- TRL (trl.py) -----------------------------------------------------------------------------------------------
 def trl_fuses_lm_head() -> bool:
     """Whether TRL's SFTTrainer computes its loss through `add_fused_lm_head` (a patched `model.forward` called with

@@ -282,6 +282,9 @@ def _trainer_reason(trainer) -> str | None:
     if getattr(trainer.args, "label_smoothing_factor", 0) > 0:
         return (f"label_smoothing_factor={trainer.args.label_smoothing_factor}: transformers' label smoother "
                 "computes the loss from the full logits")
+    if getattr(trainer, "is_fsdp_enabled", False) or _compat.deepspeed_zero3_enabled():
+        # The fused loss reads lm_head.weight outside the head's forward, where these keep it sharded.
+        return "FSDP / DeepSpeed ZeRO-3 shard the LM head's weight outside its forward"
     if getattr(trainer, "compute_loss_func", None) is not None:
         return "compute_loss_func is set: it receives the model's outputs and reads their logits"
     allowed = (Trainer, *getattr(trainer, "_fused_compute_loss_classes", ()))

@@ -462,3 +462,13 @@ def test_probe_cli_switch(capsys):
         assert line in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"--fused-loss, but its LM head is a peft.*Set --no-fused-loss"):
         main(small + ["--lora", "--lora-target-modules", "q_proj,lm_head", "--fused-loss"])
+
+
+def test_sharded_lm_head_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(fl._compat, "deepspeed_zero3_enabled", lambda: True)
+    args = AccumTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    trainer = AccumTrainer(model=tiny_llama(torch.float32), args=args)
+    assert fl.resolve_fused_loss(trainer) == (False, "FSDP / DeepSpeed ZeRO-3 shard the LM head's weight outside its forward")
+    trainer.args.fused_loss = True
+    with pytest.raises(ValueError, match="fused_loss=True, but FSDP"):
+        fl.resolve_fused_loss(trainer)
