@@ -6,7 +6,9 @@
 For each vocabulary, on a small Llama (hidden 256, 2 layers, sequence 256) built from config, float32, AdamW:
   peak     peak tensor memory of one training step above the resident weights/gradients/optimizer state, at the
            same micro-batch (hf_accum's CpuMeter: the profiler's allocation events replayed), and the whole peak;
-  s/step   wall seconds of one step (forward, backward, optimizer), the best of 2 after a warm-up;
+  s/step   wall seconds of one step (forward, backward, optimizer): median of 3 rounds, each round one step of every
+           mode back to back after a warm-up round (interleaved: a shared machine's load hits all alike); the
+           ratio is the median of the per-round ratios;
   max mb   the largest micro-batch fitting one budget, as hf_accum's probe finds it (probe_model, cap 16); the
            budget is the unfused step's whole peak at the equal micro-batch, so the unfused maximum is about it;
   grad err float64 exactness: relative gradient error of the fused loss against cross-entropy computed by hand in
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -47,21 +50,38 @@ def llama(vocab: int, dtype=torch.float32, seq: int = SEQ) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).to(dtype)
 
 
-def step_figures(vocab: int, micro: int, mode: str) -> dict:
-    """Peak above resident, whole peak and best-of-3 seconds of one training step; mode: unfused/fused/fallback."""
+def _stepper(vocab: int, micro: int, mode: str):
     model = llama(vocab).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     step = make_step_fn(model, opt, random_token_batch(model, SEQ))
+    return model, opt, lambda: step(micro)
+
+
+def step_peaks(vocab: int, micro: int, mode: str) -> dict:
+    """Peak tensor memory of one training step above the resident state, and the whole peak."""
+    model, opt, step = _stepper(vocab, micro, mode)
     meter = CpuMeter(resident=lambda: live_tensor_bytes(model, opt))
     with _fused(model, mode):
-        step(micro)  # warm-up: optimizer state and gradients exist from here on, as in training
-        m = meter.measure(lambda: step(micro))
-        seconds = []
-        for _ in range(2):
-            start = time.perf_counter()
-            step(micro)
-            seconds.append(time.perf_counter() - start)
-    return {"above": m.peak_bytes - m.baseline_bytes, "peak": m.peak_bytes, "seconds": min(seconds)}
+        step()  # warm-up: optimizer state and gradients exist from here on, as in training
+        m = meter.measure(step)
+    return {"above": m.peak_bytes - m.baseline_bytes, "peak": m.peak_bytes}
+
+
+def step_seconds(vocab: int, micro: int, modes, rounds: int = 3) -> dict:
+    """Seconds per step of each mode, interleaved (one step of each per round, after a warm-up of each) so that
+    load from other processes on a shared machine hits all modes alike; the median ratio to unfused per mode."""
+    steppers = {mode: _stepper(vocab, micro, mode) for mode in modes}
+    times = {mode: [] for mode in modes}
+    for r in range(rounds + 1):
+        for mode, (model, _, step) in steppers.items():
+            with _fused(model, mode):
+                start = time.perf_counter()
+                step()
+                if r:  # round 0 warms up
+                    times[mode].append(time.perf_counter() - start)
+    out = {mode: statistics.median(t) for mode, t in times.items()}
+    out["ratio"] = {mode: statistics.median(a / b for a, b in zip(times[mode], times["unfused"])) for mode in modes}
+    return out
 
 
 def largest_micro_batch(vocab: int, budget: int, mode: str) -> int:
@@ -124,7 +144,11 @@ def main(argv=None) -> int:
     rows = []
     for vocab in opts.vocab:
         micro = MICRO.get(vocab, 2)
-        figs = {mode: step_figures(vocab, micro, mode) for mode in ("unfused", "fused", "fallback")}
+        figs = {mode: step_peaks(vocab, micro, mode) for mode in ("unfused", "fused", "fallback")}
+        secs = step_seconds(vocab, micro, ("unfused", "fused", "fallback"))
+        for mode in figs:
+            figs[mode]["seconds"] = secs[mode]
+        figs["ratio"] = secs["ratio"]
         print(f"  vocab {vocab}: steps measured", flush=True)
         budget = figs["unfused"]["peak"]
         maxes = {mode: largest_micro_batch(vocab, budget, mode) for mode in ("unfused", "fused")}
@@ -144,8 +168,8 @@ def main(argv=None) -> int:
             f"| {u['above'] / MiB:.0f} / {z['above'] / MiB:.0f} ({z['above'] / u['above']:.2f}x) "
             f"[{c['above'] / u['above']:.2f}x] "
             f"| {z['peak'] / u['peak']:.2f}x "
-            f"| {u['seconds']:.2f} / {z['seconds']:.2f} ({z['seconds'] / u['seconds']:.2f}x) "
-            f"[{c['seconds'] / u['seconds']:.2f}x] "
+            f"| {u['seconds']:.2f} / {z['seconds']:.2f} ({f['ratio']['fused']:.2f}x) "
+            f"[{f['ratio']['fallback']:.2f}x] "
             f"| {maxes['unfused']} / {maxes['fused']}{' (cap)' if maxes['fused'] == CAP else ''} "
             f"({maxes['fused'] / max(1, maxes['unfused']):.2f}x) "
             f"at {budget / MiB:.0f} MiB "
