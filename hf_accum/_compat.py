@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from transformers import Trainer
 
 # Older versions ignore the attribute even when a subclass sets it.
@@ -245,3 +246,46 @@ def refuse_silent_engine_fallback(trainer) -> None:
             "devices). Unset fsdp to train with DDP on purpose, or shard at load time: "
             "from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=WORLD_SIZE))."
         )
+# --- torch's chunked linear + cross-entropy (fused_loss.py) -------------------------------------------------------
+# torch 2.13 added `F.linear_cross_entropy(..., options=LinearCrossEntropyOptions(...))`: a chunked path that never
+# builds the (rows, vocab) logits and computes the gradients inside the forward. Older torch (the supported range
+# starts at 2.6) has neither; fused_loss.py then uses its own checkpointed chunks.
+HAS_LINEAR_CROSS_ENTROPY = hasattr(torch.nn.functional, "linear_cross_entropy") and hasattr(
+    torch.nn, "LinearCrossEntropyOptions"
+)
+
+
+def linear_cross_entropy_sum(hidden, weight, bias, targets, rows: int):
+    """Sum over rows of cross_entropy(hidden @ weight.T + bias, targets) on torch's chunked path, ``rows`` rows per
+    chunk. Raises instead of silently building the full logits when torch declines the chunked path."""
+    import warnings
+
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=rows, chunking_method=None)
+    with warnings.catch_warnings():
+        # torch warns and falls back to the full-logits reference when it cannot chunk: that would be the memory
+        # this path exists to avoid, so make it an error (it means torch changed what it supports).
+        warnings.filterwarnings("error", message=".*options.*ignored", category=UserWarning)
+        return torch.nn.functional.linear_cross_entropy(
+            hidden, weight, targets, linear_bias=bias, reduction="sum", ignore_index=-100, options=options
+        )
+
+
+def is_autocast_enabled(device_type: str) -> bool:
+    return torch.is_autocast_enabled(device_type)
+
+
+def deepspeed_zero3_enabled() -> bool:
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return bool(is_deepspeed_zero3_enabled())
+
+
+# --- TRL (trl.py) -----------------------------------------------------------------------------------------------
+def trl_fuses_lm_head() -> bool:
+    """Whether TRL's SFTTrainer computes its loss through `add_fused_lm_head` (a patched `model.forward` called with
+    `fused_lm_head=True`, TRL >= 1.x) rather than from the model's logits."""
+    try:
+        from trl.trainer import utils
+    except ImportError:
+        return False
+    return hasattr(utils, "add_fused_lm_head")

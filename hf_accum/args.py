@@ -95,6 +95,20 @@ class AccumTrainingArguments(TrainingArguments):
             "choices": ["memory", "throughput"],
         },
     )
+    fused_loss: bool | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Causal-LM training loss computed from the last hidden states and the LM head's weight in chunks, "
+                "never materializing the logits (same loss and gradient; far less memory at large vocabularies, "
+                "hence a larger planned micro-batch). Unset: on where supported, off otherwise (one log line says "
+                "which and why). True: required, an error names the reason where unsupported (a LoRA adapter or "
+                "modules_to_save copy on lm_head, logit softcapping/scaling, an extra loss term such as an MoE router "
+                "loss, label smoothing, compute_loss_func, a compute_loss override, FSDP/ZeRO-3). False: the model's "
+                "own loss from the full logits. Training only: evaluation always gets the logits."
+            )
+        },
+    )
     check_accumulation_tolerance: float | None = field(
         default=None,
         metadata={

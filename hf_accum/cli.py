@@ -60,6 +60,9 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
                    help="quantized base: 'light' (as the recipes: no upcast) or 'peft' (prepare_model_for_kbit_"
                         "training, which upcasts the non-quantized weights to float32)")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=None,
+                   help="causal-LM loss without the full logits, as training will use it (default: on where "
+                        "supported; --fused-loss: required, --no-fused-loss: off)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     b = p.add_mutually_exclusive_group()
     b.add_argument("--budget", type=float, default=None,
@@ -167,6 +170,15 @@ def _run_probe(args: argparse.Namespace) -> int:
         # Switched on as training switches it on (the one helper the tuner uses too), LoRA-safe kind.
         enable_checkpointing(model, SimpleNamespace(gradient_checkpointing=True,
                                                     gradient_checkpointing_kwargs={"use_reentrant": False}))
+    from .fused_loss import patch_model, resolve_for_model
+
+    try:
+        fused, why = resolve_for_model(model, args.fused_loss, ("--fused-loss", "--no-fused-loss"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"fused loss: {'on' if fused else 'off'} ({why})", flush=True)
+    if fused:
+        patch_model(model)  # for the probe's training steps; the process ends after the probe
     budget_bytes = args.budget_bytes
     if budget_bytes is None and args.budget is None and args.model == "tiny":
         budget_bytes = DEFAULT_PROBE_BUDGET_BYTES

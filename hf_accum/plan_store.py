@@ -55,6 +55,7 @@ def key_fields(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> di
         "bf16": bool(args.bf16),
         "fp16": bool(args.fp16),
         "gradient_checkpointing": _compat.checkpointing_enabled(args),
+        "fused_loss": bool(getattr(trainer, "fused_loss_active", False)),
         "optim": str(args.optim),
         "optim_args": args.optim_args,
         "max_grad_norm": args.max_grad_norm,

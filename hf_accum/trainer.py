@@ -28,6 +28,7 @@ from . import _compat
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments
 from .checkpoints import check_resume
+from .fused_loss import with_fused_loss
 from .loss import LabelSpec, label_spec
 from .oom import free_memory, is_oom
 from .plan import Plan, divisors
@@ -280,12 +281,14 @@ class AccumulationMixin:
         if in_training_loop and self.args.should_save:  # tune() saved the plan it applies, with its probe
             save_plan(self.args.output_dir, self._plan_key or {}, plan, None)
 
+    @with_fused_loss
     def tune(self) -> Plan:
         """Measure (or reuse the stored plan), plan micro x accumulation x world = target, apply it."""
         plan, self.probe_result, self._plan_key = tune(self)
         self.apply_plan(plan)
         return plan
 
+    @with_fused_loss
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         try:
             if self._normalization != "model":

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from transformers import Trainer
+
 try:
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 except ImportError as exc:  # pragma: no cover - trl is in the dev extra, optional for users
@@ -60,7 +62,37 @@ class _TRLAccumulation(AccumulationMixin):
 
 class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
     """`trl.SFTTrainer` + hf_accum: pass an `AccumSFTConfig` (plain `SFTConfig` works too: tokens
-    normalization, no tuning)."""
+    normalization, no tuning).
+
+    The fused loss here is TRL's own (`add_fused_lm_head`, exact: the sum of token log-probabilities over
+    `num_items_in_batch`), so hf_accum installs no patch of its own. `fused_loss=False` turns TRL's fused head off:
+    the loss is `Trainer.compute_loss`, the model's own loss from its full logits (TRL's entropy and token accuracy
+    metrics are then not logged). A PEFT adapter on `lm_head` is refused: the fused head reads the base weight and
+    would leave it untrained (TRL >= 1.16 refuses it itself; `modules_to_save` copies of lm_head are trained)."""
+
+    _lm_head_fused_by = "TRL's fused LM head (trl.trainer.utils.add_fused_lm_head)" if _compat.trl_fuses_lm_head() else None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if isinstance(self.model.get_output_embeddings(), BaseTunerLayer):
+            raise ValueError(
+                "A PEFT adapter on lm_head is not supported by AccumSFTTrainer: TRL's fused LM head multiplies by the "
+                "base lm_head weight, so the adapter would stay untrained. Remove lm_head from target_modules (use "
+                "modules_to_save=['lm_head'] to train the head)."
+            )
+        if getattr(self.args, "fused_loss", None) is False and self.args.loss_type != "nll":
+            raise ValueError(
+                f"fused_loss=False computes the model's own (nll) loss, but loss_type={self.args.loss_type!r} needs "
+                "TRL's fused LM head. Leave fused_loss unset, or set loss_type='nll'."
+            )
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if getattr(self.args, "fused_loss", None) is False:
+            inputs = {**inputs, "use_cache": False}
+            return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
 
 # DPO losses whose batch loss is the mean over pairs of a term of that pair alone: cutting a window into forwards
@@ -114,5 +146,9 @@ class AccumDPOTrainer(_TRLAccumulation, DPOTrainer):
                 "normalize exactly. Set router_aux_loss_coef=0.0, or loss_normalization='model'."
             )
 
+
+# With TRL's fused head, SFTTrainer.compute_loss reads no logits: resolve_fused_loss must not count it (or ours) as a
+# user override. Older TRL reads the logits for its token accuracy: hf_accum's fused loss stays off there.
+AccumSFTTrainer._fused_compute_loss_classes = (SFTTrainer, AccumSFTTrainer) if _compat.trl_fuses_lm_head() else ()
 
 __all__ = ["AccumDPOConfig", "AccumDPOTrainer", "AccumSFTConfig", "AccumSFTTrainer"]

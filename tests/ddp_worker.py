@@ -44,7 +44,8 @@ def main():
         trainer.train()
         torch.save(
             {"grads": recorder.grads, "weights": recorder.weights, "windows": trainer.windows,
-             "losses": logged_losses(trainer), "avg_flag_after": trainer.args.average_tokens_across_devices},
+             "losses": logged_losses(trainer), "avg_flag_after": trainer.args.average_tokens_across_devices,
+             "fused": getattr(trainer, "fused_loss_active", None)},
             os.path.join(opts.out, f"{run.replace(':', '_')}.rank{rank}.pt"),
         )
 

@@ -127,3 +127,75 @@ def test_attn_implementation_is_read_from_the_config():
     assert _compat.attn_implementation(model) == "sdpa"
     model.set_attn_implementation("eager")
     assert _compat.attn_implementation(model) == "eager"
+
+# --- what hf_accum/fused_loss.py relies on ------------------------------------------------------------------------
+def test_torch_chunked_linear_cross_entropy_contract():
+    """torch >= 2.13: F.linear_cross_entropy(options=...) is the sum of token CE with -100 ignored, and its gradients
+    (computed in the forward) follow a scaled upstream gradient, as hf_accum's window scaling applies one."""
+    from packaging.version import Version
+
+    import hf_accum.fused_loss as fl
+
+    torch.manual_seed(0)
+    h, w, b = torch.randn(20, 8, dtype=torch.float64), torch.randn(50, 8, dtype=torch.float64), torch.randn(50, dtype=torch.float64)
+    y = torch.randint(0, 50, (20,))
+    y[::4] = -100
+    if Version(torch.__version__.split("+")[0]) >= Version("2.13"):
+        assert _compat.HAS_LINEAR_CROSS_ENTROPY
+    if not _compat.HAS_LINEAR_CROSS_ENTROPY:  # older torch: the fused loss must use its own chunks
+        assert fl.implementation_for(h, w) == "chunked"
+        return
+    assert fl.implementation_for(h, w) == "torch"
+    got = [t.clone().requires_grad_() for t in (h, w, b)]
+    want = [t.clone().requires_grad_() for t in (h, w, b)]
+    loss = _compat.linear_cross_entropy_sum(*got, y, rows=3)
+    (loss * 0.37).backward()
+    ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(*want), y, reduction="sum")
+    (ref * 0.37).backward()
+    assert torch.allclose(loss, ref, rtol=1e-12)
+    for g, r in zip(got, want):
+        assert torch.allclose(g.grad, r.grad, rtol=1e-10, atol=1e-12)
+    with pytest.raises(UserWarning, match="options"):  # torch declining the chunked path is an error, not full logits
+        _compat.linear_cross_entropy_sum(h, w, b, y.int(), rows=3)
+
+
+def test_transformers_causal_lm_forward_contract():
+    """The fused loss stubs the LM head: it relies on the causal LM calling it once on the hidden states and returning
+    its output as the logits, with ForCausalLMLoss's shift / shift_labels / num_items_in_batch semantics."""
+    import inspect
+
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    import hf_accum.fused_loss as fl
+
+    from .exactness import tiny_gpt2
+
+    assert {"shift_labels", "num_items_in_batch", "ignore_index"} <= set(inspect.signature(ForCausalLMLoss).parameters)
+    for model in (tiny_llama(torch.float64), tiny_gpt2()):
+        assert fl.unsupported_reason(model) is None
+        ids = torch.tensor([[3, 4, 5, 6, 7]])
+        labels = torch.tensor([[-100, 4, 5, -100, 7]])
+        model.train()
+        plain = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(5))
+        with fl.fused_lm_loss(model):
+            fused = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(5))
+            pre = model(input_ids=ids, labels=ids, shift_labels=torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100),
+                        num_items_in_batch=torch.tensor(5))
+        assert fused.logits is None and plain.logits is not None
+        assert float(fused.loss) == pytest.approx(float(plain.loss), rel=1e-6)
+        assert float(pre.loss) == pytest.approx(float(plain.loss), rel=1e-6)
+
+
+def test_trl_fused_lm_head_contract():
+    """AccumSFTTrainer leaves fusing to TRL: its fused head's loss must be the model's own (sum over num_items)."""
+    pytest.importorskip("trl")
+    from trl.trainer.utils import add_fused_lm_head
+
+    assert _compat.trl_fuses_lm_head()
+    model = tiny_llama(torch.float64)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    labels = torch.tensor([[-100, 4, 5, -100, 7]])
+    plain = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(5))
+    add_fused_lm_head(model)
+    fused = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(5), fused_lm_head=True)
+    assert float(fused.loss) == pytest.approx(float(plain.loss), rel=1e-6)
