@@ -289,3 +289,10 @@ def trl_fuses_lm_head() -> bool:
     except ImportError:
         return False
     return hasattr(utils, "add_fused_lm_head")
+
+
+def engine_steps_in_backward(trainer) -> bool:
+    """DeepSpeed's engine takes the optimizer step inside `backward` at the accumulation boundary."""
+    from accelerate.utils import DistributedType
+
+    return trainer.accelerator.distributed_type is DistributedType.DEEPSPEED

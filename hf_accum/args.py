@@ -145,14 +145,15 @@ class AccumTrainingArguments(TrainingArguments):
             )
         },
     )
-    max_nonfinite_steps: int = field(
+    max_nonfinite_steps: int | None = field(
         default=3,
         metadata={
             "help": (
                 "A window whose loss is NaN/inf on any rank is never stepped: its gradients are dropped (set to None, "
                 "so AdamW does not move either) with a warning naming the step; the step counter and the LR "
                 "scheduler still advance (the window's samples are consumed). More than this many such steps in a "
-                "row: training stops with a checkpoint and an error. 0: stop at the first."
+                "row: training stops with a checkpoint and an error. 0: stop at the first. None: no check (every step "
+                "is taken, as transformers does; required under DeepSpeed, whose engine steps inside backward)."
             )
         },
     )
@@ -179,8 +180,9 @@ class AccumTrainingArguments(TrainingArguments):
                 "(e.g. 1e-4 for float32); leave it unset to choose it from the precision."
             )
         self._check_tuner_fields()
-        if not isinstance(self.max_nonfinite_steps, int) or isinstance(self.max_nonfinite_steps, bool) \
-                or self.max_nonfinite_steps < 0:
+        if self.max_nonfinite_steps is not None and (
+                not isinstance(self.max_nonfinite_steps, int) or isinstance(self.max_nonfinite_steps, bool)
+                or self.max_nonfinite_steps < 0):
             raise ValueError(f"max_nonfinite_steps={self.max_nonfinite_steps!r} must be an integer >= 0 "
                              "(0: stop at the first non-finite loss).")
         if self.micro_batching not in ("samples", "tokens"):

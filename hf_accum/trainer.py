@@ -66,6 +66,13 @@ class AccumulationMixin:
         self._plan_key: dict | None = None
         self._engine: WindowEngine | None = None
         _compat.refuse_silent_engine_fallback(self)
+        self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
+        if self._skips_nonfinite and _compat.engine_steps_in_backward(self):
+            raise ValueError(
+                "max_nonfinite_steps is set, but DeepSpeed steps the optimizer inside backward, before hf_accum could "
+                "drop a non-finite window's gradients. Set max_nonfinite_steps=None (steps are then taken as "
+                "transformers takes them)."
+            )
         self._post_checked = False
         self._nonfinite_streak = 0
         self._stop_request = StopRequest()
@@ -107,7 +114,7 @@ class AccumulationMixin:
         if not engine.active:  # called outside the Trainer loop: the window is this one batch
             engine.begin([inputs])
         returned = engine.step(inputs, lambda chunk, final: self._chunk_step(model, chunk, final))
-        if not engine.active and engine.outcome.skip:
+        if not engine.active and engine.outcome.skip and self._skips_nonfinite:
             self._skip_step(model)
         return returned
 
@@ -395,7 +402,8 @@ class _StepControl(TrainerCallback):
         outcome = trainer._engine.outcome
         if not outcome.skip:
             trainer._nonfinite_streak = 0
-        if outcome.stop or trainer._nonfinite_streak > args.max_nonfinite_steps:
+        too_many = args.max_nonfinite_steps is not None and trainer._nonfinite_streak > args.max_nonfinite_steps
+        if outcome.stop or too_many:
             control.should_save = True
             control.should_training_stop = True
 

@@ -85,3 +85,15 @@ def test_nan_on_one_rank_makes_both_skip(tmp_path):
     assert out.count("optimizer step 3 is not finite") == 2  # rank 1's NaN: both ranks skip
     w0, w1 = (torch.load(tmp_path / f"final.rank{r}.pt") for r in (0, 1))
     assert all(torch.equal(w0[k], w1[k]) and not math.isnan(float(w0[k].sum())) for k in w0)
+
+
+def test_under_deepspeed_skipping_is_refused_unless_turned_off(tmp_path, monkeypatch):
+    from hf_accum import _compat
+
+    monkeypatch.setattr(_compat, "engine_steps_in_backward", lambda trainer: True)
+    with pytest.raises(ValueError, match="max_nonfinite_steps is set, but DeepSpeed steps the optimizer inside "
+                                         "backward.*Set max_nonfinite_steps=None"):
+        run(tmp_path, nan_calls=[])
+    trainer = run(tmp_path, nan_calls=[5], max_nonfinite_steps=None)  # off: transformers' behaviour
+    trainer.train()
+    assert trainer.state.global_step == 6
