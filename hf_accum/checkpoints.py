@@ -121,6 +121,10 @@ def check_resume(args, resume_from_checkpoint) -> tuple[str | bool | None, Plan 
     belongs to another target batch. Without resuming, the output_dir's newest checkpoint must not belong to
     another target either. Returns ``(resume_from_checkpoint, stored plan)``."""
     target = current_target(args)
+    if isinstance(resume_from_checkpoint, str) and not os.path.isdir(resume_from_checkpoint):
+        return resume_from_checkpoint, None  # no such folder: transformers' own error ("Can't find a valid ...")
+    if resume_from_checkpoint is True and not checkpoints_in(args.output_dir):
+        return resume_from_checkpoint, None  # nothing to choose from: transformers' own "No valid checkpoint found"
     if isinstance(resume_from_checkpoint, str):
         info = inspect_checkpoint(resume_from_checkpoint)
         if not info.complete:

@@ -63,3 +63,15 @@ def test_deleting_the_trainer_frees_the_model_without_gc(tmp_path, with_target):
         assert alive() is None, "something still holds the trainer (a reference cycle)"
     finally:
         gc.enable()
+
+
+def test_resuming_a_missing_checkpoint_gives_transformers_own_errors(tmp_path):
+    # transformers' test_can_resume_training asserts these messages; hf_accum only speaks for folders it can read
+    args = AccumTrainingArguments(output_dir=str(tmp_path), target_batch_size=4, auto_tune=False,
+                                  per_device_train_batch_size=4, max_steps=1, report_to=[], use_cpu=True,
+                                  save_strategy="no", disable_tqdm=True, remove_unused_columns=False)
+    trainer = AccumTrainer(model=tiny_llama(), args=args, train_dataset=lm_examples(8), data_collator=pad_collate)
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint at"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-15-bogus"))
+    with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):
+        trainer.train(resume_from_checkpoint=True)
