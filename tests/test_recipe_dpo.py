@@ -63,8 +63,9 @@ def test_the_recipe_is_dpo_with_pairs_as_samples_and_the_sigmoid_loss():
 
 
 def test_a_dpo_key_is_refused_for_an_sft_recipe():
-    with pytest.raises(recipes.RecipeError, match="unknown key 'beta'"):
-        recipes.load_recipe("lora_classification", ["beta=0.1"])
+    for name in ("lora_sft", "lora_classification"):
+        with pytest.raises(recipes.RecipeError, match="unknown key 'beta'"):
+            recipes.load_recipe(name, ["beta=0.1"])
     assert recipes.load_recipe("lora_dpo", ["beta=0.2"]).training["beta"] == 0.2
 
 
@@ -118,3 +119,27 @@ def test_the_saved_adapter_reloads_onto_a_fresh_base_with_the_same_logits(dpo):
             base = run.model(**batch).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert not torch.allclose(base, want, atol=1e-3)  # the adapter changed the model
+
+
+def test_a_local_jsonl_file_of_pairs_with_other_column_names_trains(tmp_path):
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for r in tiny.generate_instruction_data(24, seed=5):
+            f.write(json.dumps({"question": r["prompt"], "good": r["response"], "bad": r["response"][::-1] + "x"}) + "\n")
+    common = [f"dataset={tmp_path / 'pairs.jsonl'}", "max_steps=2", "disable_tqdm=true", "auto_tune=false",
+              "per_device_train_batch_size=4", "gradient_accumulation_steps=4"]
+    with pytest.raises(recipes.RecipeError, match="set them to your column names"):
+        recipes.run_recipe("lora_dpo", [*common, f"output_dir={tmp_path / 'refused'}"], say=lambda _msg: None)
+    assert not (tmp_path / "refused").exists()
+    run = recipes.run_recipe("lora_dpo", [*common, "prompt_field=question", "chosen_field=good", "rejected_field=bad",
+                                          f"output_dir={tmp_path / 'out'}"], say=lambda _msg: None)
+    assert run.summary["examples"] == 24 and run.summary["steps"] == 2
+    row = run.trainer.train_dataset[0]
+    first = tiny.generate_instruction_data(1, seed=5)[0]
+    assert run.tokenizer.decode(row["chosen_ids"]) == first["response"] + run.tokenizer.eos_token  # TRL adds eos
+
+
+def test_data_max_length_is_refused_where_trl_truncates():
+    for name in ("lora_sft", "lora_dpo"):
+        with pytest.raises(recipes.RecipeError, match="set training.max_length instead"):
+            recipes.load_recipe(name, ["data.max_length=32"])
+    assert recipes.load_recipe("lora_classification", ["data.max_length=32"]).data.max_length == 32

@@ -84,7 +84,7 @@ def test_an_unknown_key_is_one_line_with_the_closest_keys(key, suggested):
         load_recipe("lora_sft", [f"{key}=1"])
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"unknown key {key!r}.") and len(message) < 400, message
-    assert "training.* takes any AccumTrainingArguments field" in message
+    assert "training.* takes any field of the task's trainer config: AccumSFTConfig/" in message
     if suggested:
         assert f"Did you mean {suggested}" in message, message
     else:
