@@ -284,10 +284,12 @@ def test_every_adapter_parameter_received_a_gradient(run):
         assert any("lm_head.modules_to_save" in n for n in trainable), sorted(trainable)
 
 
+SFT = ["lora_sft", "qlora_sft"]
+
+
+@pytest.mark.parametrize("run", SFT, indirect=True)
 def test_sft_tokenization_is_the_full_chat_text_tokenized(run):
     """TRL tokenizes prompt + completion as one rendered chat, as inference does, and masks the prompt."""
-    if run.recipe.model.task != "causal_lm":
-        pytest.skip("SFT only")
     from hf_accum import tiny
 
     tok = run.tokenizer
@@ -303,9 +305,8 @@ def test_sft_tokenization_is_the_full_chat_text_tokenized(run):
         assert row["labels"] == ([-100] * len(prompt) + full[len(prompt):])[:limit]
 
 
+@pytest.mark.parametrize("run", SFT, indirect=True)
 def test_the_tiny_sft_data_has_a_long_tail_of_lengths(run):
-    if run.recipe.model.task != "causal_lm":
-        pytest.skip("SFT only")
     lengths = sorted(len(ids) for ids in run.trainer.train_dataset["input_ids"])
     median, p99 = lengths[len(lengths) // 2], lengths[int(0.99 * len(lengths))]
     assert median <= 32 and p99 >= 2 * median and lengths[-1] == run.trainer.args.max_length, (median, p99)

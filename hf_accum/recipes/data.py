@@ -75,7 +75,10 @@ def sft_stats(data: RecipeData, tokenized) -> RecipeData:
     """Token statistics of the rows as the SFT trainer tokenized them (input_ids, and labels that are -100 on the
     prompt: TRL's completion-only loss); the first position is never predicted (causal shift)."""
     lengths = [len(ids) for ids in tokenized["input_ids"]]
-    targets = [sum(x != -100 for x in labels[1:]) for labels in tokenized["labels"]]
+    if "labels" in tokenized.column_names:  # TRL builds the labels column while preparing the dataset
+        targets = [sum(x != -100 for x in labels[1:]) for labels in tokenized["labels"]]
+    else:  # TRL versions that mask in the collator keep the completion mask instead
+        targets = [sum(mask[1:]) for mask in tokenized["completion_mask"]]
     if not any(targets):
         raise RecipeError("no SFT example has a target token after truncation: raise training.max_length")
     return RecipeData(tokenized, None, None, sum(lengths) / len(lengths), sum(targets) / len(targets), max(lengths))
