@@ -142,16 +142,60 @@ def _repeat(rng):
     return f"repeat {w} {k} times", " ".join([w] * k)
 
 
+def _repeat_long_tailed(rng):
+    # Pareto(1.2) counts: mostly 2-3 repeats, one in ten over 7, one in a hundred at the cap of 40
+    w, k = _word(rng, 1, 4), min(1 + int(rng.paretovariate(1.2)), 40)
+    return f"repeat {w} {k} times", " ".join([w] * k)
+
+
 _TASKS = (_add, _reverse, _upper, _sort, _repeat)
+# Real SFT data has a long tail of long responses: the same tasks, with repeat counts drawn from a heavy tail.
+_LONG_TAILED_TASKS = (_add, _reverse, _upper, _sort, _repeat_long_tailed)
 
 
-def generate_instruction_data(n: int, seed: int = 0) -> list[dict[str, str]]:
-    """`n` {"prompt", "response"} pairs; responses range from 1 character ("add 3 and 4") to ~30 ("repeat")."""
+def generate_instruction_data(n: int, seed: int = 0, *, long_tailed: bool = False) -> list[dict[str, str]]:
+    """`n` {"prompt", "response"} pairs; responses range from 1 character ("add 3 and 4") to ~30 ("repeat").
+    ``long_tailed``: repeat counts from a heavy tail, so a few responses run to ~200 characters, like real SFT data
+    (median short, mean pulled up by the tail)."""
     rng = random.Random(seed)
+    tasks = _LONG_TAILED_TASKS if long_tailed else _TASKS
     rows = []
     for _ in range(n):
-        prompt, response = rng.choice(_TASKS)(rng)
+        prompt, response = rng.choice(tasks)(rng)
         rows.append({"prompt": prompt, "response": response})
+    return rows
+
+
+# Letters the instructions never use: a corrupted letter is one of these, so a model can learn to tell a rejected
+# response from a chosen one without first solving the task (a digit is replaced by another digit).
+_WRONG_LETTERS = "klmnopqrst"
+
+
+def _corrupt(text: str, rng: random.Random) -> str:
+    """``text`` with 1-3 characters replaced: a digit by another digit, a letter by one outside `LETTERS` (of the
+    same case). A wrong answer of the same length, so a preference pair differs in content, not in length."""
+    chars = list(text)
+    positions = [i for i, c in enumerate(chars) if c.isalnum()] or list(range(len(chars)))
+    for i in rng.sample(positions, min(len(positions), rng.randint(1, 3))):
+        if chars[i].isdigit():
+            chars[i] = rng.choice([c for c in string.digits if c != chars[i]])
+        else:
+            wrong = rng.choice(_WRONG_LETTERS)
+            chars[i] = wrong.upper() if chars[i].isupper() else wrong
+    return "".join(chars)
+
+
+def generate_preference_data(n: int, seed: int = 0) -> list[dict[str, list[dict[str, str]]]]:
+    """`n` preference pairs in TRL's conversational format: the prompt as a user turn, chosen = the correct
+    response, rejected = the same response with 1-3 characters corrupted."""
+    rng = random.Random(seed)
+    rows = []
+    for row in generate_instruction_data(n, seed):
+        rows.append({
+            "prompt": [{"role": "user", "content": row["prompt"]}],
+            "chosen": [{"role": "assistant", "content": row["response"]}],
+            "rejected": [{"role": "assistant", "content": _corrupt(row["response"], rng)}],
+        })
     return rows
 
 

@@ -104,3 +104,28 @@ def test_resume_values(tmp_path):
         preflight.resolve_resume(str(tmp_path / "nope"), out, 16)
     with pytest.raises(RecipeError, match=r"trained with target_batch_size=16, but target_batch_size=8 now"):
         preflight.resolve_resume(True, out, 8)
+
+
+@pytest.mark.parametrize("rows,tokens,targets,longest", [
+    ([{"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}], 4.0, 2.0, 4),  # TRL's labels column
+    ([{"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1]}], 4.0, 2.0, 4),  # completion mask only
+    ([{"input_ids": [1, 2], "labels": [5, -100]}, {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}], 2.5, 1.0, 3),
+])
+def test_sft_stats_count_predicted_targets(rows, tokens, targets, longest):
+    from datasets import Dataset
+
+    from hf_accum.recipes import sft_stats
+
+    out = sft_stats(None, Dataset.from_list(rows))  # position 0 is never predicted (causal shift)
+    assert (out.mean_tokens, out.mean_targets, out.longest) == (tokens, targets, longest)
+
+
+def test_preference_stats_count_both_sequences_of_a_pair():
+    from datasets import Dataset
+
+    from hf_accum.recipes import preference_stats
+
+    rows = [{"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5], "rejected_ids": [6]},
+            {"prompt_ids": [1], "chosen_ids": [4], "rejected_ids": [6, 7, 8, 9]}]
+    out = preference_stats(None, Dataset.from_list(rows))
+    assert (out.mean_tokens, out.mean_targets, out.longest) == ((9 + 7) / 2, 1.0, 5)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from hf_accum import recipes
 from hf_accum.cli import main
@@ -47,8 +48,13 @@ def test_every_recipe_loads_and_validates(name):
     assert recipe.data.dataset == "tiny" and recipe.model.name == "tiny"  # offline defaults
     if recipe.model.task == "seq_cls":
         assert args.loss_normalization == "samples" and lora.task_type == "SEQ_CLS"
-    else:
+    else:  # SFT through TRL: the training section is AccumSFTConfig, with TRL's GPU defaults pinned for the CPU run
+        from hf_accum.trl import AccumSFTConfig
+
+        assert isinstance(args, AccumSFTConfig) and not args.bf16 and args.use_cpu
         assert args.loss_normalization == "tokens" and lora.task_type == "CAUSAL_LM"
+        # TRL's fused LM-head loss reads lm_head's weight directly: a LoRA there would not train
+        assert "lm_head" not in lora.target_modules and lora.modules_to_save == ["lm_head"]
     if name == "qlora_sft":
         assert recipe.model.quantization["load_in_4bit"] and recipe.model.quantization["bnb_4bit_quant_type"] == "nf4"
 
@@ -78,7 +84,7 @@ def test_an_unknown_key_is_one_line_with_the_closest_keys(key, suggested):
         load_recipe("lora_sft", [f"{key}=1"])
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"unknown key {key!r}.") and len(message) < 400, message
-    assert "training.* takes any AccumTrainingArguments field" in message
+    assert "training.* takes any field of the task's trainer config: AccumSFTConfig/" in message
     if suggested:
         assert f"Did you mean {suggested}" in message, message
     else:
@@ -197,12 +203,12 @@ def test_a_local_model_and_a_jsonl_file_of_pairs_and_chats_train_and_reload(tmp_
         "response_field=output", "max_steps=2", "logging_steps=1", "disable_tqdm=true", f"output_dir={out}",
     ], say=lambda _msg: None)
     assert run.summary["examples"] == 40 and run.summary["steps"] == 2
-    rows = run.trainer.train_dataset.rows
-    assert tok.decode([t for t in rows[1]["labels"] if t != -100]) == (
-        tiny.generate_instruction_data(40, seed=3)[1]["response"] + tok.eos_token  # chat row: only the answer
-    )
+    rows = first_rows(run.trainer, 3)
+    for row in rows[:2]:  # a chat row and a prompt/response row: only the answer is the target
+        assert tok.decode([t for t in row["labels"] if t != -100]) in {
+            r["response"] + tok.eos_token for r in tiny.generate_instruction_data(40, seed=3)[:2]}
     reloaded, _ = recipes.load_trained(str(out))
-    batch = run.trainer.data_collator(rows[:3])
+    batch = run.trainer.data_collator(rows)
     batch.pop("labels")
     with torch.no_grad():
         torch.testing.assert_close(reloaded.eval()(**batch).logits, run.model.eval()(**batch).logits, rtol=0, atol=1e-5)
@@ -223,6 +229,11 @@ def test_a_csv_classification_file_with_string_labels(tmp_path):
     ])
     data = recipes.build_data(recipe, recipes.build_tokenizer(recipe))
     assert data.num_labels == 2 and len(data.dataset) == 30
+    from transformers import DataCollatorWithPadding
+
+    assert isinstance(data.collator, DataCollatorWithPadding)  # transformers' collator, not a hand-written one
+    batch = data.collator(data.dataset.rows[:4])
+    assert batch["labels"].tolist() == [r["labels"] for r in data.dataset.rows[:4]]
     assert {r["labels"] for r in data.dataset.rows} == {0, 1}  # "even" -> 0, "odd" -> 1 (sorted)
     with pytest.raises(RecipeError, match=r"set data\.text_field and data\.label_field"):
         recipes.build_data(load_recipe("lora_classification", [f"dataset={tmp_path / 'reviews.csv'}"]),
@@ -235,11 +246,70 @@ RUN_OVERRIDES = {name: ["disable_tqdm=true"] for name in NAMES}
 MIN_DROP = {"lora_sft": 1.0, "qlora_sft": 1.0, "lora_classification": 0.3}  # nats, first vs last logged window
 
 
+class GradientsSeen(TrainerCallback):
+    """Names of the trainable parameters whose gradient was non-zero before some optimizer step."""
+
+    def __init__(self):
+        self.names: set[str] = set()
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.names |= {n for n, p in model.named_parameters()
+                       if p.requires_grad and p.grad is not None and p.grad.abs().sum() > 0}
+
+
+def first_rows(trainer, n):
+    return [trainer.train_dataset[i] for i in range(n)]
+
+
 @pytest.fixture(scope="module", params=NAMES)
 def run(request, tmp_path_factory):
     name = request.param
+    if name == "qlora_sft":
+        pytest.importorskip("bitsandbytes")
     out = tmp_path_factory.mktemp(name)
-    return recipes.run_recipe(name, [*RUN_OVERRIDES[name], f"output_dir={out}"], say=lambda _msg: None)
+    seen = GradientsSeen()
+    run = recipes.run_recipe(name, [*RUN_OVERRIDES[name], f"output_dir={out}"], say=lambda _msg: None,
+                             callbacks=[seen])
+    run.gradients_seen = seen.names
+    return run
+
+
+def test_every_adapter_parameter_received_a_gradient(run):
+    trainable = {n for n, p in run.model.named_parameters() if p.requires_grad}
+    assert trainable and trainable == run.gradients_seen, sorted(trainable - run.gradients_seen)
+    # every target module has an adapter, and lm_head (modules_to_save in the SFT recipes) trains in full
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable if ".lora_" in n}
+    assert adapted == set(run.recipe.lora["target_modules"])
+    if run.recipe.model.task == "causal_lm":
+        assert any("lm_head.modules_to_save" in n for n in trainable), sorted(trainable)
+
+
+SFT = ["lora_sft", "qlora_sft"]
+
+
+@pytest.mark.parametrize("run", SFT, indirect=True)
+def test_sft_tokenization_is_the_full_chat_text_tokenized(run):
+    """TRL tokenizes prompt + completion as one rendered chat, as inference does, and masks the prompt."""
+    from hf_accum import tiny
+
+    tok = run.tokenizer
+    pairs = tiny.generate_instruction_data(len(run.trainer.train_dataset), seed=run.recipe.data.seed, long_tailed=True)
+    limit = run.trainer.args.max_length
+    for i in range(0, len(pairs), 97):
+        chat = [{"role": "user", "content": pairs[i]["prompt"]}, {"role": "assistant", "content": pairs[i]["response"]}]
+        full = tok(tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False)["input_ids"]
+        prompt = tok(tok.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+        row = run.trainer.train_dataset[i]
+        assert row["input_ids"] == full[:limit]
+        assert row["labels"] == ([-100] * len(prompt) + full[len(prompt):])[:limit]
+
+
+@pytest.mark.parametrize("run", SFT, indirect=True)
+def test_the_tiny_sft_data_has_a_long_tail_of_lengths(run):
+    lengths = sorted(len(ids) for ids in run.trainer.train_dataset["input_ids"])
+    median, p99 = lengths[len(lengths) // 2], lengths[int(0.99 * len(lengths))]
+    assert median <= 32 and p99 >= 2 * median and lengths[-1] == run.trainer.args.max_length, (median, p99)
 
 
 def test_the_plan_accumulates_and_is_what_trained(run):
@@ -272,7 +342,7 @@ def test_the_summary_is_written(run):
 def test_the_saved_adapter_reloads_onto_a_fresh_base_with_the_same_logits(run):
     reloaded, tok = recipes.load_trained(run.output_dir)
     assert reloaded is not run.model
-    rows = run.trainer.train_dataset.rows[:6]
+    rows = first_rows(run.trainer, 6)
     batch = run.trainer.data_collator(rows)
     batch.pop("labels")
     run.model.eval()

@@ -15,9 +15,12 @@ Sections:
 - `model`  (:class:`ModelSection`): "tiny" (`tiny.build_model`, offline) or a hub id / local path loaded with
   `AutoModelForCausalLM` / `AutoModelForSequenceClassification`; optional 4-bit quantization (bitsandbytes).
 - `data`   (:class:`DataSection`): "tiny" (generated, offline) or a hub id / local JSON, JSONL, CSV or Parquet
-  file loaded with `datasets.load_dataset`; chat template used where the tokenizer has one.
+  file loaded with `datasets.load_dataset`; chat template used where the tokenizer has one (applied by TRL).
 - `lora`   : `peft.LoraConfig` fields; `task_type` follows `model.task` unless given.
-- `training`: `AccumTrainingArguments` fields, parsed with `HfArgumentParser.parse_dict` (every field is valid).
+- `training`: the fields of the task's trainer config, parsed with `HfArgumentParser.parse_dict` (every field is
+  valid): `hf_accum.trl.AccumSFTConfig` (causal_lm: SFT through `AccumSFTTrainer`, TRL's data handling),
+  `hf_accum.trl.AccumDPOConfig` (dpo: preference pairs through `AccumDPOTrainer`) or `AccumTrainingArguments`
+  (seq_cls).
 
 A run (:func:`run_recipe`) plans micro x accumulation x world = target with the memory probe, prints the plan and
 tokens per optimizer step, trains with a progress bar, and writes to `output_dir`: the adapter
@@ -58,7 +61,7 @@ from .config import (
 
 _LAZY = {
     "checkpointing_enabled": "hf_accum._compat",
-    **dict.fromkeys(["RecipeData", "build_data", "tokenize_messages"], "hf_accum.recipes.data"),
+    **dict.fromkeys(["RecipeData", "build_data", "preference_stats", "sft_stats"], "hf_accum.recipes.data"),
     **dict.fromkeys(["add_lora", "build_model", "build_tokenizer", "configure_checkpointing_for_lora"],
                     "hf_accum.recipes.model"),
     **dict.fromkeys(["RECIPE_FILE", "SUMMARY_FILE", "Built", "RecipeProbe", "RecipeRun", "build", "load_trained",
@@ -100,12 +103,13 @@ __all__ = [
     "load_recipe",
     "load_trained",
     "parse_value",
+    "preference_stats",
     "probe_recipe",
     "read_yaml",
     "recipe_path",
     "resolve_key",
     "run_recipe",
-    "tokenize_messages",
+    "sft_stats",
     "valid_keys",
     "write_recipe",
 ]

@@ -19,7 +19,15 @@ from ..loading import KBIT_PREPARATIONS
 
 SECTIONS = ("model", "data", "lora", "training")
 ALIASES = {"model": "model.name", "dataset": "data.dataset"}
-TASKS = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS"}
+# model.task -> the peft task type of its LoRA. "dpo" trains a causal LM on preference pairs.
+TASKS = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS", "dpo": "CAUSAL_LM"}
+# model.task -> the class of its `training` section (module, name): the trainer's own config, so every key TRL
+# accepts is a recipe key. Imported on first use (TRL is slow to import; classification does not need it).
+TRAINING_CLASSES = {
+    "causal_lm": ("hf_accum.trl", "AccumSFTConfig"),
+    "seq_cls": ("hf_accum.args", "AccumTrainingArguments"),
+    "dpo": ("hf_accum.trl", "AccumDPOConfig"),
+}
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # hf_accum/
 # Packaged copy first (a wheel ships recipes/ as hf_accum/recipes_data), then the repository's own directory.
@@ -36,7 +44,8 @@ class ModelSection:
     name: str = "tiny"
     """"tiny" (a small Llama built from config, offline), a hub id, or a local directory."""
     task: str = "causal_lm"
-    """"causal_lm" (AutoModelForCausalLM) or "seq_cls" (AutoModelForSequenceClassification)."""
+    """"causal_lm" (AutoModelForCausalLM, SFT), "dpo" (AutoModelForCausalLM, preference pairs through
+    `AccumDPOTrainer`) or "seq_cls" (AutoModelForSequenceClassification)."""
     dtype: str | None = None
     """dtype of the weights that are not quantized: float32 (None), bfloat16, float16, or "auto" (the checkpoint's)."""
     num_labels: int | None = None
@@ -66,13 +75,18 @@ class DataSection:
     num_examples: int | None = None
     """tiny: how many examples to generate (default 2000); otherwise: use the first N rows (None: all)."""
     max_length: int = 512
-    """Tokens per example after truncation (the end is cut)."""
+    """seq_cls: tokens per example after truncation (the end is cut). causal_lm and dpo: TRL truncates, so the
+    length is `training.max_length`; setting data.max_length there is an error that says so."""
     seed: int = 0
     """Seed of the generated tiny data."""
     prompt_field: str = "prompt"
     response_field: str = "response"
     messages_field: str = "messages"
-    """SFT rows are {prompt_field, response_field} pairs, or chat `messages` whose last turn (assistant) is the target."""
+    """SFT rows are {prompt_field, response_field} pairs, or chat `messages` whose last turn (assistant) is the target;
+    both become TRL prompt-completion rows (completion-only loss), in chat form where the tokenizer has a template."""
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    """dpo rows are {prompt_field, chosen_field, rejected_field}: strings, or chat messages (TRL's formats)."""
     text_field: str = "text"
     label_field: str = "label"
     """seq_cls rows are {text_field, label_field}; string labels are mapped to ids in sorted order."""
@@ -92,20 +106,32 @@ def _lora_keys() -> list[str]:
     return [k for k in _init_fields(LoraConfig) if k not in ("peft_type", "auto_mapping")]
 
 
-def _training_keys() -> list[str]:
-    from ..args import AccumTrainingArguments
+def training_class(task: str = "causal_lm") -> type:
+    """The dataclass of the `training` section for ``task`` (AccumTrainingArguments, or TRL's config + hf_accum's)."""
+    import importlib
 
-    return _init_fields(AccumTrainingArguments)
+    module, name = TRAINING_CLASSES.get(task, TRAINING_CLASSES["causal_lm"])
+    return getattr(importlib.import_module(module), name)
 
 
-def valid_keys() -> dict[str, list[str]]:
-    """The keys each section accepts."""
+def valid_keys(task: str = "causal_lm") -> dict[str, list[str]]:
+    """The keys each section accepts (the training keys depend on model.task)."""
     return {
         "model": _init_fields(ModelSection),
         "data": _init_fields(DataSection),
         "lora": _lora_keys(),
-        "training": _training_keys(),
+        "training": _init_fields(training_class(task)),
     }
+
+
+def task_of(config: dict[str, Any], overrides: Iterable[str] = ()) -> str:
+    """model.task after overrides, read before the keys are checked (the training keys depend on it)."""
+    task = (config.get("model") or {}).get("task", "causal_lm")
+    for item in overrides:
+        key, _, text = item.partition("=")
+        if key.strip() in ("task", "model.task"):
+            task = parse_value(text)
+    return task if task in TASKS else "causal_lm"
 
 
 def _bnb_keys() -> set[str]:
@@ -222,7 +248,8 @@ def _unknown_key(key: str, keys: dict[str, list[str]], extra: str = "") -> Recip
     hint = f" Did you mean {' or '.join(close[:3])}?" if close else (
         f" Keys are section.key with sections {', '.join(SECTIONS)} (or a bare key that one section has).")
     return RecipeError(f"unknown key {key!r}.{extra}{hint} (`--print-config` shows the recipe's keys; training.* takes "
-                       "any AccumTrainingArguments field, lora.* any peft.LoraConfig field)")
+                       "any field of the task's trainer config: AccumSFTConfig/AccumDPOConfig/AccumTrainingArguments "
+                       "for causal_lm/dpo/seq_cls, lora.* any peft.LoraConfig field)")
 
 
 def resolve_key(key: str, keys: dict[str, list[str]] | None = None) -> tuple[str, ...]:
@@ -259,7 +286,8 @@ def apply_overrides(config: dict[str, Any], overrides: Iterable[str]) -> dict[st
     import copy
 
     config = copy.deepcopy(config)
-    keys = valid_keys()
+    overrides = list(overrides)
+    keys = valid_keys(task_of(config, overrides))
     for item in overrides:
         if "=" not in item:
             raise RecipeError(f"override {item!r} is not key=value (e.g. max_steps=100, lora.r=32, model=gpt2)")
@@ -289,21 +317,23 @@ class Recipe:
     training: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self.data)
+        if self.model.task != "seq_cls":
+            del data["max_length"]  # TRL truncates: training.max_length (an error in data for these tasks)
         return {
             "model": dataclasses.asdict(self.model),
-            "data": dataclasses.asdict(self.data),
+            "data": data,
             "lora": dict(self.lora),
             "training": dict(self.training),
         }
 
     def training_args(self):
-        """`AccumTrainingArguments` from the training section (HfArgumentParser, no extra keys allowed)."""
+        """The training section as `training_class(model.task)` (HfArgumentParser, no extra keys allowed)."""
         from transformers import HfArgumentParser
 
-        from ..args import AccumTrainingArguments
-
         with _quiet_deprecations():
-            (args,) = HfArgumentParser(AccumTrainingArguments).parse_dict(self.training, allow_extra_keys=False)
+            (args,) = HfArgumentParser(training_class(self.model.task)).parse_dict(self.training,
+                                                                                   allow_extra_keys=False)
         return args
 
     def quantization_config(self):
@@ -343,7 +373,7 @@ def load_recipe(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[
         name, path, config = p.stem, str(p), read_yaml(p)
     config = apply_overrides(config, overrides)
     _save_steps_imply_steps(config, overrides)
-    keys = valid_keys()
+    keys = valid_keys(task_of(config))
     for section, values in config.items():
         if section not in SECTIONS:
             raise _unknown_key(section, keys, f" {section!r} is not a section ({', '.join(SECTIONS)}).")
@@ -357,6 +387,10 @@ def load_recipe(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[
                 for sub in value:
                     resolve_key(f"{'.'.join(path_)}.{sub}", keys)
     check_types(config)
+    task = task_of(config)
+    if task != "seq_cls" and "max_length" in (config.get("data") or {}):
+        raise RecipeError(f"data.max_length does not apply to model.task={task!r}: TRL tokenizes and truncates, so set "
+                          "training.max_length instead")
     model = ModelSection(**config.get("model", {}))
     data = DataSection(**config.get("data", {}))
     out = Recipe(name, path, model, data, dict(config.get("lora", {})), dict(config.get("training", {})))
@@ -390,19 +424,17 @@ def _save_steps_imply_steps(config: dict[str, Any], overrides: Sequence[str]) ->
 _EXTRA_TYPES: dict[tuple[str, str], Any] = {("training", "resume_from_checkpoint"): bool | str | None}
 
 
-def _section_classes() -> dict[str, type]:
+def _section_classes(task: str = "causal_lm") -> dict[str, type]:
     from peft import LoraConfig
 
-    from ..args import AccumTrainingArguments
-
-    return {"model": ModelSection, "data": DataSection, "lora": LoraConfig, "training": AccumTrainingArguments}
+    return {"model": ModelSection, "data": DataSection, "lora": LoraConfig, "training": training_class(task)}
 
 
 def check_types(config: dict[str, Any]) -> None:
     """Every value has its field's type (`learning_rate=abc` is an error here, not a TypeError mid-run)."""
     from .values import describe, field_types, fits, kind
 
-    classes = _section_classes()
+    classes = _section_classes(task_of(config))
     for section, values in config.items():
         types = field_types(classes[section]) if section in classes else {}
         defaults = {f.name: f.default for f in dataclasses.fields(classes[section])} if section in classes else {}

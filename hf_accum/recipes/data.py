@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from ..loading import hub_unreachable
-from ..loss import IGNORE_INDEX
 from .config import DATA_FILE_BUILDERS, DataSection, Recipe, RecipeError
 
 
@@ -23,40 +22,99 @@ class RecipeData:
 
 
 def build_data(recipe: Recipe, tokenizer) -> RecipeData:
-    """Tokenized training examples (a list-backed torch Dataset), the collator and per-example token statistics."""
+    """The training rows and how they are batched. seq_cls: tokenized examples (a list-backed torch Dataset),
+    transformers' `DataCollatorWithPadding` and the token statistics. causal_lm and dpo: rows in TRL's formats (a
+    `datasets.Dataset`), which the TRL trainer tokenizes and collates; :func:`sft_stats` / :func:`preference_stats`
+    count the tokens after that."""
+    d, task = recipe.data, recipe.model.task
+    if task == "dpo":
+        return _preference_data(d, tokenizer)
+    if task == "causal_lm":
+        return _sft_data(d, tokenizer)
+    from transformers import DataCollatorWithPadding
+
     from .. import tiny
 
-    d, task = recipe.data, recipe.model.task
     num_labels = recipe.model.num_labels
     if d.dataset == "tiny":
-        n = d.num_examples or 2000
-        if task == "causal_lm":
-            dataset = tiny.build_sft_dataset(n, tokenizer, max_length=d.max_length, seed=d.seed)
-        else:
-            dataset = tiny.build_classification_dataset(n, tokenizer, max_length=d.max_length, seed=d.seed)
-            num_labels = num_labels or 2
+        dataset = tiny.build_classification_dataset(d.num_examples or 2000, tokenizer, max_length=d.max_length,
+                                                    seed=d.seed)
+        num_labels = num_labels or 2
+    else:
+        rows, num_labels = _classification_rows(_load_rows(d), d, num_labels)
+        dataset = tiny.ListDataset([tiny.tokenize_classification(r, tokenizer, d.max_length) for r in rows])
+    if len(dataset) == 0:
+        raise RecipeError(f"data.dataset={d.dataset!r} gave no training example")
+    lengths = [len(r["input_ids"]) for r in dataset.rows]
+    return RecipeData(dataset, DataCollatorWithPadding(tokenizer), num_labels, sum(lengths) / len(lengths), 1.0,
+                      max(lengths))
+
+
+def _sft_data(d: DataSection, tokenizer) -> RecipeData:
+    """SFT rows as TRL prompt-completion rows: conversational (TRL applies the chat template) where the tokenizer
+    has one, else plain text; TRL's completion-only loss then trains on the response alone."""
+    from datasets import Dataset
+
+    from .. import tiny
+
+    if d.dataset == "tiny":
+        pairs = tiny.generate_instruction_data(d.num_examples or 2000, seed=d.seed, long_tailed=True)
+        rows = [_prompt_completion(p["prompt"], p["response"], tokenizer) for p in pairs]
+    else:
+        rows = [_sft_row(r, tokenizer, d) for r in _load_rows(d)]
+    return RecipeData(Dataset.from_list(rows), None, None, 0.0, 0.0, 0)
+
+
+def _prompt_completion(prompt: str, response: str, tokenizer) -> dict[str, Any]:
+    if getattr(tokenizer, "chat_template", None):
+        return {"prompt": [{"role": "user", "content": prompt}], "completion": [{"role": "assistant", "content": response}]}
+    return {"prompt": prompt + "\n", "completion": response}  # TRL adds the eos token to a text completion
+
+
+def sft_stats(data: RecipeData, tokenized) -> RecipeData:
+    """Token statistics of the rows as the SFT trainer tokenized them (input_ids, and labels that are -100 on the
+    prompt: TRL's completion-only loss); the first position is never predicted (causal shift)."""
+    lengths = [len(ids) for ids in tokenized["input_ids"]]
+    if "labels" in tokenized.column_names:  # TRL builds the labels column while preparing the dataset
+        targets = [sum(x != -100 for x in labels[1:]) for labels in tokenized["labels"]]
+    else:  # TRL versions that mask in the collator keep the completion mask instead
+        targets = [sum(mask[1:]) for mask in tokenized["completion_mask"]]
+    if not any(targets):
+        raise RecipeError("no SFT example has a target token after truncation: raise training.max_length")
+    return RecipeData(tokenized, None, None, sum(lengths) / len(lengths), sum(targets) / len(targets), max(lengths))
+
+
+def _preference_data(d: DataSection, tokenizer) -> RecipeData:
+    """Preference pairs as TRL reads them ({prompt, chosen, rejected}: strings or chat messages). `AccumDPOTrainer`
+    applies the chat template, tokenizes and collates them; :func:`preference_stats` counts the tokens after that."""
+    from datasets import Dataset
+
+    from .. import tiny
+
+    if d.dataset == "tiny":
+        dataset = Dataset.from_list(tiny.generate_preference_data(d.num_examples or 2000, seed=d.seed))
     else:
         rows = _load_rows(d)
-        if task == "causal_lm":
-            tokenized = [_tokenize_sft_row(r, tokenizer, d) for r in rows]
-            dataset = tiny.ListDataset([r for r in tokenized if _target_count(r["labels"]) > 0])
-        else:
-            rows, num_labels = _classification_rows(rows, d, num_labels)
-            dataset = tiny.ListDataset([tiny.tokenize_classification(r, tokenizer, d.max_length) for r in rows])
-    if len(dataset) == 0:
-        raise RecipeError(f"data.dataset={d.dataset!r} gave no training example with a target token after tokenization")
-    if task == "causal_lm":
-        collator, targets = tiny.SFTCollator(tokenizer), [_target_count(r["labels"]) for r in dataset.rows]
-    else:
-        collator, targets = tiny.ClassificationCollator(tokenizer), [1] * len(dataset)
-    lengths = [len(r["input_ids"]) for r in dataset.rows]
-    return RecipeData(
-        dataset, collator, num_labels, sum(lengths) / len(lengths), sum(targets) / len(targets), max(lengths)
-    )
+        fields = {d.prompt_field: "prompt", d.chosen_field: "chosen", d.rejected_field: "rejected"}
+        missing = [f for f in fields if f not in rows.column_names]
+        if missing:
+            raise RecipeError(
+                f"data.dataset={d.dataset!r} has columns {rows.column_names}; a preference row needs "
+                f"data.prompt_field, data.chosen_field and data.rejected_field (now {d.prompt_field!r}, "
+                f"{d.chosen_field!r}, {d.rejected_field!r}): set them to your column names"
+            )
+        dataset = rows.select_columns(list(fields)).rename_columns({k: v for k, v in fields.items() if k != v})
+    return RecipeData(dataset, None, None, 0.0, 1.0, 0)
 
 
-def _target_count(labels) -> int:
-    return sum(x != -100 for x in labels[1:])  # causal shift: position 0 is never predicted
+def preference_stats(data: RecipeData, tokenized) -> RecipeData:
+    """Token statistics of the pairs as the DPO trainer tokenized them (prompt_ids, chosen_ids, rejected_ids):
+    tokens per pair counts both sequences (the prompt twice, as they are forwarded); the target is the pair."""
+    lengths = [2 * len(p) + len(c) + len(r)
+               for p, c, r in zip(tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"])]
+    longest = max(len(p) + max(len(c), len(r))
+                  for p, c, r in zip(tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"]))
+    return RecipeData(tokenized, None, None, sum(lengths) / len(lengths), 1.0, longest)
 
 
 def _load_rows(d: DataSection):
@@ -131,36 +189,23 @@ def _raise_json_line(label: str, text: str, number: int | None) -> None:
                           f"{type(value).__name__}")
 
 
-def _tokenize_sft_row(row: dict[str, Any], tokenizer, d: DataSection) -> dict[str, list[int]]:
-    from .. import tiny
-
+def _sft_row(row: dict[str, Any], tokenizer, d: DataSection) -> dict[str, Any]:
     if d.messages_field in row and row[d.messages_field]:
-        return tokenize_messages(row[d.messages_field], tokenizer, d.max_length)
-    if d.prompt_field in row and d.response_field in row:
-        pair = {"prompt": str(row[d.prompt_field]), "response": str(row[d.response_field])}
-        return tiny.tokenize_sft(pair, tokenizer, d.max_length)
+        messages = row[d.messages_field]
+        if not getattr(tokenizer, "chat_template", None):
+            raise RecipeError("rows with chat messages need a tokenizer with a chat template; use prompt/response "
+                              "columns (data.prompt_field, data.response_field)")
+        if messages[-1].get("role") != "assistant":
+            raise RecipeError(f"the last chat message must be the assistant's (the target), got "
+                              f"{messages[-1].get('role')!r}")
+        return {"prompt": messages[:-1], "completion": messages[-1:]}
+    if row.get(d.prompt_field) is not None and row.get(d.response_field) is not None:
+        return _prompt_completion(str(row[d.prompt_field]), str(row[d.response_field]), tokenizer)
     raise RecipeError(
         f"data.dataset={d.dataset!r} has columns {sorted(row)}; an SFT row needs data.prompt_field and "
         f"data.response_field (now {d.prompt_field!r}, {d.response_field!r}) or chat messages in data.messages_field "
         f"(now {d.messages_field!r}). Set them to your column names, e.g. prompt_field=instruction response_field=output"
     )
-
-
-def tokenize_messages(messages: list[dict[str, str]], tokenizer, max_length: int | None) -> dict[str, list[int]]:
-    """A chat rendered with the tokenizer's template; the last (assistant) turn is the target, the rest is -100."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise RecipeError("rows with chat messages need a tokenizer with a chat template; use prompt/response columns")
-    if messages[-1].get("role") != "assistant":
-        raise RecipeError(f"the last chat message must be the assistant's (the target), got {messages[-1].get('role')!r}")
-    from ..tiny import chat_prompt_and_target
-
-    try:
-        prompt_ids, target_ids = chat_prompt_and_target(messages, tokenizer)
-    except ValueError as exc:
-        raise RecipeError(f"{exc} (data.prompt_field / data.response_field)") from None
-    ids = (prompt_ids + target_ids)[:max_length]
-    labels = ([IGNORE_INDEX] * len(prompt_ids) + target_ids)[:max_length]
-    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
 
 def _classification_rows(rows, d: DataSection, num_labels: int | None):

@@ -57,7 +57,7 @@ def build_model(recipe: Recipe, tokenizer, *, num_labels: int | None = None, use
             require_bitsandbytes("model.quantization", "train LoRA on the unquantized base: `hf-accum train "
                                  "lora_sft`, or set model.quantization=null")
         return load_model(
-            m.name, task=m.task, dtype=_torch_dtype(m.dtype), quantization=m.quantization,
+            m.name, task="seq_cls" if m.task == "seq_cls" else "causal_lm", dtype=_torch_dtype(m.dtype), quantization=m.quantization,
             device="cpu" if use_cpu and m.quantization is not None or not torch.cuda.is_available() else None,
             num_labels=num_labels or m.num_labels or 2, tokenizer=tokenizer, tiny=m.tiny, label="model.name",
             revision=m.revision, trust_remote_code=m.trust_remote_code or None,

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import preflight
 from .config import Recipe, RecipeError, _quiet_deprecations, load_recipe, write_recipe
-from .data import build_data
+from .data import build_data, preference_stats, sft_stats
 from .model import add_lora, build_model, build_tokenizer
 
 SUMMARY_FILE = "run_summary.json"
@@ -110,22 +110,45 @@ def build(recipe: Recipe, args, say: Callable[[str], None], callbacks: Sequence[
         + _quantization_text(recipe.model.quantization)
         + f"), LoRA r={model.peft_config['default'].r}: {trainable:,} trainable of {total:,} parameters"
     )
+    trainer = _trainer(recipe, args, model, tokenizer, data, list(callbacks))
+    if recipe.model.task == "dpo":  # TRL tokenized the rows: count what it will forward
+        data = preference_stats(data, trainer.train_dataset)
+    elif recipe.model.task == "causal_lm":
+        data = sft_stats(data, trainer.train_dataset)
     say(
-        f"data {recipe.data.dataset}: {len(data.dataset)} examples, {data.mean_tokens:.1f} tokens and "
-        f"{data.mean_targets:.1f} {_unit(recipe)} per example on average, longest {data.longest}"
-    )
-
-    from ..trainer import AccumTrainer
-
-    trainer = AccumTrainer(
-        model=model, args=args, train_dataset=data.dataset, data_collator=data.collator,
-        processing_class=tokenizer, callbacks=list(callbacks),
+        f"data {recipe.data.dataset}: {len(data.dataset)} {_examples(recipe)}, {data.mean_tokens:.1f} tokens "
+        + (f"and {data.mean_targets:.1f} {_unit(recipe)} " if recipe.model.task != "dpo" else "")
+        + f"per {_example(recipe)} on average, longest {data.longest}"
     )
     return Built(recipe, args, tokenizer, data, model, trainer, trainable, total)
 
 
+def _trainer(recipe: Recipe, args, model, tokenizer, data, callbacks):
+    """The trainer of model.task: AccumSFTTrainer (TRL applies the chat template, tokenizes, masks the prompt and
+    collates), AccumDPOTrainer (the same for pairs; the reference model is the base, i.e. the same model with the
+    adapter disabled), or AccumTrainer with the recipe's collator (seq_cls)."""
+    if recipe.model.task in ("causal_lm", "dpo"):
+        from ..trl import AccumDPOTrainer, AccumSFTTrainer
+
+        trainer_class = AccumDPOTrainer if recipe.model.task == "dpo" else AccumSFTTrainer
+        return trainer_class(model=model, args=args, train_dataset=data.dataset, processing_class=tokenizer,
+                             callbacks=callbacks)
+    from ..trainer import AccumTrainer
+
+    return AccumTrainer(model=model, args=args, train_dataset=data.dataset, data_collator=data.collator,
+                        processing_class=tokenizer, callbacks=callbacks)
+
+
 def _unit(recipe: Recipe) -> str:
-    return "target tokens" if recipe.model.task == "causal_lm" else "labels"
+    return {"causal_lm": "target tokens", "dpo": "pairs"}.get(recipe.model.task, "labels")
+
+
+def _example(recipe: Recipe) -> str:
+    return "pair" if recipe.model.task == "dpo" else "example"
+
+
+def _examples(recipe: Recipe) -> str:
+    return _example(recipe) + "s"
 
 
 def _configured_plan(args) -> dict[str, Any]:
@@ -326,7 +349,28 @@ def load_trained(output_dir: str, *, use_cpu: bool = True):
     if recipe.model.task == "seq_cls" and num_labels is None:
         num_labels = build_data(recipe, tokenizer).num_labels
     base = build_model(recipe, tokenizer, num_labels=num_labels, use_cpu=use_cpu)
-    return PeftModel.from_pretrained(base, output_dir), tokenizer
+    model = PeftModel.from_pretrained(base, output_dir)
+    _adapter_in_saved_dtype(model, output_dir)
+    return model, tokenizer
+
+
+def _adapter_in_saved_dtype(model, output_dir: str) -> None:
+    """peft loads adapter weights as float32; TRL trains those of a quantized base in bfloat16 (and saves them so).
+    Cast them back, so the reloaded model computes what the trained one did."""
+    from safetensors import safe_open
+
+    path = os.path.join(output_dir, "adapter_model.safetensors")
+    if not os.path.exists(path):
+        return
+    with safe_open(path, "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    if dtypes != {"BF16"}:
+        return
+    import torch
+
+    for name, param in model.named_parameters():
+        if ".lora_" in name or ".modules_to_save." in name:
+            param.data = param.data.to(torch.bfloat16)
 
 
 # --- summary helpers ----------------------------------------------------------------------------------------------
