@@ -2,6 +2,7 @@
 every sample of both ranks, with transformers' average_tokens_across_devices on or off."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,11 +22,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+GLOO_ABORT = "terminate called without an active exception"
+
+
+def run_two_ranks(cmd, env, timeout):
+    """Runs a two-rank launch, once more if (and only if) a rank died of gloo's rare abort at exit (SIGABRT after
+    "terminate called without an active exception", about 3 in 85 launches here) with no Python error on any rank;
+    a real failure, a traceback on a rank, is never retried."""
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0 and GLOO_ABORT in out and not re.search(r"\[rank\d\]: Traceback", out):
+        print(f"gloo aborted at exit; launching once more: {' '.join(map(str, cmd[-3:]))}")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
 def launch_two_ranks(out, runs, trainer="accum"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            os.path.join(ROOT, "tests", "ddp_worker.py"), "--out", str(out), "--trainer", trainer, *runs]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_two_ranks(cmd, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -65,7 +81,7 @@ def test_ranks_with_different_budgets_agree_on_the_most_constrained_plan(tmp_pat
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            os.path.join(ROOT, "tests", "ddp_tune_worker.py"), str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "KINETO_LOG_LEVEL": "3"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_two_ranks(cmd, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     import json
 
@@ -82,7 +98,7 @@ def _torchrun(script, *argv, timeout=600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            os.path.join(ROOT, "tests", script), *map(str, argv)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "KINETO_LOG_LEVEL": "3"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_two_ranks(cmd, env, timeout)
 
 
 @pytest.mark.slow
@@ -132,3 +148,16 @@ def _stopped_within(seconds, script, *argv):
     proc = _torchrun(script, *argv, timeout=300)
     assert proc.returncode != 0 and time.monotonic() - start < seconds, "a clean stop, no hang"
     return proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("stderr, launches", [
+    (GLOO_ABORT, 2),  # the rare abort at exit, nothing else wrong: once more
+    ("[rank1]: Traceback (most recent call last):\\n" + GLOO_ABORT, 1),  # a real error on a rank: never retried
+    ("", 1),
+])
+def test_only_gloos_abort_at_exit_is_retried(tmp_path, stderr, launches):
+    counter = tmp_path / "launches"
+    script = (f"import sys; p = {str(counter)!r}; open(p, 'a').write('x'); "
+              f"sys.stderr.write({stderr!r}); sys.exit(1)")
+    proc = run_two_ranks([sys.executable, "-c", script], dict(os.environ), timeout=60)
+    assert proc.returncode == 1 and len(counter.read_text()) == launches

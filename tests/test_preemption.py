@@ -15,7 +15,7 @@ import torch
 from hf_accum.plan_store import PLAN_FILE
 from hf_accum.preemption import EXIT_PREEMPTED
 
-from .test_ddp import ROOT, _free_port
+from .test_ddp import ROOT, _free_port, run_two_ranks
 
 WORKER = os.path.join(ROOT, "tests", "preempt_worker.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
@@ -78,9 +78,9 @@ def test_two_ranks_stop_after_the_same_step_when_torchrun_is_signalled(tmp_path)
     (step,) = steps
     assert checkpoints(a) == [int(step)] and (a / f"checkpoint-{step}" / PLAN_FILE).exists()
     port_env = {**ENV}
-    resumed = subprocess.run(torchrun(a, "resume"), env=port_env, capture_output=True, text=True, timeout=300)
+    resumed = run_two_ranks(torchrun(a, "resume"), port_env, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    clean = subprocess.run(torchrun(b, "plain"), env=ENV, capture_output=True, text=True, timeout=300)
+    clean = run_two_ranks(torchrun(b, "plain"), ENV, timeout=300)
     assert clean.returncode == 0, clean.stderr[-3000:]
     for r in (0, 1):
         assert rel(torch.load(a / f"final.rank{r}.pt"), torch.load(b / f"final.rank{r}.pt")) <= 1e-10
