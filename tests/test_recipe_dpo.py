@@ -10,22 +10,12 @@ import torch
 
 pytest.importorskip("trl")
 
-from transformers import TrainerCallback  # noqa: E402
 
 from hf_accum import recipes, tiny  # noqa: E402
 from hf_accum.cli import main  # noqa: E402
 from hf_accum.recipes import run as recipe_run  # noqa: E402
 
-
-class GradientsSeen(TrainerCallback):
-    """Names of the trainable parameters whose gradient was non-zero before some optimizer step."""
-
-    def __init__(self):
-        self.names: set[str] = set()
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.names |= {n for n, p in model.named_parameters()
-                       if p.requires_grad and p.grad is not None and p.grad.abs().sum() > 0}
+from .test_recipes import GradientsSeen  # noqa: E402
 
 
 @pytest.fixture(scope="module")
