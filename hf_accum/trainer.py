@@ -65,36 +65,38 @@ class AccumulationMixin:
         self.probe_result = None
         self._plan_key: dict | None = None
         self._engine: WindowEngine | None = None
-        _compat.refuse_silent_engine_fallback(self)
-        self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
-        if self._skips_nonfinite and _compat.engine_steps_in_backward(self):
-            raise ValueError(
-                "max_nonfinite_steps is set, but DeepSpeed steps the optimizer inside backward, before hf_accum could "
-                "drop a non-finite window's gradients. Set max_nonfinite_steps=None (steps are then taken as "
-                "transformers takes them)."
-            )
         self._post_checked = False
         self._nonfinite_streak = 0
         self._stop_request = StopRequest()
+        self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
+        self._refuse_unsupported_setups()
         if isinstance(self.args, AccumTrainingArguments) and self._normalization != "model":
             self.add_callback(_StepControl(self))
         if getattr(self.args, "target_batch_size", None):  # only runs with a target have a plan to keep
             self.add_callback(_PlanInCheckpoints(self))
-        if self._normalization == "model":
-            return
-        if self.args.n_gpu > 1:
-            raise ValueError(
-                f"loss_normalization={self._normalization!r} does not support torch.nn.DataParallel "
-                f"(n_gpu={self.args.n_gpu}). Launch one process per GPU with `torchrun` or `accelerate launch` "
-                "(DDP/FSDP), or set loss_normalization='model'."
-            )
-        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+        if self._normalization != "model" and self.args.average_tokens_across_devices and self.args.world_size > 1:
             # We count across ranks ourselves; transformers' flag would gather and rescale the loss a second time.
             logger.info(
                 "hf_accum: loss_normalization=%r normalizes over all ranks exactly; average_tokens_across_devices "
                 "is off for this trainer (the arguments you passed are unchanged).", self._normalization,
             )
             self.args.average_tokens_across_devices = False
+
+    def _refuse_unsupported_setups(self) -> None:
+        """Every setup hf_accum cannot run exactly fails here, at construction, naming what to set."""
+        _compat.refuse_silent_engine_fallback(self)
+        if self._skips_nonfinite and _compat.engine_steps_in_backward(self):
+            raise ValueError(
+                "max_nonfinite_steps is set, but DeepSpeed steps the optimizer inside backward, before hf_accum could "
+                "drop a non-finite window's gradients. Set max_nonfinite_steps=None (steps are then taken as "
+                "transformers takes them)."
+            )
+        if self._normalization != "model" and self.args.n_gpu > 1:
+            raise ValueError(
+                f"loss_normalization={self._normalization!r} does not support torch.nn.DataParallel "
+                f"(n_gpu={self.args.n_gpu}). Launch one process per GPU with `torchrun` or `accelerate launch` "
+                "(DDP/FSDP), or set loss_normalization='model'."
+            )
 
     @property
     def _normalization(self) -> str:
