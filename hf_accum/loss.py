@@ -58,14 +58,6 @@ class LabelSpec:
         return labels.ne(self.ignore_index).sum()
 
 
-def count_items(batch: Mapping, mode: str, shift: bool) -> torch.Tensor:
-    """Counted labels (``"tokens"``) or rows (``"samples"``) of a padded batch with the default label spec."""
-    if mode == "samples":
-        ref = next(v for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
-        return torch.tensor(ref.shape[0], device=ref.device)
-    return LabelSpec(shift=shift).count(batch)
-
-
 # Models whose own loss skips another label value than -100, read from a named config field, and divides by the
 # number of labels it kept (so hf_accum can drive it exactly once it counts the same labels). Allow-list: a new
 # entry needs a test against an independent reference (tests/test_labels.py).

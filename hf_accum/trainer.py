@@ -232,7 +232,7 @@ class AccumulationMixin:
 
     def _shrink_tokens(self, budget: int) -> int:
         """micro_batching="tokens": after an OOM, three quarters of the token budget (same samples, same windows)."""
-        longest = max(max(self._engine.cutter.lengths(b)) for b in self._engine._batches)
+        longest = self._engine.longest_loaded_unit()
         smaller = budget * 3 // 4
         if smaller < longest:
             raise RuntimeError(

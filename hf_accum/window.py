@@ -80,6 +80,10 @@ class WindowEngine:
         """Units of the largest batch of the current window, as loaded."""
         return max(self.cutter.units(b) for b in self._batches)
 
+    def longest_loaded_unit(self) -> int:
+        """Tokens of the longest unit of the current window (what a token budget must at least hold)."""
+        return max(max(self.cutter.lengths(b)) for b in self._batches)
+
     def share(self, local_count: torch.Tensor) -> torch.Tensor:
         return self.window.scale(local_count)
 
