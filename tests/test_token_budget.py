@@ -157,10 +157,11 @@ def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(t
 
 
 @pytest.mark.slow
-def test_two_ranks_run_equally_many_forwards_and_stay_exact(tmp_path):
+@pytest.mark.parametrize("kind", ["padded", "flat"])
+def test_two_ranks_run_equally_many_forwards_and_stay_exact(tmp_path, kind):
     from .test_ddp import _torchrun
 
-    proc = _torchrun("tokens_worker.py", tmp_path, timeout=400)
+    proc = _torchrun("tokens_worker.py", tmp_path, kind, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["own_fewest"] != r1["own_fewest"]  # on their own the ranks would run different counts
@@ -168,8 +169,12 @@ def test_two_ranks_run_equally_many_forwards_and_stay_exact(tmp_path):
     assert r0["forwards"] == [max(a, b) for a, b in zip(r0["own_fewest"], r1["own_fewest"])]
     recorder = StepRecorder()
     recorder.grads, recorder.weights = r0["grads"], r0["weights"]
-    ref = reference_run(tiny_llama(), recorder, [a + b for a, b in zip(r0["windows"], r1["windows"])], "causal")
-    assert max_relative_error(r0["grads"], ref.grads) <= 1e-6
+    windows = [a + b for a, b in zip(r0["windows"], r1["windows"])]
+    if kind == "flat":  # each sequence alone
+        assert max_relative_error(r0["grads"], flat_reference(recorder, windows, "tokens")) <= 1e-6
+    else:
+        ref = reference_run(tiny_llama(), recorder, windows, "causal")
+        assert max_relative_error(r0["grads"], ref.grads) <= 1e-6
 
 
 def test_check_accumulation_in_tokens_mode_runs_one_forward_not_the_window(tmp_path):

@@ -18,6 +18,13 @@ def main():
     from tests.test_token_budget import long_tailed
 
     out, rank = sys.argv[1], int(os.environ["RANK"])
+    flat = len(sys.argv) > 2 and sys.argv[2] == "flat"
+    if flat:
+        from transformers import DataCollatorWithFlattening
+
+        collate = DataCollatorWithFlattening()
+    else:
+        collate = pad_collate
     model = tiny_llama()
     args = AccumTrainingArguments(
         output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2, target_batch_size=16,
@@ -26,7 +33,7 @@ def main():
         remove_unused_columns=False, ddp_backend="gloo", logging_steps=1,
     )
     recorder = StepRecorder()
-    trainer = recording(AccumTrainer)(model=model, args=args, train_dataset=long_tailed(48), data_collator=pad_collate,
+    trainer = recording(AccumTrainer)(model=model, args=args, train_dataset=long_tailed(48), data_collator=collate,
                                       callbacks=[recorder])
     trainer.remove_callback(PrinterCallback)
     forwards = []
