@@ -2,6 +2,12 @@
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (CI must not pass or fail by the draw); a defect one of them
+# finds is pinned as its own test (see tests/test_plan.py::test_known_staircase_case_misses_the_goal).
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.load_profile("deterministic")
 
 # The tests' models are tiny: on a shared 2-core machine two intra-op threads contend and make them 10-100x
 # slower than one. One thread also makes float results independent of the machine's core count.

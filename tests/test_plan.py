@@ -354,6 +354,15 @@ def test_any_curve_ends_with_a_fitting_size_within_the_goal(
     assert len(tried) <= 2 * math.log2(max_micro + 1) + 6
 
 
+@pytest.mark.xfail(strict=True, reason="known defect, found by the property test above with a random draw: on a "
+                   "20 MiB staircase whose every size up to the cap fits, the search stops at 46 of 50 (0.92 < 0.95)")
+def test_known_staircase_case_misses_the_goal():
+    memory = staircase(1_000_000, 911_806, 20 * MiB)
+    budget = int(memory(1) * 3.0)
+    tried, search = drive(memory, budget, 50, must=divisors(1), report_over=False)
+    assert search.largest_fit >= math.floor(GOAL_FRACTION * true_max(memory, budget, 50))
+
+
 @pytest.mark.parametrize("shape", ["linear", "intercept", "plateau", "staircase", "convex"])
 def test_the_goals_hold_on_average_over_a_family_of_curves(shape):
     """The issue's goals on 100 seeded random curves per shape: <= 4 measured trials on average and a found
