@@ -253,10 +253,11 @@ def probe_batches(trainer, shortest: int | None = None) -> tuple[Callable[[int],
         ) from None
     if size == 0:
         raise ValueError("train_dataset is empty: nothing to probe or train on.")
-    longest = max(range(size), key=lambda i: _length(dataset[i]))
+    lengths = [_length(dataset[i]) for i in range(size)]  # one pass over the data
+    longest = max(range(size), key=lengths.__getitem__)
     if shortest:
-        candidates = [i for i in range(size) if _length(dataset[i]) >= shortest] or [longest]
-        longest = min(candidates, key=lambda i: _length(dataset[i]))
+        candidates = [i for i in range(size) if lengths[i] >= shortest] or [longest]
+        longest = min(candidates, key=lengths.__getitem__)
     example = dataset[longest]
 
     def make_batch(micro: int) -> dict[str, Any]:

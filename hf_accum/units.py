@@ -164,6 +164,15 @@ def _rows(batch: Mapping) -> int:
 
 
 def _take_rows(batch: Mapping, lo: int, hi: int) -> dict:
+    return _select_rows(batch, slice(lo, hi))
+
+
+def _take_row_indices(batch: Mapping, idx: list[int]) -> dict:
+    return _select_rows(batch, idx)
+
+
+def _select_rows(batch: Mapping, pick: slice | list[int]) -> dict:
+    """Rows ``pick`` (a slice: views; an index list: copies) of every tensor and list that has one entry per row."""
     size = _rows(batch)
     out = {}
     for k, v in batch.items():
@@ -174,25 +183,9 @@ def _take_rows(batch: Mapping, lo: int, hi: int) -> dict:
                     "not cut with the rows; hf_accum does not know how to cut it. Declare the trainer's batch_unit "
                     "('pairs' for chosen/rejected batches) or keep micro-batches uncut (probe_max_micro_batch=1)."
                 )
-            out[k] = v[lo:hi]
+            out[k] = v[pick] if isinstance(pick, slice) else v.index_select(0, torch.tensor(pick, device=v.device))
         elif isinstance(v, list | tuple) and len(v) == size:
-            out[k] = v[lo:hi]
-        else:
-            out[k] = v
-    return out
-
-
-def _take_row_indices(batch: Mapping, idx: list[int]) -> dict:
-    size = _rows(batch)
-    index = torch.tensor(idx)
-    out = {}
-    for k, v in batch.items():
-        if torch.is_tensor(v) and v.dim() > 0:
-            if v.shape[0] != size:
-                _take_rows(batch, 0, 1)  # raises the message naming the key
-            out[k] = v.index_select(0, index.to(v.device))
-        elif isinstance(v, list | tuple) and len(v) == size:
-            out[k] = [v[i] for i in idx]
+            out[k] = v[pick] if isinstance(pick, slice) else [v[i] for i in pick]
         else:
             out[k] = v
     return out
@@ -200,9 +193,8 @@ def _take_row_indices(batch: Mapping, idx: list[int]) -> dict:
 
 def _take_pair_indices(batch: Mapping, idx: list[int]) -> dict:
     half = _pairs(batch)
-    rows = {**batch}
     per_pair = {k for k, v in batch.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == half}
-    out = _take_row_indices({k: v for k, v in rows.items() if k not in per_pair}, idx + [half + i for i in idx])
+    out = _take_row_indices({k: v for k, v in batch.items() if k not in per_pair}, idx + [half + i for i in idx])
     for k in per_pair:
         out[k] = batch[k].index_select(0, torch.tensor(idx, device=batch[k].device))
     return out

@@ -217,6 +217,14 @@ def reference_step(model: nn.Module, batches: list[dict], kind: str, label_smoot
     return grads, float(loss.detach())
 
 
+def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], name_map=lambda n: n) -> None:
+    """Set a reference model to the weights recorded before a step."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, w in weights.items():
+            params[name_map(n)].copy_(w)
+
+
 def reference_run(initial_model: nn.Module, recorder: StepRecorder, windows: list[list[dict]], kind: str,
                   name_map=lambda n: n, label_smoothing: float = 0.0) -> Reference:
     """Recompute every recorded step from the recorded weights; ``windows[s]`` holds all ranks' micro-batches."""

@@ -16,7 +16,7 @@ from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from hf_accum import tiny  # noqa: E402
 from hf_accum.trl import AccumDPOConfig, AccumDPOTrainer  # noqa: E402
 
-from .exactness import StepRecorder, max_relative_error, recording  # noqa: E402
+from .exactness import StepRecorder, load_weights, max_relative_error, recording  # noqa: E402
 from .test_oom_recovery import OOMAt  # noqa: E402
 
 BETA = 0.1
@@ -63,12 +63,9 @@ def reference_grads(trainer, recorder):
     # A fresh model (TRL patches the trained one's forward with closures that a deepcopy would still share);
     # every parameter is overwritten with the recorded weights below.
     model = tiny.build_model("causal_lm", tokenizer=tiny.build_tokenizer(), dtype=torch.float64, hidden_size=32)
-    params = dict(model.named_parameters())
     out = []
     for weights, window in zip(recorder.weights, trainer.windows):
-        with torch.no_grad():
-            for n, w in weights.items():
-                params[n].copy_(w)
+        load_weights(model, weights)
         model.zero_grad(set_to_none=True)
         terms = []
         for b in window:

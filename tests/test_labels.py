@@ -13,7 +13,16 @@ from transformers.trainer_callback import PrinterCallback
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
 
-from .exactness import StepRecorder, lm_examples, merge, pad_collate, recording, relative_error, tiny_llama
+from .exactness import (
+    StepRecorder,
+    lm_examples,
+    load_weights,
+    merge,
+    pad_collate,
+    recording,
+    relative_error,
+    tiny_llama,
+)
 
 
 def args_for(tmp_path, micro, accum, **kw):
@@ -55,12 +64,9 @@ def stack(examples):
 
 def segmentation_reference(initial, recorder, windows):
     model = copy.deepcopy(initial)
-    params = dict(model.named_parameters())
     grads = []
     for weights, window in zip(recorder.weights, windows):
-        with torch.no_grad():
-            for n, w in weights.items():
-                params[n].copy_(w)
+        load_weights(model, weights)
         model.zero_grad(set_to_none=True)
         batch = {k: torch.cat([b[k] for b in window]) for k in window[0]}
         logits = model(pixel_values=batch["pixel_values"]).logits

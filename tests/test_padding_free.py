@@ -5,14 +5,13 @@ The reference forwards each sequence alone and computes the cross-entropy by han
 import logging
 
 import pytest
-import torch
 import torch.nn.functional as F
 from transformers import DataCollatorWithFlattening
 from transformers.trainer_callback import PrinterCallback
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
 
-from .exactness import StepRecorder, lm_examples, max_relative_error, recording, tiny_llama
+from .exactness import StepRecorder, lm_examples, load_weights, max_relative_error, recording, tiny_llama
 from .test_oom_recovery import OOMAt
 
 
@@ -24,12 +23,9 @@ def sequences_of(batch):
 
 def reference_grads(recorder, windows, mode):
     model = tiny_llama()
-    params = dict(model.named_parameters())
     out = []
     for weights, window in zip(recorder.weights, windows):
-        with torch.no_grad():
-            for n, w in weights.items():
-                params[n].copy_(w)
+        load_weights(model, weights)
         model.zero_grad(set_to_none=True)
         total, count, seqs = 0.0, 0, 0
         for b in window:
