@@ -56,6 +56,21 @@ def set_train_batch_size(trainer, micro: int) -> None:
     trainer._train_batch_size = micro
 
 
+def main_input_tokens(trainer, inputs) -> int:
+    """Token positions of the main input, as the Trainer counts them (`Trainer._track_num_input_tokens`, the
+    model's `floating_point_ops`); 0 when the batch has none."""
+    main = getattr(trainer.model, "main_input_name", "input_ids")
+    value = inputs.get(main) if isinstance(inputs, dict) else None
+    return int(value.numel()) if torch.is_tensor(value) else 0
+
+
+def add_input_tokens_seen(trainer, local_tokens: int) -> None:
+    """What `Trainer._track_num_input_tokens` does with its count (summed over ranks into the state); the
+    Trainer's loop calls that method with each loaded batch, which `AccumulationMixin` overrides."""
+    tokens = torch.as_tensor(local_tokens, device=trainer.args.device, dtype=torch.int64)
+    trainer.state.num_input_tokens_seen += trainer.accelerator.gather(tokens).sum().item()
+
+
 def window_policy(trainer, collectives_in_compute_loss: bool):
     """``stop`` where some forward or backward runs collectives, so one rank may not skip it: FSDP / DeepSpeed
     (accelerate's distributed type), parameters already sharded as DTensors (FSDP2 applied at load), or a

@@ -6,7 +6,9 @@ silently different effective batch, or fail mid-run, is refused first with the a
   the plan, the logs and the summary claim the target (only with a target: plain `TrainingArguments` keep
   transformers' behaviour);
 - causal-LM rows whose `labels` do not align with `input_ids` token for token: the model shifts labels itself,
-  so another length trains on misaligned targets (or fails after optimizer steps were taken).
+  so another length trains on misaligned targets (or fails after optimizer steps were taken);
+- ``micro_batching="tokens"`` with a given ``max_tokens_per_forward``: an example longer than the budget could
+  never be forwarded (the probe's own budget always holds the longest example, or nothing fits and it says so).
 
 Iterable datasets have no length and cannot be read ahead; they are not checked here.
 """
@@ -49,6 +51,8 @@ def check_training_data(trainer) -> None:
         )
     if loss_shifts_labels(trainer.model):
         _check_label_alignment(dataset)
+    if args.micro_batching == "tokens" and not args.tunes:
+        _check_token_budget(dataset, args.max_tokens_per_forward)
 
 
 def _target_name(args) -> str:
@@ -84,6 +88,19 @@ def _check_label_alignment(dataset) -> None:
                 f"train_dataset row {index}: labels has {len(labels)} entries but input_ids {len(ids)}. A causal "
                 "LM shifts labels itself, so labels must align with input_ids token for token: copy input_ids and "
                 "set -100 where no loss is wanted (prompt, padding)."
+            )
+
+
+def _check_token_budget(dataset, budget: int) -> None:
+    for index in range(len(dataset)):
+        row = dataset[index]
+        ids = row.get("input_ids") if isinstance(row, dict) else None
+        if _is_sequence(ids) and len(ids) > budget:
+            raise ValueError(
+                f"train_dataset row {index} has {len(ids)} tokens, more than max_tokens_per_forward={budget}: it "
+                f"cannot be forwarded alone. Truncate examples to at most {budget} tokens (tokenizer(..., "
+                "truncation=True, max_length=...)), or raise max_tokens_per_forward (enable gradient_checkpointing "
+                "so more tokens fit), or let the probe measure the budget (set target_batch_size, auto_tune=True)."
             )
 
 

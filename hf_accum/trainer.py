@@ -66,6 +66,7 @@ class AccumulationMixin:
         self._plan_key: dict | None = None
         self._engine: WindowEngine | None = None
         self._post_checked = False
+        self._forwarded_tokens = 0  # by the current loaded batch's forwards (see floating_point_ops)
         self._nonfinite_streak = 0
         self._stop_request = StopRequest()
         self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
@@ -115,10 +116,27 @@ class AccumulationMixin:
         engine = self._window_engine(inputs)
         if not engine.active:  # called outside the Trainer loop: the window is this one batch
             engine.begin([inputs])
+        self._forwarded_tokens = 0
         returned = engine.step(inputs, lambda chunk, final: self._chunk_step(model, chunk, final))
         if not engine.active and engine.outcome.skip and self._skips_nonfinite:
             self._skip_step(model)
         return returned
+
+    # --- what the Trainer counts per loaded batch: the tokens its forwards really held ----------------------------
+    def floating_point_ops(self, inputs):
+        """transformers' estimate (6 x parameters x tokens of the main input), over the tokens forwarded for this
+        loaded batch: a cut pads each chunk only to its own longest row, and an OOM re-run forwards again."""
+        flos = super().floating_point_ops(inputs)
+        loaded = _compat.main_input_tokens(self, inputs)
+        return flos * self._forwarded_tokens / loaded if self._forwarded_tokens and loaded else flos
+
+    def _track_num_input_tokens(self, inputs):
+        """``include_num_input_tokens_seen="all"`` counts the tokens forwarded (see `floating_point_ops`);
+        "non_padding" counts the loaded batch's real tokens, as the Trainer does, the same in either mode."""
+        if self.args.include_num_input_tokens_seen == "all" and self._forwarded_tokens:
+            _compat.add_input_tokens_seen(self, self._forwarded_tokens)
+        else:
+            super()._track_num_input_tokens(inputs)
 
     def _skip_step(self, model) -> None:
         """A non-finite window loss on some rank: every rank drops the window's gradients (None, not zero: zero
@@ -165,6 +183,7 @@ class AccumulationMixin:
         sync = contextlib.nullcontext() if final else self._no_gradient_sync(model)
         with sync, self._loss_scaled(scale, final) as raw:
             returned = super().training_step(model, inputs, local_for_loss)
+        self._forwarded_tokens += _compat.main_input_tokens(self, inputs)
         if not self._post_checked:
             self._check_post_processing(returned, raw, share)
         return returned

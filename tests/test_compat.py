@@ -199,3 +199,14 @@ def test_trl_fused_lm_head_contract():
     add_fused_lm_head(model)
     fused = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(5), fused_lm_head=True)
     assert float(fused.loss) == pytest.approx(float(plain.loss), rel=1e-6)
+
+
+def test_the_loop_counts_tokens_and_flops_per_loaded_batch_through_overridable_methods():
+    # AccumulationMixin overrides both to count the tokens its forwards held (see add_input_tokens_seen)
+    import inspect
+
+    loop = inspect.getsource(Trainer._inner_training_loop) + inspect.getsource(Trainer)
+    assert "self._track_num_input_tokens(inputs)" in loop
+    assert "self.floating_point_ops(inputs)" in loop
+    track = inspect.getsource(Trainer._track_num_input_tokens)
+    assert "self.state.num_input_tokens_seen += self.accelerator.gather(input_tokens).sum().item()" in track

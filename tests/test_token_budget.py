@@ -75,14 +75,14 @@ def long_tailed(n, seed=0):
     return rows
 
 
-def run(tmp_path, collator=pad_collate, budget=96, oom_calls=(), mode="tokens", n=32, micro=4, accum=4):
+def run(tmp_path, collator=pad_collate, budget=96, oom_calls=(), mode="tokens", n=32, micro=4, accum=4, **extra):
     model = tiny_llama()
     args = AccumTrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
         target_batch_size=micro * accum, auto_tune=False, micro_batching=mode,
         max_tokens_per_forward=budget if mode == "tokens" else None, num_train_epochs=1, learning_rate=1e-2,
         max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
-        disable_tqdm=True, remove_unused_columns=False,
+        disable_tqdm=True, remove_unused_columns=False, **extra,
     )
     recorder = StepRecorder()
     trainer = recording(AccumTrainer)(model=model, args=args, train_dataset=long_tailed(n), data_collator=collator,
@@ -125,9 +125,28 @@ def test_oom_lowers_the_token_budget_and_reruns_the_window_exactly(tmp_path, cap
     assert max_relative_error(rec.grads, ref.grads) <= 1e-6
 
 
-def test_an_example_longer_than_the_budget_is_refused_naming_it(tmp_path):
-    with pytest.raises(TooLongForBudget, match="an example of .* tokens exceeds the token budget of 30"):
+def test_tokens_seen_and_flops_count_what_the_forwards_held(tmp_path):
+    # "non_padding": the real tokens of the data, as in "samples" mode; "all": the token positions the model was
+    # really given (a forward hook records them), fewer than the window padded to its longest row; FLOPs follow.
+    real = sum(len(row["input_ids"]) for row in long_tailed(32))
+    for mode, micro, accum in (("samples", 2, 8), ("tokens", 4, 4)):
+        trainer, _, _ = run(tmp_path / mode, budget=120, mode=mode, micro=micro, accum=accum,
+                            include_num_input_tokens_seen="non_padding")
+        assert trainer.state.num_input_tokens_seen == real
+    trainer, _, shapes = run(tmp_path / "all", budget=120, include_num_input_tokens_seen="all")
+    forwarded = sum(rows * width for rows, width in shapes)
+    loaded = sum(b["input_ids"].numel() for window in trainer.windows for b in window)
+    assert trainer.state.num_input_tokens_seen == forwarded < loaded  # loaded: each window padded whole
+    per_token = 6 * trainer.model.num_parameters(exclude_embeddings=True)
+    assert trainer.state.total_flos == pytest.approx(per_token * forwarded, rel=1e-12)
+
+
+def test_an_example_longer_than_the_budget_is_refused_naming_it_before_training(tmp_path):
+    first_long = next(i for i, row in enumerate(long_tailed(32)) if len(row["input_ids"]) > 30)
+    with pytest.raises(ValueError, match=rf"train_dataset row {first_long} has \d+ tokens, more than "
+                                         r"max_tokens_per_forward=30: .* Truncate examples to at most 30 tokens"):
         run(tmp_path, budget=30)
+    assert not list(tmp_path.glob("checkpoint-*"))
 
 
 @pytest.mark.parametrize("budget_mib", [48, 3], ids=["window-fits", "tight"])
