@@ -18,6 +18,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def cost_model(base: float, per_row: dict[int, float]) -> dict[str, float]:
+    """What a step's peak costs, from the probe's measured lines ``peak ≈ base + rows x per_row[length]`` at each
+    measured padded length: ``peak ≈ base + rows x (per_token x length + per_token_sq x length²)``. The
+    per-token term holds activations; the quadratic one holds eager attention's score matrices (about 0 with
+    SDPA / flash attention). A cost that depends only on the row count is folded into them: in a transformer
+    every activation has a sequence dimension. It explains the budget; the budget itself is the smaller of the
+    measured token capacities, never this model extrapolated."""
+    (short, s_short), (long, s_long) = sorted(per_row.items())[0], sorted(per_row.items())[-1]
+    quad = (s_long / long - s_short / short) / (long - short) if long != short else 0.0
+    return {"base_bytes": float(base), "per_token_bytes": s_short / short - quad * short,
+            "per_token_sq_bytes": quad, "lengths": sorted(per_row)}
+
+
+def predicted_peak(model: dict[str, float], rows: int, length: int) -> float:
+    return model["base_bytes"] + rows * (model["per_token_bytes"] * length + model["per_token_sq_bytes"] * length ** 2)
+
+
 class TooLongForBudget(ValueError):
     """One example alone exceeds the token budget."""
 

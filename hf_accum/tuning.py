@@ -21,6 +21,7 @@ from .meters import CpuMeter, CudaMeter, Meter
 from .plan import Plan
 from .plan_store import PLAN_FILE, PlanFileError, load_plan, plan_key, save_plan
 from .probe import ProbeResult, probe_model, random_token_batch, resolve_budget
+from .token_budget import cost_model
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +114,20 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe) ->
         "tokens_per_forward": budget, "longest": seq_len, "rows_at_longest": result.max_micro_batch_size,
         "shortest": short_len, "rows_at_shortest": at_shortest,
         "short_trials": [t.__dict__ for t in short_result.measured_trials] if short_result else [],
+        "cost_model": _cost_model(result, seq_len, short_result, short_len),
     }
     return Plan(per_rank, 1, plan.world_size, plan.target_batch_size, token_budget=budget), result
+
+
+def _cost_model(result: ProbeResult, seq_len: int, short: ProbeResult | None, short_len: int) -> dict | None:
+    """The probe's lines at the two lengths as one cost model (see `token_budget.cost_model`); None where a
+    length has a single measured size (no line)."""
+    lines = {seq_len: result.fitted}
+    if short is not None:
+        lines[short_len] = short.fitted
+    if any(line is None for line in lines.values()):
+        return None
+    return cost_model(result.fitted[0], {length: line[1] for length, line in lines.items()})
 
 
 def _expected_cuts(trainer, per_rank: int, budget: int, longest: int, rows_at_longest: int) -> dict[str, float]:
@@ -166,8 +179,13 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
     }
     if plan.token_budget is not None:
         figures["hf_accum/token_budget"] = plan.token_budget
-        for name, value in ((probe or {}).get("extra") or {}).get("expected", {}).items():
+        extra = (probe or {}).get("extra") or {}
+        for name, value in extra.get("expected", {}).items():
             figures[f"hf_accum/expected_{name}" if not name.startswith("samples") else f"hf_accum/{name}"] = value
+        model = (extra.get("token_budget") or {}).get("cost_model")
+        for name in ("base_bytes", "per_token_bytes", "per_token_sq_bytes"):
+            if model:
+                figures[f"hf_accum/cost_{name}"] = model[name]
     trials = (probe or {}).get("trials") or []
     measured = [t for t in trials if isinstance(t, dict) and t.get("status") != "refused"]
     figures["hf_accum/probe_trials"] = len(measured)
@@ -196,6 +214,10 @@ def _summary(plan: Plan, figures: dict[str, float], args) -> str:
                     f"step, padded/real tokens {figures['hf_accum/expected_padded_over_real']:.2f} (\"samples\" mode: "
                     f"{figures['hf_accum/samples_mode_forwards_per_step']:.1f} and "
                     f"{figures['hf_accum/samples_mode_padded_over_real']:.2f})")
+    if "hf_accum/cost_base_bytes" in figures:
+        expected += (f"; measured cost model: peak ~ {_mib(figures['hf_accum/cost_base_bytes'])} + rows x "
+                     f"({figures['hf_accum/cost_per_token_bytes'] / 1024:.1f} KiB x length + "
+                     f"{figures['hf_accum/cost_per_token_sq_bytes']:.1f} B x length^2)")
     return (f"plan {plan.describe()} (target_batch_size={plan.target_batch_size}): {measured}budget {budget} "
             f"({asked}), {figures['hf_accum/probe_trials']} probe trials{expected}")
 

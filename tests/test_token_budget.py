@@ -13,7 +13,15 @@ from transformers import DataCollatorWithFlattening
 from transformers.trainer_callback import PrinterCallback
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
-from hf_accum.token_budget import TooLongForBudget, fewest_groups, padded_tokens, partition_packed, partition_padded
+from hf_accum.token_budget import (
+    TooLongForBudget,
+    cost_model,
+    fewest_groups,
+    padded_tokens,
+    partition_packed,
+    partition_padded,
+    predicted_peak,
+)
 
 from .exactness import StepRecorder, lm_examples, max_relative_error, pad_collate, recording, reference_run, tiny_llama
 from .test_oom_recovery import OOMAt
@@ -62,6 +70,21 @@ def test_forced_group_counts_and_refusals():
     assert len(partition_packed([3, 4, 2, 5], 100, groups=3)) == 3
     with pytest.raises(TooLongForBudget, match="an example of 30 tokens exceeds the token budget of 20"):
         partition_padded([30, 5], 20)
+
+
+@pytest.mark.parametrize("per_token, per_token_sq, lengths", [
+    (4096.0, 0.0, (64, 512)),       # SDPA: activations only
+    (4096.0, 96.0, (64, 512)),      # eager attention's score matrices
+    (2048.0, 8.0, (300, 300)),      # one length: nothing separates the terms, all is per token
+])
+def test_the_cost_model_separates_per_token_and_quadratic_terms(per_token, per_token_sq, lengths):
+    slopes = {n: per_token * n + per_token_sq * n * n for n in lengths}
+    model = cost_model(1e6, slopes)
+    if lengths[0] != lengths[1]:
+        assert model["per_token_bytes"] == pytest.approx(per_token) and model["per_token_sq_bytes"] == pytest.approx(
+            per_token_sq, abs=1e-9)
+    for n in lengths:  # it reproduces the measured lines at every measured length
+        assert predicted_peak(model, 3, n) == pytest.approx(1e6 + 3 * slopes[n])
 
 
 # --- through the trainer ----------------------------------------------------------------------------------------
@@ -171,6 +194,10 @@ def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(t
     assert plan.token_budget == min(measured["rows_at_longest"] * longest,
                                     measured["rows_at_shortest"] * measured["shortest"])
     assert "cut into forwards of at most" in plan.describe()
+    if measured["cost_model"] is not None:
+        assert "measured cost model: peak ~" in caplog.text
+        fitted = trainer.probe_result.fitted  # the line at the longest length, which the model reproduces
+        assert predicted_peak(measured["cost_model"], 2, longest) == pytest.approx(fitted[0] + 2 * fitted[1])
     trainer.train()
     assert trainer.state.global_step == 1
 
