@@ -7,9 +7,20 @@ Part 1 (pure, every window of one epoch in the sampler's order): forwards per op
 tokens for "samples" (micro 4, each micro-batch padded to its longest), "tokens" (padded rows sorted and cut
 under the budget) and "tokens" on padding-free rows. Part 2 (a tiny float64 Llama, the first 3 windows): both
 modes trained through AccumTrainer from the same weights: CPU seconds per optimizer step and the largest relative
-difference of their gradients.
+difference of their gradients. Part 3 (a small float32 Llama whose activations dominate, as in bench_probe.py; the
+whole dataset): the memory budget is set halfway between the measured training peaks at 4 and 5 rows x 512
+tokens (measured as below), so "samples" fits 4 worst-case rows; then
+- AccumTrainer's probe in "tokens" mode gives the token budget and its cost model (trials and seconds next to the
+  "samples" probe's);
+- the largest chunk that really fits at each of several padded lengths is found independently of the probe: plain
+  training (the plan given) on that many distinct padded rows, measured by the meter (rows bisected, peaks are
+  monotone), capped at the window's 64 rows; the probe's admitted chunk at that length (min(64, budget // length)
+  rows) is compared with it;
+- both modes train 4 optimizer steps under the CPU meter: peak (tensor bytes, weights, gradients and optimizer
+  state included) vs the budget.
 
-    python benchmarks/bench_token_budget.py
+    python benchmarks/bench_token_budget.py           # parts 1-3, about 6 minutes on 2 CPU cores
+    python benchmarks/bench_token_budget.py --part 3
 """
 
 import math
@@ -98,7 +109,114 @@ def part2():
     print(f"gradients, tokens vs samples: max relative difference {err:.2e}")
 
 
+def examples(lens, seed=3):
+    g = random.Random(seed)
+    rows = []
+    for n in lens:
+        ids = [g.randint(1, 250) for _ in range(n)]
+        rows.append({"input_ids": ids, "labels": [-100] * (n // 4) + ids[n // 4:]})
+    return rows
+
+
+def part3():
+    import copy
+    import tempfile
+
+    from transformers.trainer_callback import PrinterCallback
+
+    from benchmarks.bench_probe import small_llama
+    from hf_accum import AccumTrainer, AccumTrainingArguments
+    from hf_accum.meters import CpuMeter, live_tensor_bytes
+    from tests.exactness import pad_collate
+
+    data = examples(lengths())
+    initial = small_llama()
+
+    def arguments(out, mode, budget):
+        return AccumTrainingArguments(
+            output_dir=out, target_batch_size=TARGET, micro_batching=mode, memory_budget_bytes=budget, max_steps=4,
+            learning_rate=1e-4, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+            remove_unused_columns=False)
+
+    def measured_steps(length):
+        """``peak(rows)``: the meter's peak over two real optimizer steps of plain training (AccumTrainer with the
+        plan given, no probe) on ``rows`` distinct rows of ``length`` tokens, the last one shorter so that the
+        batch is padded as training's are."""
+        cache = {}
+
+        def peak(rows):
+            if rows not in cache:
+                g = random.Random(rows * 1000 + length)
+                batch = []
+                for r in range(rows):
+                    n = length - length // 4 if r == rows - 1 and rows > 1 else length
+                    ids = [g.randint(1, 250) for _ in range(n)]
+                    batch.append({"input_ids": ids, "labels": [-100] * (n // 4) + ids[n // 4:]})
+                with tempfile.TemporaryDirectory() as out:
+                    args = AccumTrainingArguments(
+                        output_dir=out, per_device_train_batch_size=rows, gradient_accumulation_steps=1,
+                        target_batch_size=rows, auto_tune=False, max_steps=2, learning_rate=1e-4, report_to=[],
+                        save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, remove_unused_columns=False)
+                    trainer = AccumTrainer(model=copy.deepcopy(initial), args=args, train_dataset=batch,
+                                           data_collator=pad_collate)
+                    trainer.remove_callback(PrinterCallback)
+                    meter = CpuMeter(resident=lambda model=trainer.model: live_tensor_bytes(model))
+                    cache[rows] = meter.measure(trainer.train).peak_bytes
+            return cache[rows]
+        return peak
+
+    at_longest = measured_steps(LONGEST)
+    budget = (at_longest(MICRO) + at_longest(MICRO + 1)) // 2
+    print(f"\nPart 3: small float32 Llama, memory budget {budget / 2**20:.1f} MiB (halfway between real steps of "
+          f"{MICRO} and {MICRO + 1} rows x {LONGEST})")
+
+    trainers, train_peaks = {}, {}
+    for mode in ("samples", "tokens"):
+        with tempfile.TemporaryDirectory() as out:
+            trainer = AccumTrainer(model=copy.deepcopy(initial), args=arguments(out, mode, budget), train_dataset=data,
+                                   data_collator=pad_collate)
+            trainer.remove_callback(PrinterCallback)
+            start = time.perf_counter()
+            trainer.tune()
+            probe_s = time.perf_counter() - start
+            extra = trainer.probe_result.extra.get("token_budget", {})
+            trials = len(trainer.probe_result.measured_trials) + len(extra.get("short_trials", []))
+            meter = CpuMeter(resident=lambda model=trainer.model: live_tensor_bytes(model))
+            train_peaks[mode] = meter.measure(trainer.train).peak_bytes
+            trainers[mode] = (trainer, trials, probe_s)
+    samples, tokens = trainers["samples"][0], trainers["tokens"][0]
+    budget_tokens = tokens.plan.token_budget
+    print(f"samples plan: {samples.plan.describe()}; tokens plan: {tokens.plan.describe()}")
+    for mode, (_, trials, probe_s) in trainers.items():
+        print(f"probe ({mode}): {trials} measured trials, {probe_s:.1f} s")
+    model = tokens.probe_result.extra["token_budget"]["cost_model"]
+    if model:
+        print(f"cost model: peak ~ {model['base_bytes'] / 2**20:.1f} MiB + rows x ({model['per_token_bytes'] / 1024:.2f} "
+              f"KiB x length + {model['per_token_sq_bytes']:.2f} B x length^2), lengths {model['lengths']}")
+
+    print(f"\n{'length':>7} {'admitted rows':>14} {'fit rows':>9} {'admitted/fit':>13}")
+    worst = 1.0
+    for length in (LONGEST, 256, 128, 64, 32):
+        peak = measured_steps(length)
+        admitted = min(TARGET, budget_tokens // length)
+        lo, hi = 0, TARGET + 1  # peak(lo) fits, peak(hi) does not (or hi is beyond the window)
+        while lo + 1 < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid)
+        worst = min(worst, admitted / lo)
+        print(f"{length:>7} {admitted:>14} {lo:>9} {admitted / lo:>13.3f}")
+    print(f"largest chunk admitted vs largest that fits: worst {worst:.3f} over these lengths (goal >= 0.95)")
+    for mode, peak in train_peaks.items():
+        print(f"training peak ({mode}, 4 steps, meter): {peak / 2**20:.1f} MiB = {peak / budget:.3f} x budget")
+
+
 if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--part", type=int, choices=(1, 2, 3))
+    chosen = parser.parse_args().part
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    part1()
-    part2()
+    for number, part in ((1, part1), (2, part2), (3, part3)):
+        if chosen in (None, number):
+            part()

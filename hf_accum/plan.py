@@ -99,6 +99,7 @@ class Plan:
     world_size: int
     target_batch_size: int
     token_budget: int | None = None  # micro_batching="tokens": tokens per forward; micro = the per-rank window
+    token_model: dict | None = None  # the probe's cost model: more rows at lengths it measured (token_budget.py)
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "world_size", "target_batch_size"):
@@ -108,6 +109,10 @@ class Plan:
         if self.token_budget is not None and (not isinstance(self.token_budget, int)
                                               or isinstance(self.token_budget, bool) or self.token_budget < 1):
             raise ValueError(f"inconsistent plan: token_budget={self.token_budget!r} is not a positive integer")
+        if self.token_model is not None:
+            keys = {"lengths", "rows_at", "usable_bytes", "per_token_bytes", "per_token_sq_bytes"}
+            if self.token_budget is None or not isinstance(self.token_model, dict) or not keys <= set(self.token_model):
+                raise ValueError(f"inconsistent plan: token_model needs a token_budget and the keys {sorted(keys)}")
         product = self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
         if product != self.target_batch_size:
             raise ValueError(f"inconsistent plan: {self.describe()} but the product is {product}")
@@ -125,6 +130,8 @@ class Plan:
         out = asdict(self)
         if self.token_budget is None:
             del out["token_budget"]  # plan files of "samples" mode keep their four fields
+        if self.token_model is None:
+            del out["token_model"]
         return out
 
 

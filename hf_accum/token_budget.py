@@ -16,6 +16,7 @@ Padding-free rows cost their total tokens (no padding): consecutive sequences ar
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 
 def cost_model(base: float, per_row: dict[int, float]) -> dict[str, float]:
@@ -35,24 +36,71 @@ def predicted_peak(model: dict[str, float], rows: int, length: int) -> float:
     return model["base_bytes"] + rows * (model["per_token_bytes"] * length + model["per_token_sq_bytes"] * length ** 2)
 
 
+@dataclass(frozen=True)
+class TokenBudget:
+    """What one forward of padded rows may hold: ``rows(length)`` rows padded to ``length``.
+
+    ``tokens`` holds at every length (the smaller of the token capacities measured at the two probed lengths, or
+    a given ``max_tokens_per_forward``): ``rows = tokens // length``. With the probe's ``model`` (`cost_model`
+    plus ``usable_bytes``: the budget less the base and less the model's worst under-prediction of a measured
+    step, and ``rows_at``: the rows measured to fit at each probed length), a length between the probed ones
+    may hold more rows, as many as the model predicts fit. Between the two measured lengths the model never
+    under-predicts a cost of the form ``a + b*length + c*length^2`` per row with ``a >= 0`` (the difference is
+    ``a (length - short)(length - long) / (short * long) <= 0``); outside them it is not used."""
+
+    tokens: int
+    model: dict | None = None
+
+    def rows(self, length: int) -> int:
+        floor = self.tokens // length
+        m = self.model
+        if not m or not m["lengths"][0] <= length <= m["lengths"][-1]:
+            return floor
+        measured = {int(k): v for k, v in m["rows_at"].items()}
+        if length in measured:
+            return max(floor, measured[length])
+        per_row = m["per_token_bytes"] * length + m["per_token_sq_bytes"] * length ** 2
+        return max(floor, int(m["usable_bytes"] // per_row)) if per_row > 0 else floor
+
+    def scaled(self, factor: float) -> TokenBudget:
+        """After an OOM: every capacity times ``factor``."""
+        model = None
+        if self.model:
+            model = {**self.model, "usable_bytes": self.model["usable_bytes"] * factor,
+                     "rows_at": {k: int(v * factor) for k, v in self.model["rows_at"].items()}}
+        return replace(self, tokens=int(self.tokens * factor), model=model)
+
+    def __str__(self) -> str:
+        return str(self.tokens)
+
+
+def _rows(budget: int | TokenBudget, length: int) -> int:
+    return budget.rows(length) if isinstance(budget, TokenBudget) else budget // length
+
+
+def _tokens(budget: int | TokenBudget) -> int:
+    return budget.tokens if isinstance(budget, TokenBudget) else budget
+
+
 class TooLongForBudget(ValueError):
     """One example alone exceeds the token budget."""
 
 
-def fewest_groups(lengths: Sequence[int], budget: int) -> int:
-    """The fewest forwards of padded rows under ``budget`` tokens each."""
+def fewest_groups(lengths: Sequence[int], budget: int | TokenBudget) -> int:
+    """The fewest forwards of padded rows under ``budget`` (tokens, or a `TokenBudget`) each."""
     ordered = sorted(lengths, reverse=True)
     _check(ordered, budget)
     groups, i = 0, 0
     while i < len(ordered):
-        i += max(1, budget // ordered[i])
+        i += max(1, _rows(budget, ordered[i]))
         groups += 1
     return groups
 
 
-def partition_padded(lengths: Sequence[int], budget: int, groups: int | None = None) -> list[list[int]]:
-    """Row indices grouped into forwards (shortest rows first): each group's ``rows x longest <= budget``, the
-    fewest groups (or exactly ``groups``, at least that many), then the least padding."""
+def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: int | None = None) -> list[list[int]]:
+    """Row indices grouped into forwards (shortest rows first): each group's rows fit ``budget`` at its longest
+    row's length (``rows x longest <= budget`` for a plain token count), the fewest groups (or exactly
+    ``groups``, at least that many), then the least padding."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     sorted_len = [lengths[i] for i in order]
     n = len(order)
@@ -66,8 +114,9 @@ def partition_padded(lengths: Sequence[int], budget: int, groups: int | None = N
     for g in range(1, k + 1):
         for i in range(1, n + 1):
             longest = sorted_len[i - 1]
+            fits = _rows(budget, longest)
             for j in range(i - 1, -1, -1):
-                if (i - j) * longest > budget:
+                if i - j > fits:
                     break
                 c = best[g - 1][j] + (i - j) * longest
                 if c < best[g][i]:
@@ -81,9 +130,12 @@ def partition_padded(lengths: Sequence[int], budget: int, groups: int | None = N
     return [[order[r] for r in range(lo, hi)] for lo, hi in reversed(bounds)]
 
 
-def partition_packed(lengths: Sequence[int], budget: int, groups: int | None = None) -> list[tuple[int, int]]:
-    """Consecutive sequences ``[lo, hi)`` of a padding-free row, each group's total tokens ``<= budget``; at
-    least ``groups`` groups (the largest group is split further until there are that many)."""
+def partition_packed(lengths: Sequence[int], budget: int | TokenBudget,
+                     groups: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive sequences ``[lo, hi)`` of a padding-free row, each group's total tokens ``<= budget`` (its
+    ``tokens``: padding-free rows are not padded rows, the cost model does not describe them); at least
+    ``groups`` groups (the largest group is split further until there are that many)."""
+    budget = _tokens(budget)
     _check(lengths, budget)
     out, lo, total = [], 0, 0
     for i, n in enumerate(lengths):
@@ -104,7 +156,7 @@ def padded_tokens(lengths: Sequence[int], groups: list[list[int]]) -> int:
     return sum(len(g) * max(lengths[i] for i in g) for g in groups)
 
 
-def _check(lengths: Sequence[int], budget: int) -> None:
+def _check(lengths: Sequence[int], budget: int | TokenBudget) -> None:
     longest = max(lengths, default=0)
-    if longest > budget:
+    if longest and _rows(budget, longest) < 1:
         raise TooLongForBudget(f"an example of {longest} tokens exceeds the token budget of {budget} per forward")

@@ -36,6 +36,7 @@ from .plan_store import PLAN_FILE, save_plan
 from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted, StopRequest
 from .preflight import check_training_data
 from .protocol import Local, StopTraining, TorchDistributed, WindowProtocol
+from .token_budget import TokenBudget
 from .tuning import tune
 from .units import detect_unit, make_cutter
 from .window import WindowEngine
@@ -158,7 +159,7 @@ class AccumulationMixin:
         engine = WindowEngine(cutter, self._normalization, WindowProtocol(collective, policy),
                               shrink=_weakly(self._shrink), reset=_weakly(self._zero_grad),
                               shrink_tokens=_weakly(self._shrink_tokens), device=self.args.device)
-        engine.token_budget = self.plan.token_budget if self.plan is not None else None
+        engine.token_budget = _token_budget(self.plan)
         engine.stop_requested = self._stop_request.__bool__
         return engine
 
@@ -249,18 +250,18 @@ class AccumulationMixin:
         self.apply_plan(plan, in_training_loop=True)
         return plan.micro_batch_size
 
-    def _shrink_tokens(self, budget: int) -> int:
+    def _shrink_tokens(self, budget: TokenBudget) -> TokenBudget:
         """micro_batching="tokens": after an OOM, three quarters of the token budget (same samples, same windows)."""
         longest = self._engine.longest_loaded_unit()
-        smaller = budget * 3 // 4
-        if smaller < longest:
+        smaller = budget.scaled(0.75)
+        if smaller.rows(longest) < 1:
             raise RuntimeError(
                 f"hf_accum: out of memory with a token budget of {budget}, and a smaller one cannot hold this window's "
                 f"longest example ({longest} tokens). Checkpoints in {self.args.output_dir} are intact. To fit: "
                 "enable gradient_checkpointing, train LoRA adapters, shorten sequences, or free memory; then resume."
             )
         plan = Plan(self.plan.micro_batch_size, 1, self.plan.world_size, self.plan.target_batch_size,
-                    token_budget=smaller)
+                    token_budget=smaller.tokens, token_model=smaller.model)
         logger.warning("hf_accum: out of memory at step %d; re-running this accumulation window with %s",
                        self.state.global_step, plan.describe())
         self.apply_plan(plan, in_training_loop=True)
@@ -298,7 +299,7 @@ class AccumulationMixin:
         (same samples per window: the effective batch and step count are kept); here the plan is only recorded.
         """
         if self._engine is not None:
-            self._engine.token_budget = plan.token_budget
+            self._engine.token_budget = _token_budget(plan)
         if not in_training_loop:
             self.args.per_device_train_batch_size = plan.micro_batch_size
             self.args.gradient_accumulation_steps = plan.gradient_accumulation_steps
@@ -427,6 +428,12 @@ class _StepControl(TrainerCallback):
         if outcome.stop or too_many:
             control.should_save = True
             control.should_training_stop = True
+
+
+def _token_budget(plan: Plan | None) -> TokenBudget | None:
+    if plan is None or plan.token_budget is None:
+        return None
+    return TokenBudget(plan.token_budget, plan.token_model)
 
 
 def _weakly(method):

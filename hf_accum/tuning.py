@@ -21,7 +21,7 @@ from .meters import CpuMeter, CudaMeter, Meter
 from .plan import Plan
 from .plan_store import PLAN_FILE, PlanFileError, load_plan, plan_key, save_plan
 from .probe import ProbeResult, probe_model, random_token_batch, resolve_budget
-from .token_budget import cost_model
+from .token_budget import TokenBudget, cost_model, predicted_peak
 
 logger = logging.getLogger(__name__)
 
@@ -109,14 +109,34 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe) ->
         short_result, at_shortest = None, result.max_micro_batch_size
     budget = min(at_longest, at_shortest * short_len)
     budget = max(budget, seq_len)  # the longest example fits alone: the first probe found micro >= 1
-    result.extra["expected"] = _expected_cuts(trainer, per_rank, budget, seq_len, result.max_micro_batch_size)
+    model = _cost_model(result, seq_len, short_result, short_len)
+    rows_model = None
+    if model is not None:
+        trials = [(t, seq_len) for t in result.measured_trials]
+        trials += [(t, short_len) for t in (short_result.measured_trials if short_result else [])]
+        rows_model = _usable(model, trials, result.budget_bytes,
+                             {seq_len: result.max_micro_batch_size, short_len: at_shortest})
+    tokens = TokenBudget(budget, rows_model)
+    result.extra["expected"] = _expected_cuts(trainer, per_rank, tokens, seq_len, result.max_micro_batch_size)
     result.extra["token_budget"] = {
         "tokens_per_forward": budget, "longest": seq_len, "rows_at_longest": result.max_micro_batch_size,
         "shortest": short_len, "rows_at_shortest": at_shortest,
         "short_trials": [t.__dict__ for t in short_result.measured_trials] if short_result else [],
-        "cost_model": _cost_model(result, seq_len, short_result, short_len),
+        "cost_model": model,
     }
-    return Plan(per_rank, 1, plan.world_size, plan.target_batch_size, token_budget=budget), result
+    return Plan(per_rank, 1, plan.world_size, plan.target_batch_size, token_budget=budget,
+                token_model=rows_model), result
+
+
+def _usable(model: dict, trials: list, budget_bytes: int, rows_at: dict[int, int]) -> dict:
+    """The cost model as `TokenBudget` reads it: the bytes rows may use, the budget less the base and less the
+    model's worst under-prediction of a measured step (micro-batch 1 sits on the optimizer step's bend, which
+    never binds near the budget, so it is left out)."""
+    misses = [(t.reserved_bytes if t.reserved_bytes is not None else t.peak_bytes)
+              - predicted_peak(model, t.micro_batch_size, length)
+              for t, length in trials if t.micro_batch_size > 1 and t.peak_bytes is not None]
+    usable = budget_bytes - model["base_bytes"] - max([0.0, *misses])
+    return {**model, "usable_bytes": usable, "rows_at": {str(k): v for k, v in rows_at.items()}}
 
 
 def _cost_model(result: ProbeResult, seq_len: int, short: ProbeResult | None, short_len: int) -> dict | None:
@@ -130,7 +150,8 @@ def _cost_model(result: ProbeResult, seq_len: int, short: ProbeResult | None, sh
     return cost_model(result.fitted[0], {length: line[1] for length, line in lines.items()})
 
 
-def _expected_cuts(trainer, per_rank: int, budget: int, longest: int, rows_at_longest: int) -> dict[str, float]:
+def _expected_cuts(trainer, per_rank: int, budget: TokenBudget, longest: int,
+                   rows_at_longest: int) -> dict[str, float]:
     """Forwards per optimizer step and padded / real tokens this budget gives on the user's data (windows of a
     fixed shuffle), next to "samples" mode at the micro-batch that fits the worst case."""
     import random
@@ -281,9 +302,10 @@ def probe_batches(trainer, shortest: int | None = None) -> tuple[Callable[[int],
         candidates = [i for i in range(size) if lengths[i] >= shortest] or [longest]
         longest = min(candidates, key=lengths.__getitem__)
     example = dataset[longest]
+    rows = _padded_rows(example, collate)
 
     def make_batch(micro: int) -> dict[str, Any]:
-        return _compat.prepare_inputs(trainer, collate([example] * micro))
+        return _compat.prepare_inputs(trainer, collate(rows(micro)))
 
     first = make_batch(1)
     seq_len = next((v.shape[1] for v in first.values() if torch.is_tensor(v) and v.dim() >= 2), 1)
@@ -295,6 +317,22 @@ def probe_batches(trainer, shortest: int | None = None) -> tuple[Callable[[int],
             "(e.g. tokenizer(..., truncation=True, max_length=...))."
         )
     return make_batch, int(seq_len)
+
+
+def _padded_rows(example, collate) -> Callable[[int], list]:
+    """``rows(micro)``: the example ``micro`` times; where the collator pads, the last one a token shorter, so
+    the batch carries a padding mask as training's batches of mixed lengths do. A padding mask can cost more
+    than the tokens (SDPA falls back to kernels that build the masked scores), and one pad token leaves the
+    batch's real tokens, and so every per-token cost, as they were."""
+    n = _length(example)
+    if not isinstance(example, dict) or n < 2:
+        return lambda micro: [example] * micro
+    shorter = {k: v[:-1] if hasattr(v, "__len__") and not isinstance(v, str) and len(v) == n else v
+               for k, v in example.items()}
+    mask = collate([example, shorter]).get("attention_mask")
+    if not torch.is_tensor(mask) or mask.dim() != 2 or bool(mask.all()):
+        return lambda micro: [example] * micro  # the collator does not pad (e.g. padding-free): nothing to mimic
+    return lambda micro: [example] * (micro - 1) + [shorter] if micro > 1 else [example]
 
 
 def _length(example) -> int:

@@ -24,13 +24,14 @@ import torch
 from .loss import Window
 from .oom import free_memory, is_oom
 from .protocol import Local, Phase, Policy, Restart, WindowProtocol
+from .token_budget import TokenBudget
 from .units import Cutter, sliver
 
 
 class WindowEngine:
     def __init__(self, cutter: Cutter, mode: str, protocol: WindowProtocol | None = None, *,
                  shrink: Callable[[int | None], int] | None = None, reset: Callable[[], None] | None = None,
-                 shrink_tokens: Callable[[int], int] | None = None, device=None):
+                 shrink_tokens: Callable[[TokenBudget], TokenBudget] | None = None, device=None):
         self.cutter = cutter
         self.mode = mode
         self.protocol = protocol or WindowProtocol(Local(), Policy.RERUN)
@@ -39,7 +40,7 @@ class WindowEngine:
         self.reset = reset or (lambda: None)
         self.device = device
         self.cut_units: int | None = None  # units per forward after an OOM; None: as loaded
-        self.token_budget: int | None = None  # micro_batching="tokens": tokens per forward
+        self.token_budget: TokenBudget | None = None  # micro_batching="tokens": what one forward may hold
         self._forwards: tuple[int, ...] = ()  # per loaded batch, agreed over ranks
         self.window: Window | None = None
         self._batches: Sequence = ()

@@ -14,6 +14,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
 from hf_accum.token_budget import (
+    TokenBudget,
     TooLongForBudget,
     cost_model,
     fewest_groups,
@@ -42,11 +43,22 @@ def test_fewest_groups_table(lengths, budget, groups):
     assert all(len(g) * max(lengths[i] for i in g) <= budget for g in parts)
 
 
-def test_partition_is_optimal_by_brute_force():
+def modelled(tokens, short=4, long=20, per_token=10.0, per_token_sq=2.0, usable=900.0):
+    """A TokenBudget whose cost model (measured at ``short`` and ``long``) admits more rows between them."""
+    rows_at = {str(n): int(usable // (per_token * n + per_token_sq * n * n)) for n in (short, long)}
+    return TokenBudget(tokens, {"lengths": [short, long], "rows_at": rows_at, "usable_bytes": usable,
+                                "per_token_bytes": per_token, "per_token_sq_bytes": per_token_sq, "base_bytes": 0.0})
+
+
+@pytest.mark.parametrize("kind", ["tokens", "cost model"])
+def test_partition_is_optimal_by_brute_force(kind):
     g = random.Random(0)
     for _ in range(60):
         lengths = [g.randint(1, 20) for _ in range(g.randint(1, 7))]
         budget = g.randint(max(lengths), 60)
+        if kind == "cost model":
+            budget = modelled(max(lengths))
+        rows = budget.rows if kind == "cost model" else (lambda n, b=budget: b // n)
         parts = partition_padded(lengths, budget)
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
         best = None  # every contiguous partition of the sorted order
@@ -58,10 +70,25 @@ def test_partition_is_optimal_by_brute_force():
                     cur = []
                 cur.append(i)
             groups.append(cur)
-            if all(len(gr) * max(lengths[i] for i in gr) <= budget for gr in groups):
+            if all(len(gr) <= rows(max(lengths[i] for i in gr)) for gr in groups):
                 score = (len(groups), padded_tokens(lengths, groups))
                 best = score if best is None or score < best else best
         assert (len(parts), padded_tokens(lengths, parts)) == best
+
+
+@pytest.mark.parametrize("length, rows", [
+    (2, 10),    # shorter than the measured lengths: the token floor only (20 // 2)
+    (4, 12),    # measured: the rows measured to fit there (900 // 72)
+    (8, 4),     # between: the model's prediction, 900 // (80 + 128), above the floor's 2
+    (20, 1),    # measured (0 rows by the model; the floor holds one)
+    (30, 0),    # beyond: the floor (20 // 30)
+])
+def test_a_cost_model_admits_more_rows_only_between_the_measured_lengths(length, rows):
+    budget = modelled(20)
+    assert budget.rows(length) == rows
+    smaller = budget.scaled(0.75)
+    assert smaller.tokens == 15 and smaller.rows(length) <= rows
+    assert str(budget) == "20"
 
 
 def test_forced_group_counts_and_refusals():
@@ -200,6 +227,22 @@ def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(t
         assert predicted_peak(measured["cost_model"], 2, longest) == pytest.approx(fitted[0] + 2 * fitted[1])
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_a_stored_token_plan_is_reused_with_its_budget_and_cost_model(tmp_path):
+    def tuned():
+        args = AccumTrainingArguments(
+            output_dir=str(tmp_path), target_batch_size=16, micro_batching="tokens", memory_budget_bytes=3 << 20,
+            max_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+            remove_unused_columns=False)
+        trainer = AccumTrainer(model=tiny_llama(torch.float32), args=args, train_dataset=long_tailed(32),
+                               data_collator=pad_collate)
+        return trainer, trainer.tune()
+
+    first, plan = tuned()
+    second, reused = tuned()
+    assert first.probe_result is not None and second.probe_result is None  # the second run read the file
+    assert reused == plan and reused.token_budget is not None and reused.token_model == plan.token_model
 
 
 @pytest.mark.slow
