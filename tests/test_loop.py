@@ -112,8 +112,8 @@ def test_fsdp2_loop_resumed_from_a_distributed_checkpoint_in_a_new_process_group
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     start = {n: p.detach() for n, p in tiny_gpt2().named_parameters()}
     for r in (0, 1):
-        load = lambda name: torch.load(os.path.join(out, f"{name}.rank{r}.pt"), weights_only=False)  # noqa: E731
-        uninterrupted, resumed, stopped = load("uninterrupted"), load("resumed"), load("stopped")
+        uninterrupted, resumed, stopped = (torch.load(os.path.join(out, f"{name}.rank{r}.pt"), weights_only=False)
+                                           for name in ("uninterrupted", "resumed", "stopped"))
         assert _update_error(resumed, uninterrupted, start) <= 1e-5
         assert _update_error(stopped, uninterrupted, start) > 0.1  # the resumed half did real work
 
