@@ -91,6 +91,18 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def default_store():
+    """The default process group's key-value store (the launcher's TCPStore under torchrun, which outlives any one
+    rank), or None without a process group. torch keeps it private: `distributed_c10d._get_default_store`."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
 def is_fsdp2(model) -> bool:
     """`torch.distributed.fsdp.fully_shard` applied: the model is an `FSDPModule` (its forwards all-gather)."""
     try:
@@ -237,6 +249,14 @@ def saved_training_args(checkpoint: str) -> dict | None:
 def local_shard(t):
     """The part of a tensor this rank holds: a DTensor's (FSDP2) local shard, any other tensor itself."""
     return t.to_local() if type(t).__name__ == "DTensor" else t
+
+
+def sharded_at_load(model) -> bool:
+    """Sharded by `from_pretrained(..., distributed_config=DistributedConfig(...))` (transformers > 5.17 sets this
+    property on the model; older versions cannot shard at load). transformers checkpoints such a model's weights
+    but not its optimizer state (`Trainer.__init__` refuses full checkpoints for it: "Resuming is not supported
+    for models sharded at load time"), so no checkpoint of such a run can be resumed exactly."""
+    return bool(getattr(model, "is_distributed_loading_by_transformers", False))
 
 
 def refuse_silent_engine_fallback(trainer) -> None:

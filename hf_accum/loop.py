@@ -18,6 +18,11 @@ cleared first -- so zero the gradients after every optimizer step, as above. Wit
 `protocol.py` apply: DDP re-runs together; FSDP2 (collectives in every forward) stops every rank with a clear
 error instead of hanging.
 
+Checkpoints: ``acc.state_dict()`` / ``acc.load_state_dict()`` carry the cut in force after an OOM, so a resumed run
+keeps it. Save them with the model and optimizer; under FSDP2, with torch.distributed.checkpoint (each rank writes
+its own shards), e.g. ``dcp.save({"model": model_sd, "optim": optim_sd, "accumulator": acc.state_dict()}, ...)``
+with ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` (README, "Scaling out").
+
 The probe and plan are available too (`hf_accum.probe.probe_model`), to choose the micro-batch before the loop.
 """
 
@@ -62,6 +67,7 @@ class Accumulator:
         self.world = _compat.world_size()
         self.policy = Policy.STOP if _compat.is_fsdp2(model) else Policy.RERUN
         self._engine: WindowEngine | None = None
+        self._cut_units: int | None = None  # from `load_state_dict`, until the engine exists
 
     def backward(self, batches: list[Mapping], loss_fn: Callable[[nn.Module, Mapping], torch.Tensor]) -> torch.Tensor:
         """Forward and backward over every micro-batch of the window; returns this rank's share of the window loss
@@ -102,6 +108,7 @@ class Accumulator:
             collective = TorchDistributed(self.world, device) if self.world > 1 else Local()
             self._engine = WindowEngine(cutter, self.normalization, WindowProtocol(collective, self.policy),
                                         shrink=self._halve, reset=self._zero_grad, device=device)
+            self._engine.cut_units = self._cut_units
         return self._engine
 
     def _halve(self, units: int | None) -> int:
@@ -117,7 +124,16 @@ class Accumulator:
     @property
     def cut_units(self) -> int | None:
         """Units per forward in force after an out-of-memory error (None: batches as loaded)."""
-        return self._engine.cut_units if self._engine is not None else None
+        return self._engine.cut_units if self._engine is not None else self._cut_units
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint must carry to resume with the same cut (0: batches as loaded)."""
+        return {"cut_units": self.cut_units or 0}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self._cut_units = int(state["cut_units"]) or None
+        if self._engine is not None:
+            self._engine.cut_units = self._cut_units
 
 
 __all__ = ["Accumulator", "windows"]

@@ -45,6 +45,7 @@ class Trial:
     fits: bool
     status: str
     predicted_bytes: float | None = None
+    baseline_bytes: int | None = None  # held before the step (weights, gradients, optimizer state): its base
 
     @property
     def samples_per_second(self) -> float | None:
@@ -180,7 +181,7 @@ def _run_trial(
     obs = search.record(micro, m.charged_bytes, baseline_bytes=m.baseline_bytes, rounding_bytes=m.rounding_bytes)
     status = "fits" if obs.fits else "over budget"
     say(f"micro-batch {micro}: peak {_gib(m.peak_bytes)}, {m.seconds:.3f} s, {status}")
-    return Trial(micro, m.peak_bytes, m.reserved_bytes, m.seconds, obs.fits, status, predicted)
+    return Trial(micro, m.peak_bytes, m.reserved_bytes, m.seconds, obs.fits, status, predicted, m.baseline_bytes)
 
 
 def _finish(result: ProbeResult, search: MicroBatchSearch) -> None:

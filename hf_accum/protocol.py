@@ -17,7 +17,8 @@ Phases of one window (``begin`` .. ``finish``), under the ``rerun`` policy:
 Collectives per window (world > 1): a normal window 4 (sum, any, any, and `done`'s one exchange of two flags); an
 OOM in a non-final forward 2 + 2 per re-run + 1; an OOM in the final forward 3 + 2 per re-run + 1; an OOM in the
 final backward 3, then every rank stops (`StopTraining`): the other ranks are inside that backward's gradient
-all-reduce, so no agreement can follow. `done` is where ranks agree to skip a step whose window loss is not
+all-reduce, so no agreement can follow. The stopping rank leaves its reason in the process group's store (not a
+collective); the others' pending collective fails when it exits, and they stop with that reason (`peer_stopped`). `done` is where ranks agree to skip a step whose window loss is not
 finite on some rank, and to stop after this step when some rank was asked to (SIGTERM, SIGINT): every rank then
 skips, and stops, after the same step. With `micro_batching="tokens"` each window (and each re-run) adds one
 `agree_forwards` exchange before its first forward.
@@ -37,6 +38,8 @@ import enum
 from typing import Protocol
 
 import torch
+
+from . import _compat
 
 _COLLECTIVES = "under an engine with collectives in every forward (FSDP, DeepSpeed ZeRO, or a compute_loss that gathers)"
 
@@ -69,6 +72,10 @@ class Collective(Protocol):
 
     def max_of(self, values: tuple[int, ...]) -> tuple[int, ...]: ...
 
+    def announce_stop(self, reason: str) -> None: ...
+
+    def peer_stop(self) -> str | None: ...
+
 
 class Local:
     """One process: nothing to exchange."""
@@ -86,6 +93,12 @@ class Local:
 
     def max_of(self, values: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(values)
+
+    def announce_stop(self, reason: str) -> None:
+        pass
+
+    def peer_stop(self) -> str | None:
+        return None
 
 
 class TorchDistributed:
@@ -109,6 +122,23 @@ class TorchDistributed:
         t = torch.tensor(values, dtype=torch.int64, device=self.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return tuple(int(x) for x in t.tolist())
+
+    # A rank that stops while the others are inside a collective cannot tell them through that collective: it
+    # leaves the reason in the process group's key-value store (no collective, nothing to pair), and a rank whose
+    # collective then fails because its peer left reads it there (`WindowProtocol.peer_stopped`).
+    def announce_stop(self, reason: str) -> None:
+        store = _compat.default_store()
+        if store is not None:
+            store.set(_STOP_KEY, reason)
+
+    def peer_stop(self) -> str | None:
+        store = _compat.default_store()
+        if store is None or not store.check([_STOP_KEY]):
+            return None
+        return store.get(_STOP_KEY).decode()
+
+
+_STOP_KEY = "hf_accum/stop"
 
 
 class StopTraining(RuntimeError):
@@ -145,7 +175,7 @@ class WindowProtocol:
         """This rank ran out of memory in a non-final forward/backward of the window."""
         self._expect(Phase.RUNNING, Phase.SKIPPING)
         if self.policy is Policy.STOP:
-            raise StopTraining(f"out of memory in a micro-batch, {_COLLECTIVES}")
+            self._stop(f"out of memory in a micro-batch, {_COLLECTIVES}")
         self.phase = Phase.SKIPPING
 
     @property
@@ -169,7 +199,7 @@ class WindowProtocol:
         window must be re-run; with world > 1 the caller then completes the DDP iteration (`drained`)."""
         self._expect(Phase.FINAL)
         if self.policy is Policy.STOP and oom:
-            raise StopTraining(f"out of memory in the window's final forward, {_COLLECTIVES}")
+            self._stop(f"out of memory in the window's final forward, {_COLLECTIVES}")
         restart = self.collective.any(oom) if self.policy is Policy.RERUN and self.world > 1 else oom
         if not restart:
             self.phase = Phase.BACKWARD
@@ -190,7 +220,7 @@ class WindowProtocol:
         """Out of memory in the final backward: with world > 1 the others are in its all-reduce: stop."""
         self._expect(Phase.BACKWARD, Phase.FINAL)
         if self.world > 1:
-            raise StopTraining("out of memory inside the gradient-synchronizing backward pass")
+            self._stop("out of memory inside the gradient-synchronizing backward pass")
         self.phase = Phase.RESTART
         raise Restart()
 
@@ -210,6 +240,14 @@ class WindowProtocol:
         rank runs the same number (DDP broadcasts buffers in every forward; sharded engines gather parameters)."""
         self._expect(Phase.RUNNING)
         return self.collective.max_of(counts) if self.world > 1 else counts
+
+    def _stop(self, reason: str):
+        self.collective.announce_stop(reason)
+        raise StopTraining(reason)
+
+    def peer_stopped(self) -> str | None:
+        """Why another rank stopped (`StopTraining` there), if one did: a rank whose collective failed asks."""
+        return self.collective.peer_stop() if self.world > 1 else None
 
     def rerun(self) -> None:
         self._expect(Phase.RESTART)

@@ -72,6 +72,11 @@ class AccumulationMixin:
         self._stop_request = StopRequest()
         self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
         self._refuse_unsupported_setups()
+        if _compat.sharded_at_load(self.model) and not self.args.save_only_model:
+            # transformers cannot checkpoint this model's optimizer state (see `_compat.sharded_at_load`); the
+            # checkpoints hf_accum itself writes when it stops (a signal, non-finite losses) then hold the weights
+            # and the plan, not an optimizer file that could never be loaded. The stop messages say so.
+            self.args.save_only_model = True
         if isinstance(self.args, AccumTrainingArguments) and self._normalization != "model":
             self.add_callback(_StepControl(self))
         if getattr(self.args, "target_batch_size", None):  # only runs with a target have a plan to keep
@@ -281,10 +286,11 @@ class AccumulationMixin:
 
     def _stop_message(self, reason: str) -> str:
         plan = self._smaller_plan(self._engine.cut_units if self._engine else None)
+        how = ("Restart (a new run: a model sharded at load time cannot be resumed) with"
+               if _compat.sharded_at_load(self.model) else "Restart (resume from the last checkpoint) with")
         return (
             f"hf_accum: {reason}; this cannot be recovered without risking diverging or hanging ranks, so every "
-            f"rank stops. Checkpoints in {self.args.output_dir} are intact. Restart (resume from the last "
-            "checkpoint) with "
+            f"rank stops. Checkpoints in {self.args.output_dir} are intact. {how} "
             + (f"per_device_train_batch_size={plan.micro_batch_size} and gradient_accumulation_steps="
                f"{plan.gradient_accumulation_steps} ({plan.describe()})" if plan else "a smaller model footprint")
             + "."
@@ -319,6 +325,7 @@ class AccumulationMixin:
 
     @with_fused_loss
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self._refuse_unresumable(resume_from_checkpoint)
         try:
             if self._normalization != "model":
                 self._label_spec()  # refuses a model whose loss hf_accum cannot drive exactly, before any work
@@ -347,6 +354,26 @@ class AccumulationMixin:
             if downgraded and self.plan is not None:
                 self.apply_plan(self.plan)  # the downgraded plan becomes the configured one for later calls
 
+    def _refuse_unresumable(self, resume_from_checkpoint) -> None:
+        if resume_from_checkpoint and _compat.sharded_at_load(self.model):
+            raise ValueError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r} cannot resume exactly: the model was sharded at "
+                "load time (distributed_config=...), and transformers checkpoints no optimizer state for such a "
+                "model. Train without resume_from_checkpoint: to go on from a checkpoint's weights, load them with "
+                "from_pretrained(CHECKPOINT, distributed_config=...) as a new run (optimizer and schedule start "
+                "over); for an exact resume under FSDP2, use hf_accum.loop with torch.distributed.checkpoint "
+                "(README, \"Scaling out\")."
+            )
+
+    def _resume_advice(self, where: str) -> str:
+        """How to go on from the checkpoint ``where`` after a stop."""
+        if _compat.sharded_at_load(self.model):
+            return (f"This run cannot be resumed (its model was sharded at load time; transformers saves no optimizer "
+                    f"state for it): start a new run from the weights in {where} "
+                    "(from_pretrained(CHECKPOINT, distributed_config=...)); the optimizer and schedule start over.")
+        return (f"Resume with trainer.train(resume_from_checkpoint={where!r}) (or resume_from_checkpoint=True for "
+                f"the newest checkpoint in {self.args.output_dir}).")
+
     def _given_token_plan(self) -> Plan:
         """micro_batching="tokens" with auto_tune off: the window as given, loaded whole, cut by the given budget."""
         args, world = self.args, self.accelerator.num_processes
@@ -362,7 +389,7 @@ class AccumulationMixin:
                 f"hf_accum: {self._nonfinite_streak} optimizer steps in a row had a non-finite loss (NaN/inf), "
                 f"more than max_nonfinite_steps={limit}; training stopped at step {self.state.global_step} with "
                 f"finite weights saved to {where}. Lower the learning rate, check the data around these steps, or "
-                "enable bf16 instead of fp16; then resume from that checkpoint."
+                "enable bf16 instead of fp16; then go on from that checkpoint. " + self._resume_advice(where)
             )
         request = self._stop_request
         if self._engine is not None and self._engine.outcome.stop:
@@ -372,9 +399,8 @@ class AccumulationMixin:
                     if took > TORCHRUN_GRACE_S else f" ({took:.1f} s after the signal.)")
             message = (
                 f"hf_accum: stopped by {request.signal_name or 'another rank'} after optimizer step "
-                f"{self.state.global_step}; checkpoint saved to {where}.{late} Resume with "
-                f"trainer.train(resume_from_checkpoint={where!r}) (or resume_from_checkpoint=True for the newest "
-                f"checkpoint in {self.args.output_dir}). Exit code {EXIT_PREEMPTED}."
+                f"{self.state.global_step}; checkpoint saved to {where}.{late} {self._resume_advice(where)} "
+                f"Exit code {EXIT_PREEMPTED}."
             )
             logger.warning(message)  # a SystemExit prints nothing by itself
             raise Preempted(message)

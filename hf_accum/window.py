@@ -23,7 +23,7 @@ import torch
 
 from .loss import Window
 from .oom import free_memory, is_oom
-from .protocol import Local, Phase, Policy, Restart, WindowProtocol
+from .protocol import Local, Phase, Policy, Restart, StopTraining, WindowProtocol
 from .token_budget import TokenBudget
 from .units import Cutter, sliver
 
@@ -97,6 +97,14 @@ class WindowEngine:
             returned = self._run_loaded(batch, index, run_chunk)
         except Restart:
             returned = self._rerun_window(run_chunk)
+        except StopTraining:
+            raise
+        except Exception as exc:
+            reason = self.protocol.peer_stopped()
+            if reason is None:
+                raise
+            raise StopTraining(f"{reason} on another rank (this rank's pending collective failed as that rank "
+                               "left)") from exc
         self._returned.append(returned)
         if last:
             self._done()

@@ -34,6 +34,15 @@ class FakeCollective:
         other = self.other_flags.pop(0) if self.other_flags else (False,) * len(flags)
         return tuple(a or b for a, b in zip(flags, other))
 
+    announced = None  # what this rank left in the store when it stopped (not a collective: not in `calls`)
+    peer_reason = None  # what the other rank left there
+
+    def announce_stop(self, reason):
+        self.announced = reason
+
+    def peer_stop(self):
+        return self.peer_reason
+
 
 def oom():
     return torch.OutOfMemoryError("CUDA out of memory (injected)")
@@ -133,6 +142,31 @@ def test_stop_policy_stops_on_any_oom_after_the_count_alone(fail):
     with pytest.raises(StopTraining):
         run_window(eng, FakeRank(eng, fail={fail}), batches())
     assert c.calls == [("sum",)]
+
+
+@pytest.mark.parametrize("fail", ["fwd:1", "fwd:2", "bwd:2"])
+def test_the_stopping_rank_leaves_its_reason_and_the_others_stop_with_it(fail):
+    c = FakeCollective()
+    eng = engine(c, policy=Policy.STOP)
+    with pytest.raises(StopTraining) as stopped:
+        run_window(eng, FakeRank(eng, fail={fail}), batches())
+    assert c.announced == str(stopped.value)
+
+    class PeerLeft(FakeRank):  # the other rank: its pending collective fails when the stopping rank exits
+        def run_chunk(self, chunk, final):
+            raise RuntimeError("Connection closed by peer (gloo)")
+
+    for reason, expected in [(c.announced, StopTraining), (None, RuntimeError)]:
+        other = FakeCollective()
+        other.peer_reason = reason
+        eng = engine(other, policy=Policy.STOP)
+        with pytest.raises(expected) as raised:
+            run_window(eng, PeerLeft(eng), batches())
+        if reason is None:  # an error of its own: never relabelled
+            assert "Connection closed" in str(raised.value)
+        else:
+            assert str(raised.value).startswith(reason + " on another rank")
+            assert isinstance(raised.value.__cause__, RuntimeError)
 
 
 def test_stop_policy_normal_window_two_collectives():
