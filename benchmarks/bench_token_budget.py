@@ -14,8 +14,8 @@ tokens (measured as below), so "samples" fits 4 worst-case rows; then
   "samples" probe's);
 - the largest chunk that really fits at each of several padded lengths is found independently of the probe: plain
   training (the plan given) on that many distinct padded rows, measured by the meter (rows bisected, peaks are
-  monotone), capped at the window's 64 rows; the probe's admitted chunk at that length (min(64, budget // length)
-  rows) is compared with it;
+  monotone), capped at the window's 64 rows; the probe's admitted chunk at that length (the rows the plan's token
+  budget and cost model admit, at most 64) is compared with it;
 - both modes train 4 optimizer steps under the CPU meter: peak (tensor bytes, weights, gradients and optimizer
   state included) vs the budget.
 
@@ -127,6 +127,7 @@ def part3():
     from benchmarks.bench_probe import small_llama
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from hf_accum.meters import CpuMeter, live_tensor_bytes
+    from hf_accum.token_budget import TokenBudget
     from tests.exactness import pad_collate
 
     data = examples(lengths())
@@ -185,7 +186,7 @@ def part3():
             train_peaks[mode] = meter.measure(trainer.train).peak_bytes
             trainers[mode] = (trainer, trials, probe_s)
     samples, tokens = trainers["samples"][0], trainers["tokens"][0]
-    budget_tokens = tokens.plan.token_budget
+    admits = TokenBudget(tokens.plan.token_budget, tokens.plan.token_model)  # what the engine cuts by
     print(f"samples plan: {samples.plan.describe()}; tokens plan: {tokens.plan.describe()}")
     for mode, (_, trials, probe_s) in trainers.items():
         print(f"probe ({mode}): {trials} measured trials, {probe_s:.1f} s")
@@ -198,7 +199,7 @@ def part3():
     worst = 1.0
     for length in (LONGEST, 256, 128, 64, 32):
         peak = measured_steps(length)
-        admitted = min(TARGET, budget_tokens // length)
+        admitted = min(TARGET, admits.rows(length))
         lo, hi = 0, TARGET + 1  # peak(lo) fits, peak(hi) does not (or hi is beyond the window)
         while lo + 1 < hi:
             mid = (lo + hi) // 2

@@ -8,7 +8,9 @@ chunk pads only to its own longest row, and cut into contiguous groups:
    group holding the longest remaining row can hold at most ``budget // longest`` rows, and taking the next
    longest ones leaves the shortest, cheapest rows for later groups);
 2. among partitions with that many groups (or with ``groups`` forced higher, so that every rank runs the same
-   number of forwards), the one with the least padding: a small dynamic programme over the sorted lengths.
+   number of forwards), the one with the least padding: a small dynamic programme over the sorted lengths;
+3. where the probe measured what a forward costs beyond its tokens (``TokenBudget.forward_tokens``, from its
+   trials' times), one more forward while the padding it saves exceeds that cost.
 
 Padding-free rows cost their total tokens (no padding): consecutive sequences are packed greedily.
 """
@@ -50,6 +52,7 @@ class TokenBudget:
 
     tokens: int
     model: dict | None = None
+    forward_tokens: float | None = None  # what one more forward costs, in padded tokens (None: fewest forwards)
 
     def rows(self, length: int) -> int:
         floor = self.tokens // length
@@ -106,12 +109,15 @@ def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: 
     n = len(order)
     least = fewest_groups(sorted_len, budget)
     k = max(least, min(groups or least, n))
+    per_forward = budget.forward_tokens if isinstance(budget, TokenBudget) else None
     inf = float("inf")
-    # cost[j][i]: padded tokens of rows j..i-1 as one group (inf if over budget)
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    cut = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0
-    for g in range(1, k + 1):
+    # best[g][i]: least padded tokens of rows 0..i-1 in g groups (inf if none fits); one layer per group count
+    best = [[0.0] + [inf] * n]
+    cut = [[0] * (n + 1)]
+    g = 0
+    while True:
+        g += 1
+        layer, where = [inf] * (n + 1), [0] * (n + 1)
         for i in range(1, n + 1):
             longest = sorted_len[i - 1]
             fits = _rows(budget, longest)
@@ -119,8 +125,16 @@ def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: 
                 if i - j > fits:
                     break
                 c = best[g - 1][j] + (i - j) * longest
-                if c < best[g][i]:
-                    best[g][i], cut[g][i] = c, j
+                if c < layer[i]:
+                    layer[i], where[i] = c, j
+        best.append(layer)
+        cut.append(where)
+        if g < k:
+            continue
+        # one more forward only while it saves more padded tokens than a forward costs (measured, in tokens)
+        if per_forward is None or g == n or best[g][n] - _next_best(best[g], sorted_len, budget) <= per_forward:
+            break
+    k = g
     if best[k][n] == inf:  # cannot happen for k >= least; kept as a guard against a wrong budget
         raise TooLongForBudget(f"no cut of {n} rows into {k} forwards fits {budget} tokens")
     bounds, i = [], n
@@ -128,6 +142,16 @@ def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: 
         bounds.append((cut[g][i], i))
         i = cut[g][i]
     return [[order[r] for r in range(lo, hi)] for lo, hi in reversed(bounds)]
+
+
+def _next_best(layer: list[float], sorted_len: list[int], budget) -> float:
+    """Least padded tokens of all rows in one group more than ``layer`` has (``layer[i]``: rows 0..i-1)."""
+    n = len(sorted_len)
+    out = float("inf")
+    fits = _rows(budget, sorted_len[-1])
+    for j in range(n - 1, max(-1, n - 1 - fits), -1):
+        out = min(out, layer[j] + (n - j) * sorted_len[-1])
+    return out
 
 
 def partition_packed(lengths: Sequence[int], budget: int | TokenBudget,

@@ -266,7 +266,7 @@ class AccumulationMixin:
                 "enable gradient_checkpointing, train LoRA adapters, shorten sequences, or free memory; then resume."
             )
         plan = Plan(self.plan.micro_batch_size, 1, self.plan.world_size, self.plan.target_batch_size,
-                    token_budget=smaller.tokens, token_model=smaller.model)
+                    token_budget=smaller.tokens, token_model=smaller.model)  # forward_tokens rides in the model
         logger.warning("hf_accum: out of memory at step %d; re-running this accumulation window with %s",
                        self.state.global_step, plan.describe())
         self.apply_plan(plan, in_training_loop=True)
@@ -459,7 +459,8 @@ class _StepControl(TrainerCallback):
 def _token_budget(plan: Plan | None) -> TokenBudget | None:
     if plan is None or plan.token_budget is None:
         return None
-    return TokenBudget(plan.token_budget, plan.token_model)
+    return TokenBudget(plan.token_budget, plan.token_model,
+                       plan.token_model.get("forward_tokens") if plan.token_model else None)
 
 
 def _weakly(method):

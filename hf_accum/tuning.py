@@ -116,7 +116,8 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe) ->
         trials += [(t, short_len) for t in (short_result.measured_trials if short_result else [])]
         rows_model = _usable(model, trials, result.budget_bytes,
                              {seq_len: result.max_micro_batch_size, short_len: at_shortest})
-    tokens = TokenBudget(budget, rows_model)
+        rows_model["forward_tokens"] = _forward_tokens(trials)
+    tokens = TokenBudget(budget, rows_model, rows_model["forward_tokens"] if rows_model else None)
     result.extra["expected"] = _expected_cuts(trainer, per_rank, tokens, seq_len, result.max_micro_batch_size)
     result.extra["token_budget"] = {
         "tokens_per_forward": budget, "longest": seq_len, "rows_at_longest": result.max_micro_batch_size,
@@ -126,6 +127,22 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe) ->
     }
     return Plan(per_rank, 1, plan.world_size, plan.target_batch_size, token_budget=budget,
                 token_model=rows_model), result
+
+
+def _forward_tokens(trials: list) -> float | None:
+    """What a forward costs beyond its tokens, in tokens: the intercept over the slope of the probe's step times
+    against the tokens each step held (least squares over its measured trials at both lengths; None when they
+    do not show a positive per-token time)."""
+    points = [(t.micro_batch_size * length, t.seconds) for t, length in trials if t.seconds]
+    if len({x for x, _ in points}) < 2:
+        return None
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
+             / sum((x - mean_x) ** 2 for x, _ in points))
+    if slope <= 0:
+        return None
+    return max(0.0, (mean_y - slope * mean_x) / slope)
 
 
 def _usable(model: dict, trials: list, budget_bytes: int, rows_at: dict[int, int]) -> dict:

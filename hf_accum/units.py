@@ -86,13 +86,13 @@ class Cutter:
         return self.verified(batch, chunks, mode) if mode else chunks
 
     def forwards_under(self, batch: Mapping, budget: int) -> int:
-        """How many forwards `cut_by_tokens` makes at the least."""
-        from .token_budget import fewest_groups, partition_packed
+        """How many forwards `cut_by_tokens` makes unless the ranks agreed on more."""
+        from .token_budget import partition_packed, partition_padded
 
         if self.unit == "sequences":
             bounds = _boundaries(batch)
             return len(partition_packed([b - a for a, b in zip(bounds[:-1], bounds[1:])], budget))
-        return fewest_groups(self.lengths(batch), budget)
+        return len(partition_padded(self.lengths(batch), budget))
 
     def lengths(self, batch: Mapping) -> list[int]:
         """Tokens each unit needs (its row up to its last attended or counted position; a pair: its longer row)."""

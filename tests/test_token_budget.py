@@ -76,6 +76,19 @@ def test_partition_is_optimal_by_brute_force(kind):
         assert (len(parts), padded_tokens(lengths, parts)) == best
 
 
+@pytest.mark.parametrize("forward_tokens, groups", [
+    (None, 1),   # not measured: the fewest forwards, 5 rows padded to 10 = 50 tokens
+    (40.0, 1),   # a second forward would save 32 padded tokens, less than it costs
+    (5.0, 2),    # it saves 32 > 5: [2, 2, 2, 2] and [10], 18 tokens; a third saves nothing
+    (0.0, 2),
+])
+def test_one_more_forward_only_where_it_saves_more_padding_than_it_costs(forward_tokens, groups):
+    budget = TokenBudget(50, None, forward_tokens)
+    parts = partition_padded([2, 2, 10, 2, 2], budget)
+    assert len(parts) == groups
+    assert padded_tokens([2, 2, 10, 2, 2], parts) == (50 if groups == 1 else 18)
+
+
 @pytest.mark.parametrize("length, rows", [
     (2, 10),    # shorter than the measured lengths: the token floor only (20 // 2)
     (4, 12),    # measured: the rows measured to fit there (900 // 72)
@@ -211,7 +224,11 @@ def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(t
         plan = trainer.tune()
     assert "forwards per optimizer step, padded/real tokens" in caplog.text  # what it means for the user's data
     expected = trainer.probe_result.extra["expected"]
-    assert expected["forwards_per_step"] <= expected["samples_mode_forwards_per_step"]
+    # less padding than "samples" mode; more forwards only where the probe's step times say one costs less
+    # than the padding it saves
+    assert expected["padded_over_real"] <= expected["samples_mode_padded_over_real"]
+    if plan.token_model is None or plan.token_model["forward_tokens"] is None:
+        assert expected["forwards_per_step"] <= expected["samples_mode_forwards_per_step"]
     measured = trainer.probe_result.extra["token_budget"]
     longest = max(len(r["input_ids"]) for r in long_tailed(32))
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (16, 1)
