@@ -208,10 +208,12 @@ class AccumTrainingArguments(TrainingArguments):
                 f"target_batch_size={self.target_batch_size}; an out-of-memory error then stops every rank with a "
                 "smaller plan to restart with."
             )
+        if self.deepspeed:
+            self._check_deepspeed_batch(world=None)  # the per-rank fields, before any distributed setup
         super().__post_init__()
         self._check_target_batch_size()
         if self.deepspeed:
-            self._check_deepspeed_batch()
+            self._check_deepspeed_batch(world=self.world_size)
 
     @property
     def tunes(self) -> bool:
@@ -256,7 +258,7 @@ class AccumTrainingArguments(TrainingArguments):
             f" x world size={world} = {derived}. {fix}"
         )
 
-    def _check_deepspeed_batch(self) -> None:
+    def _check_deepspeed_batch(self, world: int | None) -> None:
         """Explicit DeepSpeed batch fields must equal the plan in force ("tokens" mode loads each rank's window whole:
         micro = the per-rank window, accumulation 1); refused here, before a model is loaded."""
         from . import _compat
@@ -267,9 +269,10 @@ class AccumTrainingArguments(TrainingArguments):
         if self.micro_batching == "tokens":
             micro, accumulation = micro * accumulation, 1
         config = _compat.deepspeed_user_config(self.deepspeed)
-        world = self.world_size
-        plan = Plan(micro, accumulation, world, micro * accumulation * world, engine=engine_name(zero_stage(config)))
-        problem = batch_contradiction(config, micro, accumulation, world, plan.describe())
+        engine = engine_name(zero_stage(config))
+        plan = (f"micro {micro} × accumulation {accumulation} per rank on {engine}" if world is None else
+                Plan(micro, accumulation, world, micro * accumulation * world, engine=engine).describe())
+        problem = batch_contradiction(config, micro, accumulation, world, plan)
         if problem:
             raise ValueError(problem)
 

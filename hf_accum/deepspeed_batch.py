@@ -14,16 +14,16 @@ from typing import Any
 BATCH_FIELDS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 
 
-def plan_fields(micro: int, accumulation: int, world: int) -> dict[str, int]:
-    """The values DeepSpeed's batch fields take under the plan micro × accumulation × world."""
-    return {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accumulation,
-        "train_batch_size": micro * accumulation * world,
-    }
+def plan_fields(micro: int, accumulation: int, world: int | None) -> dict[str, int]:
+    """The values DeepSpeed's batch fields take under the plan micro × accumulation × world (``world`` None: the
+    per-rank fields only, before the world size is known)."""
+    fields = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation}
+    if world is not None:
+        fields["train_batch_size"] = micro * accumulation * world
+    return fields
 
 
-def batch_contradiction(config: dict[str, Any], micro: int, accumulation: int, world: int,
+def batch_contradiction(config: dict[str, Any], micro: int, accumulation: int, world: int | None,
                         plan: str) -> str | None:
     """The one-line error for the first explicit batch field of ``config`` that contradicts the plan (described as
     ``plan``, e.g. "micro 2 × accumulation 2 × world 2 = 8"); None when every field is "auto", absent or equal."""

@@ -4,6 +4,10 @@
   forwards by a token budget: the engine must step once per window, not per forward); then ZeRO-3 stopped after a
   checkpoint at step 2 and resumed from it in a new trainer. Saves per rank the final full weights, the engine's
   batch fields and step count, the plan and the forwards run.
+- single OUT (one process, no launcher; world 1): the `_compat` pieces on a real DeepSpeed setup (the plan filled
+  into the config accelerate builds the engine from, a contradicting explicit field refused when a plan is applied,
+  accelerate's backward stepping the engine only when `engine_boundary` says final, the shm op skipped), and an
+  out-of-memory error under DeepSpeed stopping a one-process run too (its engine's gradients cannot be cleared).
 - oom OUT: use_cpu=False on CPU (each rank would see world 1) must be refused (message written per rank); then
   ZeRO-3 with an out-of-memory error injected in rank 1's third forward: every rank must stop, none hang.
 """
@@ -42,7 +46,7 @@ class CountForwards:
             self.count += 1
 
 
-def trainer_for(out, stage=None, max_steps=3, save_steps=None, callbacks=(), **kw):
+def trainer_for(out, stage=None, max_steps=3, save_steps=None, callbacks=(), micro=2, accumulation=2, **kw):
     from accelerate.state import AcceleratorState
     from transformers.trainer_callback import PrinterCallback
 
@@ -53,7 +57,8 @@ def trainer_for(out, stage=None, max_steps=3, save_steps=None, callbacks=(), **k
     # one process (as transformers' hyperparameter search does), keeping the process group
     AcceleratorState._reset_state()
     args = AccumTrainingArguments(
-        output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, target_batch_size=8,
+        output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        target_batch_size=micro * accumulation * int(os.environ["WORLD_SIZE"]),
         auto_tune=False, max_steps=max_steps, learning_rate=1e-2, max_grad_norm=0.0, report_to=[],
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, use_cpu=True, seed=0,
         disable_tqdm=True, remove_unused_columns=False, ddp_backend="gloo", logging_steps=1,
@@ -134,11 +139,76 @@ def oom_mode(out, rank):
     trainer.train()
 
 
+class FakeEngine:
+    """Records what accelerate's DeepSpeed wrapper asks of the engine."""
+
+    def __init__(self):
+        self.calls = []
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        self.calls.append(f"boundary={is_boundary}")
+
+    def backward(self, loss, **kwargs):
+        self.calls.append("backward")
+
+    def step(self):
+        self.calls.append("step")
+
+
+def single_mode(out, rank):
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+    from deepspeed.comm.torch import build_shm_op
+
+    from hf_accum import _compat
+    from hf_accum.plan import Plan
+    from hf_accum.protocol import StopTraining
+    from tests.test_oom_recovery import OOMAt
+
+    result = {"shm_op": build_shm_op() is not None}
+    trainer = trainer_for(os.path.join(out, "fill"), stage=2, micro=4)
+    trainer.apply_plan(Plan(1, 8, 1, 8))
+    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+    result["filled"] = {k: config[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                               "train_batch_size")}
+    result["args_config_is_plugins"] = trainer.args.hf_deepspeed_config.config is config
+    result["label"] = _compat.engine_label(trainer)
+    result["describe"] = trainer.plan.describe()
+    result["args"] = [trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps]
+
+    fake = FakeEngine()
+    trainer.accelerator.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(fake)
+    loss = torch.ones((), requires_grad=True)
+    for final in (False, True):
+        with _compat.engine_boundary(trainer, final):
+            trainer.accelerator.backward(loss)
+    result["engine_calls"] = fake.calls
+    result["sync_after"] = trainer.accelerator.sync_gradients
+
+    explicit = trainer_for(os.path.join(out, "explicit"), stage=2, micro=4)
+    explicit.args.deepspeed = {**ds_config(2), "train_micro_batch_size_per_gpu": 2}
+    try:
+        explicit.apply_plan(Plan(1, 8, 1, 8))  # e.g. a resumed checkpoint's downgraded plan
+        result["explicit"] = None
+    except ValueError as exc:
+        result["explicit"] = str(exc)
+
+    oom = trainer_for(os.path.join(out, "oom"), stage=2, micro=4)
+    OOMAt(oom.model, [3])
+    try:
+        oom.train()
+        result["oom"] = None
+    except StopTraining as exc:
+        result["oom"] = str(exc)
+    result["oom_steps"] = oom.state.global_step
+    with open(os.path.join(out, "single.json"), "w") as f:
+        json.dump(result, f)
+
+
 def main():
     mode, out = sys.argv[1], sys.argv[2]
     skip_shm_comm_op()
-    rank = int(os.environ["RANK"])
-    {"train": train_mode, "oom": oom_mode}[mode](out, rank)
+    rank = int(os.environ.get("RANK", 0))
+    {"train": train_mode, "oom": oom_mode, "single": single_mode}[mode](out, rank)
 
 
 if __name__ == "__main__":
