@@ -331,3 +331,72 @@ def engine_steps_in_backward(trainer) -> bool:
     from accelerate.utils import DistributedType
 
     return trainer.accelerator.distributed_type is DistributedType.DEEPSPEED
+
+
+# --- DeepSpeed (through transformers' and accelerate's integration) ---------------------------------------------
+def deepspeed_user_config(value) -> dict:
+    """The DeepSpeed config as the user gave it (`TrainingArguments.deepspeed`: a dict, a JSON file's path or a JSON
+    string), "auto" fields intact; parsed by accelerate's `HfDeepSpeedConfig`, which copies and never fills."""
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(value).config
+
+
+def deepspeed_stage(trainer) -> int | None:
+    """The ZeRO stage of the engine accelerate builds; None when DeepSpeed is not in use."""
+    if not engine_steps_in_backward(trainer):
+        return None
+    return int(trainer.accelerator.state.deepspeed_plugin.zero_stage)
+
+
+def engine_label(trainer) -> str | None:
+    """The sharded engine a plan runs on, as plans and plan keys name it ("DeepSpeed ZeRO-3"); None otherwise."""
+    from .deepspeed_batch import engine_name
+
+    stage = deepspeed_stage(trainer)
+    return None if stage is None else engine_name(stage)
+
+
+def fill_deepspeed_config(trainer) -> None:
+    """Make the config accelerate builds the DeepSpeed engine from (in `train()`) hold the plan now in the arguments.
+
+    transformers fills a config's "auto" fields once, in `TrainingArguments.__post_init__`, from the batch settings
+    given then (before any plan: micro 8 × accumulation 1 for a tuned run); accelerate's `_prepare_deepspeed`
+    reads `deepspeed_plugin.hf_ds_config` / `deepspeed_config`. As transformers' own hyperparameter search does, a
+    fresh `HfTrainerDeepSpeedConfig` of the user's config ("auto" intact) is filled from the current arguments and
+    replaces both (and `args.hf_deepspeed_config`, which `is_deepspeed_zero3_enabled` reads through a weakref)."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    args = trainer.args
+    config = HfTrainerDeepSpeedConfig(args.deepspeed)
+    config.trainer_config_process(args)
+    args.hf_deepspeed_config = config
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    plugin.hf_ds_config = config
+    plugin.deepspeed_config = config.config
+
+
+def deepspeed_batch_config(trainer) -> dict:
+    """The config accelerate will build (or built) the engine from."""
+    return trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+
+
+@contextlib.contextmanager
+def engine_boundary(trainer, final: bool):
+    """One chunk's backward under DeepSpeed, with the engine's accumulation boundary set to ``final``.
+
+    accelerate's `DeepSpeedEngineWrapper.backward` sets the engine's boundary from `accelerator.sync_gradients` and
+    calls `engine.step()` when it is true; transformers sets `sync_gradients` per *loaded* batch. When hf_accum cuts
+    the window's last loaded batch into chunks (OOM recovery, token budgets), every chunk would step; so it is set
+    per chunk: true for the window's final chunk only (the engine then steps exactly once per window whatever the
+    cut), restored after. DeepSpeed's own micro-step counter is never relied on."""
+    if not engine_steps_in_backward(trainer):
+        yield
+        return
+    state = trainer.accelerator.gradient_state
+    saved = state.sync_gradients
+    state._set_sync_gradients(final)
+    try:
+        yield
+    finally:
+        state._set_sync_gradients(saved)

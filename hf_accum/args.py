@@ -199,8 +199,21 @@ class AccumTrainingArguments(TrainingArguments):
                 "halves the micro-batch while accumulation stays (the effective batch shrinks silently). hf_accum "
                 "plans the batch and recovers from out-of-memory errors itself: set auto_find_batch_size=False."
             )
+        if self.deepspeed and self.tunes:
+            raise ValueError(
+                "auto_tune cannot plan a DeepSpeed run yet: ZeRO partitions parameters, gradients and optimizer states "
+                "when the engine is built, so hf_accum's probe (which runs on the unwrapped model) would measure memory "
+                "DeepSpeed does not use. Set auto_tune=False and choose per_device_train_batch_size and "
+                "gradient_accumulation_steps so that they times the world size equal "
+                f"target_batch_size={self.target_batch_size}; an out-of-memory error then stops every rank with a "
+                "smaller plan to restart with."
+            )
+        if self.deepspeed:
+            self._check_deepspeed_batch(world=None)  # the per-rank fields, before any distributed setup
         super().__post_init__()
         self._check_target_batch_size()
+        if self.deepspeed:
+            self._check_deepspeed_batch(world=self.world_size)
 
     @property
     def tunes(self) -> bool:
@@ -244,6 +257,24 @@ class AccumTrainingArguments(TrainingArguments):
             f"{self.per_device_train_batch_size} x gradient_accumulation_steps={self.gradient_accumulation_steps}"
             f" x world size={world} = {derived}. {fix}"
         )
+
+    def _check_deepspeed_batch(self, world: int | None) -> None:
+        """Explicit DeepSpeed batch fields must equal the plan in force ("tokens" mode loads each rank's window whole:
+        micro = the per-rank window, accumulation 1); refused here, before a model is loaded."""
+        from . import _compat
+        from .deepspeed_batch import batch_contradiction, engine_name, zero_stage
+        from .plan import Plan
+
+        micro, accumulation = self.per_device_train_batch_size, self.gradient_accumulation_steps
+        if self.micro_batching == "tokens":
+            micro, accumulation = micro * accumulation, 1
+        config = _compat.deepspeed_user_config(self.deepspeed)
+        engine = engine_name(zero_stage(config))
+        plan = (f"micro {micro} × accumulation {accumulation} per rank on {engine}" if world is None else
+                Plan(micro, accumulation, world, micro * accumulation * world, engine=engine).describe())
+        problem = batch_contradiction(config, micro, accumulation, world, plan)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def effective_batch_size(self) -> int:

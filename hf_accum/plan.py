@@ -100,6 +100,7 @@ class Plan:
     target_batch_size: int
     token_budget: int | None = None  # micro_batching="tokens": tokens per forward; micro = the per-rank window
     token_model: dict | None = None  # the probe's cost model: more rows at lengths it measured (token_budget.py)
+    engine: str | None = None  # the sharded engine that runs it ("DeepSpeed ZeRO-3"); None: DDP or one process
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "world_size", "target_batch_size"):
@@ -118,20 +119,20 @@ class Plan:
             raise ValueError(f"inconsistent plan: {self.describe()} but the product is {product}")
 
     def describe(self) -> str:
+        on = f" on {self.engine}" if self.engine else ""
         if self.token_budget is not None:
             return (f"window {self.micro_batch_size} × world {self.world_size} = {self.target_batch_size}, "
-                    f"cut into forwards of at most {self.token_budget} tokens")
+                    f"cut into forwards of at most {self.token_budget} tokens{on}")
         return (
             f"micro {self.micro_batch_size} × accumulation {self.gradient_accumulation_steps} "
-            f"× world {self.world_size} = {self.target_batch_size}"
+            f"× world {self.world_size} = {self.target_batch_size}{on}"
         )
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | str]:
         out = asdict(self)
-        if self.token_budget is None:
-            del out["token_budget"]  # plan files of "samples" mode keep their four fields
-        if self.token_model is None:
-            del out["token_model"]
+        for optional in ("token_budget", "token_model", "engine"):
+            if out[optional] is None:
+                del out[optional]  # plan files of "samples" mode without an engine keep their four fields
         return out
 
 

@@ -2,7 +2,7 @@
 without probing. The one place that reads or writes `hf_accum_plan.json`.
 
 The key holds everything that changes the memory of a step or the plan: device and capacity, model config and
-attention implementation, sequence length, precision, LoRA / quantization, checkpointing, optimizer, the
+attention implementation, sequence length, precision, LoRA / quantization, checkpointing, optimizer, the sharded engine (DeepSpeed and its ZeRO stage), the
 *requested* budget (a fraction of the memory usable at start, or bytes: never the bytes resolved from what other
 processes happened to hold), the probe's cap, target, world size and the library versions. Any difference means
 a new probe. `key_fields` builds it as one flat dict: adding a field is one line. `canonical` makes it JSON-stable
@@ -63,6 +63,7 @@ def key_fields(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> di
         "probe_max_micro_batch": args.probe_max_micro_batch,
         "target_batch_size": args.target_batch_size,
         "world_size": args.world_size,
+        "engine": _compat.engine_label(trainer),
         "optimize": args.auto_tune_optimize,
         "micro_batching": args.micro_batching,
         "versions": {name: _version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes")},

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import logging
 import math
@@ -28,6 +29,7 @@ from . import _compat
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments
 from .checkpoints import check_resume
+from .deepspeed_batch import batch_contradiction
 from .fused_loss import with_fused_loss
 from .loss import LabelSpec, label_spec
 from .oom import free_memory, is_oom
@@ -187,7 +189,7 @@ class AccumulationMixin:
         if _compat.trainer_divides_by_accumulation(self, local_for_loss):
             scale = share * _compat.window_length(self)  # pre-compensate training_step's division
         sync = contextlib.nullcontext() if final else self._no_gradient_sync(model)
-        with sync, self._loss_scaled(scale, final) as raw:
+        with sync, _compat.engine_boundary(self, final), self._loss_scaled(scale, final) as raw:
             returned = super().training_step(model, inputs, local_for_loss)
         self._forwarded_tokens += _compat.main_input_tokens(self, inputs)
         if not self._post_checked:
@@ -242,6 +244,7 @@ class AccumulationMixin:
     def _shrink(self, units: int | None) -> int:
         """The engine's next cut after an OOM: the next smaller micro-batch dividing the per-rank target, applied
         as the plan in force (the effective batch and the step count are kept)."""
+        self._refuse_rerun_under_deepspeed()
         plan = self._smaller_plan(units)
         if plan is None:
             raise RuntimeError(
@@ -257,6 +260,7 @@ class AccumulationMixin:
 
     def _shrink_tokens(self, budget: TokenBudget) -> TokenBudget:
         """micro_batching="tokens": after an OOM, three quarters of the token budget (same samples, same windows)."""
+        self._refuse_rerun_under_deepspeed()
         longest = self._engine.longest_loaded_unit()
         smaller = budget.scaled(0.75)
         if smaller.rows(longest) < 1:
@@ -265,12 +269,19 @@ class AccumulationMixin:
                 f"longest example ({longest} tokens). Checkpoints in {self.args.output_dir} are intact. To fit: "
                 "enable gradient_checkpointing, train LoRA adapters, shorten sequences, or free memory; then resume."
             )
-        plan = Plan(self.plan.micro_batch_size, 1, self.plan.world_size, self.plan.target_batch_size,
-                    token_budget=smaller.tokens, token_model=smaller.model)  # forward_tokens rides in the model
+        plan = dataclasses.replace(self.plan, token_budget=smaller.tokens, token_model=smaller.model)
         logger.warning("hf_accum: out of memory at step %d; re-running this accumulation window with %s",
                        self.state.global_step, plan.describe())
         self.apply_plan(plan, in_training_loop=True)
         return smaller
+
+    def _refuse_rerun_under_deepspeed(self) -> None:
+        """Re-running a window needs its gradients cleared; DeepSpeed ZeRO reduces each backward's gradients into its
+        own partitions, which `zero_grad` does not clear (and steps inside the final backward). So under DeepSpeed an
+        out-of-memory error stops every rank, one process included, with the plan to restart with."""
+        if _compat.engine_steps_in_backward(self):
+            raise StopTraining("out of memory under DeepSpeed, whose engine already holds this window's reduced "
+                               "gradients in its own partitions (they cannot be cleared to re-run the window)")
 
     def _smaller_plan(self, units: int | None = None) -> Plan | None:
         current = units or self.args.per_device_train_batch_size
@@ -282,7 +293,12 @@ class AccumulationMixin:
         smaller = [d for d in divisors(per_rank) if d < current]
         if not smaller:
             return None
-        return Plan(smaller[-1], per_rank // smaller[-1], world, target)
+        return self._on_engine(Plan(smaller[-1], per_rank // smaller[-1], world, target))
+
+    def _on_engine(self, plan: Plan) -> Plan:
+        """The plan, naming the sharded engine that runs it (DeepSpeed and its ZeRO stage)."""
+        label = _compat.engine_label(self)
+        return plan if label is None else dataclasses.replace(plan, engine=label)
 
     def _stop_message(self, reason: str) -> str:
         plan = self._smaller_plan(self._engine.cut_units if self._engine else None)
@@ -304,6 +320,10 @@ class AccumulationMixin:
         the loop's window length are fixed, so the engine cuts each loaded batch into chunks of the new size
         (same samples per window: the effective batch and step count are kept); here the plan is only recorded.
         """
+        plan = self._on_engine(plan)
+        into_deepspeed = not in_training_loop and _compat.deepspeed_stage(self) is not None
+        if into_deepspeed:
+            self._check_deepspeed_batch(plan)  # before anything changes
         if self._engine is not None:
             self._engine.token_budget = _token_budget(plan)
         if not in_training_loop:
@@ -312,9 +332,24 @@ class AccumulationMixin:
             _compat.set_train_batch_size(self, plan.micro_batch_size)
             if self._engine is not None:
                 self._engine.cut_units = None
+            if into_deepspeed and self.args.deepspeed is not None:
+                # the engine, built in train(), gets the plan: "auto" batch fields filled from these arguments
+                _compat.fill_deepspeed_config(self)
         self.plan = plan
         if in_training_loop and self.args.should_save:  # tune() saved the plan it applies, with its probe
             save_plan(self.args.output_dir, self._plan_key or {}, plan, None)
+
+    def _check_deepspeed_batch(self, plan: Plan) -> None:
+        """Before the DeepSpeed engine is built, its batch fields must be able to take the plan: an explicit value
+        that contradicts it is refused, naming the field. (A live engine's fields are never changed: a plan changed
+        inside the loop is applied by cutting loaded batches, the engine stepping once per window.) Launched with
+        accelerate's DeepSpeed plugin instead of `deepspeed=`, its already-filled values must equal the plan."""
+        user = self.args.deepspeed
+        config = _compat.deepspeed_user_config(user) if user is not None else _compat.deepspeed_batch_config(self)
+        problem = batch_contradiction(config, plan.micro_batch_size, plan.gradient_accumulation_steps,
+                                      plan.world_size, plan.describe())
+        if problem:
+            raise ValueError(problem)
 
     @with_fused_loss
     def tune(self) -> Plan:
@@ -482,8 +517,8 @@ class _PlanInCheckpoints(TrainerCallback):
             return
         plan = trainer.plan
         if plan is None and getattr(args, "target_batch_size", None):
-            plan = Plan(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size,
-                        args.target_batch_size)
+            plan = trainer._on_engine(Plan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                                           args.world_size, args.target_batch_size))
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if plan is not None and args.should_save and os.path.isdir(folder):
             save_plan(folder, trainer._plan_key or {}, plan, None)

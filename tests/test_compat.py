@@ -238,3 +238,17 @@ def test_the_default_process_groups_store_is_reachable(tmp_path):
         assert store.check(["hf_accum/test"]) and store.get("hf_accum/test") == b"why"
     finally:
         dist.destroy_process_group()
+
+
+def test_deepspeed_user_config_keeps_auto_and_never_writes(tmp_path):
+    """The DeepSpeed pieces that need an engine (`fill_deepspeed_config`, `engine_label`, `engine_boundary` through
+    accelerate's backward) are pinned on a real one in tests/test_deepspeed.py::test_one_process_pieces_and_oom_stop;
+    this is the parse every batch-field check starts from."""
+    import json
+
+    given = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}
+    parsed = _compat.deepspeed_user_config(given)
+    assert parsed == given and parsed is not given
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(given))
+    assert _compat.deepspeed_user_config(str(path)) == given

@@ -1,0 +1,204 @@
+"""DeepSpeed ZeRO-2 / ZeRO-3 under AccumTrainer, on CPU with gloo ranks (`deepspeed=<dict>`, `use_cpu=True`): the
+plan reaches the engine (its micro / accumulation / train batch are the plan's; "auto" filled from it; an explicit
+field contradicting it refused), the engine steps once per window however hf_accum cuts it, final weights equal
+DDP's on the same data and target, an out-of-memory error stops every rank, and a resumed run is exact.
+
+The launches skip DeepSpeed's JIT-compiled shm op (inference-only; see `deepspeed_worker.skip_shm_comm_op`), so no
+C++ compile runs in CI."""
+
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from hf_accum.deepspeed_batch import batch_contradiction, plan_fields, zero_stage
+
+from .test_ddp import ROOT, _free_port, _torchrun, run_two_ranks
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="DeepSpeed is not installed (pip install 'hf-accum[deepspeed]')")
+
+AUTO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
+PLAN = "micro 2 × accumulation 2 × world 2 = 8"
+
+
+# --- the batch fields, pure ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("config, wrong", [
+    (AUTO, None),
+    ({}, None),  # absent fields: filled
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 8}, None),
+    ({**AUTO, "train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu=8"),
+    ({**AUTO, "gradient_accumulation_steps": 1}, "gradient_accumulation_steps=1"),
+    ({**AUTO, "train_batch_size": 16}, "train_batch_size=16"),
+])
+def test_explicit_batch_fields_must_equal_the_plan(config, wrong):
+    problem = batch_contradiction(config, 2, 2, 2, PLAN)
+    if wrong is None:
+        assert problem is None
+    else:
+        key, value = wrong.split("=")
+        want = plan_fields(2, 2, 2)[key]
+        assert problem == (f"deepspeed config {wrong} contradicts hf_accum's plan ({PLAN}), which needs {key}={want}. "
+                           f'Set "{key}": "auto" in the DeepSpeed config (hf_accum fills it from the plan) or {want}.')
+
+
+def test_per_rank_fields_are_checked_before_the_world_size_is_known():
+    assert batch_contradiction({"train_batch_size": 99}, 2, 2, None, "p") is None
+    assert "gradient_accumulation_steps=3" in batch_contradiction({"gradient_accumulation_steps": 3}, 2, 2, None, "p")
+    assert zero_stage({"zero_optimization": {"stage": 3}}) == 3 and zero_stage({}) == 0
+
+
+# --- the arguments: refused before any distributed setup or model -----------------------------------------------
+def _args(**kw):
+    from hf_accum import AccumTrainingArguments
+
+    return AccumTrainingArguments(output_dir="unused", report_to=[], use_cpu=True, max_nonfinite_steps=None, **kw)
+
+
+def test_auto_tune_under_deepspeed_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"^auto_tune cannot plan a DeepSpeed run yet: ZeRO partitions .* Set "
+                                         r"auto_tune=False .* target_batch_size=8;"):
+        _args(deepspeed={"zero_optimization": {"stage": 3}, **AUTO}, target_batch_size=8)
+
+
+@pytest.mark.parametrize("extra, micro_batching, message", [
+    ({"train_micro_batch_size_per_gpu": 4}, "samples",
+     "train_micro_batch_size_per_gpu=4 contradicts hf_accum's plan (micro 2 × accumulation 2 per rank on DeepSpeed "
+     "ZeRO-2), which needs train_micro_batch_size_per_gpu=2."),
+    # "tokens" loads each rank's window whole: the engine's micro-batch is the window, accumulation 1
+    ({"gradient_accumulation_steps": 2}, "tokens",
+     "gradient_accumulation_steps=2 contradicts hf_accum's plan (micro 4 × accumulation 1 per rank on DeepSpeed "
+     "ZeRO-2), which needs gradient_accumulation_steps=1."),
+])
+def test_an_explicit_field_contradicting_the_arguments_plan_is_refused(extra, micro_batching, message):
+    with pytest.raises(ValueError) as info:
+        _args(deepspeed={"zero_optimization": {"stage": 2}, **AUTO, **extra}, per_device_train_batch_size=2,
+              gradient_accumulation_steps=2, target_batch_size=4, auto_tune=False, micro_batching=micro_batching,
+              max_tokens_per_forward=64)
+    assert str(info.value) == f"deepspeed config {message} " + str(info.value).split(". ", 1)[1]
+    assert "\n" not in str(info.value)
+
+
+@needs_deepspeed
+def test_the_op_skip_the_launches_rely_on_means_no_compile():
+    # the workers mark the inference-only shm op incompatible; DeepSpeed's comm backend then builds nothing
+    import importlib
+
+    import deepspeed.ops
+
+    from .deepspeed_worker import skip_shm_comm_op
+
+    ops = deepspeed.ops.__compatible_ops__
+    saved = dict(ops)
+    try:
+        skip_shm_comm_op()
+        assert importlib.import_module("deepspeed.comm.torch").build_shm_op() is None
+    finally:
+        ops.update(saved)
+
+
+# --- launches -----------------------------------------------------------------------------------------------
+def _update_diff(got, want, start):
+    num = sum(float(((got[n] - start[n]) - (want[n] - start[n])).pow(2).sum()) for n in start)
+    den = sum(float((want[n] - start[n]).pow(2).sum()) for n in start)
+    assert den > 0
+    return (num / den) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepspeed")
+    start = time.monotonic()
+    proc = _torchrun("deepspeed_worker.py", "train", out, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    print(f"two-rank DeepSpeed launch: {time.monotonic() - start:.1f} s")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+@pytest.mark.slow
+@needs_deepspeed
+@pytest.mark.parametrize("run, stage", [("zero2", 2), ("zero3", 3)])
+def test_zero_ends_with_ddps_weights_and_runs_the_plan(zero_runs, run, stage):
+    for res in zero_runs:
+        diff = _update_diff(res[run], res["ddp"], res["initial"])
+        print(f"{run}: relative difference of the update vs DDP {diff:.2e}")
+        assert diff <= 1e-5  # DeepSpeed's ZeRO optimizer updates fp32 master weights: ~3e-7 here, not 1e-16
+        engine = res[f"{run}_engine"]
+        assert (engine["stage"], engine["micro"], engine["accumulation"], engine["train_batch"]) == (stage, 2, 2, 8)
+        assert engine["engine_steps"] == engine["steps"] == 3
+        assert res[f"{run}_forwards"] == res["ddp_forwards"] == 6
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_a_window_cut_into_forwards_steps_the_engine_once(zero_runs):
+    # micro_batching="tokens": each rank's window (4 samples) is one loaded batch, cut by a 40-token budget into
+    # several forwards; without the per-chunk boundary the engine stepped at every forward (11 steps, diff 2.1)
+    for res in zero_runs:
+        engine = res["zero2_tokens_engine"]
+        assert engine["plan"] == {"micro_batch_size": 4, "gradient_accumulation_steps": 1, "world_size": 2,
+                                  "target_batch_size": 8, "token_budget": 40, "engine": "DeepSpeed ZeRO-2"}
+        assert (engine["micro"], engine["accumulation"], engine["train_batch"]) == (4, 1, 8)
+        assert res["zero2_tokens_forwards"] > 6, "the windows were cut into more forwards than loaded batches"
+        assert engine["engine_steps"] == engine["steps"] == 3
+        assert engine["describe"].endswith("on DeepSpeed ZeRO-2")
+        assert _update_diff(res["zero2_tokens"], res["ddp"], res["initial"]) <= 1e-5
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_zero3_resume_is_exact_and_keeps_the_plan(zero_runs):
+    for res in zero_runs:
+        num = sum(float((res["resumed"][n] - res["resume_full"][n]).pow(2).sum()) for n in res["initial"])
+        den = sum(float((res["resume_full"][n] - res["initial"][n]).pow(2).sum()) for n in res["initial"])
+        assert (num / den) ** 0.5 <= 1e-10
+        assert res["checkpoint_plan"] == {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "world_size": 2,
+                                          "target_batch_size": 8, "engine": "DeepSpeed ZeRO-3"}
+        engine = res["resumed_engine"]
+        assert (engine["micro"], engine["accumulation"], engine["train_batch"], engine["steps"]) == (2, 2, 8, 4)
+        assert engine["describe"] == "micro 2 × accumulation 2 × world 2 = 8 on DeepSpeed ZeRO-3"
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_oom_under_zero3_stops_every_rank_and_use_cpu_false_is_refused(tmp_path):
+    start = time.monotonic()
+    proc = _torchrun("deepspeed_worker.py", "oom", tmp_path, timeout=300)
+    took = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and took < 240, f"a clean stop, no hang ({took:.0f} s)"
+    assert "[rank1]: hf_accum.protocol.StopTraining: hf_accum: out of memory in a micro-batch" in out
+    assert ("per_device_train_batch_size=1 and gradient_accumulation_steps=4 (micro 1 × accumulation 4 × world 2 = 8 "
+            "on DeepSpeed ZeRO-3)") in out
+    for r in (0, 1):  # written before the run that stops
+        message = json.loads((tmp_path / f"rank{r}.json").read_text())["world_one"]
+        assert "training sees world size 1: every rank would train on the same data" in message
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_one_process_pieces_and_oom_stop(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
+           os.path.join(ROOT, "tests", "deepspeed_worker.py"), "single", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = run_two_ranks(cmd, env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads((tmp_path / "single.json").read_text())
+    assert res["shm_op"] is False  # nothing compiled
+    # a plan applied before train() reaches the config accelerate builds the engine from
+    assert res["filled"] == {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
+                             "train_batch_size": 8}
+    assert res["args_config_is_plugins"] and res["args"] == [1, 8]
+    assert res["label"] == "DeepSpeed ZeRO-2" and res["describe"] == "micro 1 × accumulation 8 × world 1 = 8 on DeepSpeed ZeRO-2"
+    # accelerate's backward steps the engine only in the chunk engine_boundary marks final
+    assert res["engine_calls"] == ["boundary=False", "backward", "boundary=True", "backward", "step"]
+    assert res["sync_after"] is True
+    assert res["explicit"].startswith("deepspeed config train_micro_batch_size_per_gpu=2 contradicts hf_accum's plan "
+                                      "(micro 1 × accumulation 8 × world 1 = 8 on DeepSpeed ZeRO-2)")
+    # one process: DeepSpeed's partitions hold the window's gradients, so no re-run: a stop with the plan
+    assert "out of memory under DeepSpeed" in res["oom"] and res["oom_steps"] == 1
+    assert "per_device_train_batch_size=2 and gradient_accumulation_steps=4" in res["oom"]
