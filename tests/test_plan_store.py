@@ -11,7 +11,7 @@ import pytest
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
 from hf_accum.plan import Plan
-from hf_accum.plan_store import PLAN_FILE, PlanFileError, canonical, load_stored_plan
+from hf_accum.plan_store import PLAN_FILE, PlanFileError, canonical, load_stored_plan, plan_from_record
 from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
 
 MiB = 2**20
@@ -141,3 +141,13 @@ def test_a_corrupt_plan_file_raises_naming_it(tmp_path, text, problem):
 def test_a_plan_with_negative_factors_is_invalid():
     with pytest.raises(ValueError, match="micro_batch_size=-4 is not a positive integer"):
         Plan(-4, -4, 1, 16)
+
+
+@pytest.mark.parametrize("plan", [
+    Plan(2, 2, 2, 8, engine="DeepSpeed ZeRO-3"),
+    Plan(4, 1, 2, 8, token_budget=40, token_model={"lengths": [4, 8], "rows_at": {"4": 2, "8": 1}, "usable_bytes": 1.0,
+                                                   "per_token_bytes": 1.0, "per_token_sq_bytes": 0.0}),
+], ids=["engine", "token budget"])
+def test_a_plan_reads_back_whole_with_its_optional_fields(plan):
+    # a stored token plan that lost its budget would forward every window uncut
+    assert plan_from_record({"plan": plan.to_dict()}, "hf_accum_plan.json") == plan
