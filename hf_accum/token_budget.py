@@ -23,32 +23,49 @@ from dataclasses import dataclass, replace
 
 def cost_model(base: float, per_row: dict[int, float]) -> dict[str, float]:
     """What a step's peak costs, from the probe's measured lines ``peak ≈ base + rows x per_row[length]`` at each
-    measured padded length: ``peak ≈ base + rows x (per_token x length + per_token_sq x length²)``. The
-    per-token term holds activations; the quadratic one holds eager attention's score matrices (about 0 with
-    SDPA / flash attention). A cost that depends only on the row count is folded into them: in a transformer
-    every activation has a sequence dimension. It explains the budget; the budget itself is the smaller of the
-    measured token capacities, never this model extrapolated."""
-    (short, s_short), (long, s_long) = sorted(per_row.items())[0], sorted(per_row.items())[-1]
-    quad = (s_long / long - s_short / short) / (long - short) if long != short else 0.0
-    return {"base_bytes": float(base), "per_token_bytes": s_short / short - quad * short,
-            "per_token_sq_bytes": quad, "lengths": sorted(per_row)}
+    measured padded length: ``peak ≈ base + rows x (per_row + per_token x length + per_token_sq x length²)``. The
+    per-token term holds activations; the quadratic one eager attention's score matrices, or the masked scores
+    SDPA builds for a padding mask (about 0 with flash attention); the per-row one what a row costs whatever its
+    length. Three measured lengths determine the three terms; with two, the per-row term is taken as 0 (between the
+    two lengths that over-estimates a row's cost by ``per_row (length - short)(long - length) / (short x long)``:
+    on the safe side); with one, everything is per token."""
+    points = sorted(per_row.items())
+    if len(points) >= 3:
+        (x0, y0), (x1, y1), (x2, y2) = points[0], points[len(points) // 2], points[-1]
+        # the quadratic through the three slopes (Newton's divided differences)
+        d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+        quad = (d12 - d01) / (x2 - x0)
+        linear = d01 - quad * (x0 + x1)
+        constant = y0 - linear * x0 - quad * x0 * x0
+    elif len(points) == 2:
+        (short, s_short), (long, s_long) = points
+        quad = (s_long / long - s_short / short) / (long - short)
+        constant, linear = 0.0, s_short / short - quad * short
+    else:
+        (length, slope), = points
+        constant, linear, quad = 0.0, slope / length, 0.0
+    return {"base_bytes": float(base), "per_row_bytes": constant, "per_token_bytes": linear,
+            "per_token_sq_bytes": quad, "lengths": [x for x, _ in points]}
+
+
+def row_cost(model: dict[str, float], length: int) -> float:
+    return model.get("per_row_bytes", 0.0) + model["per_token_bytes"] * length + model["per_token_sq_bytes"] * length ** 2
 
 
 def predicted_peak(model: dict[str, float], rows: int, length: int) -> float:
-    return model["base_bytes"] + rows * (model["per_token_bytes"] * length + model["per_token_sq_bytes"] * length ** 2)
+    return model["base_bytes"] + rows * row_cost(model, length)
 
 
 @dataclass(frozen=True)
 class TokenBudget:
     """What one forward of padded rows may hold: ``rows(length)`` rows padded to ``length``.
 
-    ``tokens`` holds at every length (the smaller of the token capacities measured at the two probed lengths, or
-    a given ``max_tokens_per_forward``): ``rows = tokens // length``. With the probe's ``model`` (`cost_model`
-    plus ``usable_bytes``: the budget less the base and less the model's worst under-prediction of a measured
-    step, and ``rows_at``: the rows measured to fit at each probed length), a length between the probed ones
-    may hold more rows, as many as the model predicts fit. Between the two measured lengths the model never
-    under-predicts a cost of the form ``a + b*length + c*length^2`` per row with ``a >= 0`` (the difference is
-    ``a (length - short)(length - long) / (short * long) <= 0``); outside them it is not used."""
+    ``tokens`` holds at every length (the smallest of the token capacities measured at the probed lengths, or a
+    given ``max_tokens_per_forward``): ``rows = tokens // length``. With the probe's ``model`` (`cost_model` plus
+    ``usable_bytes``: the budget less the base and less the model's worst under-prediction of a measured step, and
+    ``rows_at``: the rows measured to fit at each probed length), a length between the shortest and the longest
+    probed one may hold more rows, as many as the model predicts fit; outside them it is not used (see
+    `cost_model` for why the model errs on the safe side between measured lengths)."""
 
     tokens: int
     model: dict | None = None
@@ -62,7 +79,7 @@ class TokenBudget:
         measured = {int(k): v for k, v in m["rows_at"].items()}
         if length in measured:
             return max(floor, measured[length])
-        per_row = m["per_token_bytes"] * length + m["per_token_sq_bytes"] * length ** 2
+        per_row = row_cost(m, length)
         return max(floor, int(m["usable_bytes"] // per_row)) if per_row > 0 else floor
 
     def scaled(self, factor: float) -> TokenBudget:

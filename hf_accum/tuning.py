@@ -7,6 +7,7 @@ trainer; the plan is applied by `AccumTrainer.apply_plan` alone.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import weakref
 from collections.abc import Callable
@@ -94,35 +95,43 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe) ->
 
     For a fixed token count, a step's peak is convex in the padded length (per-row terms fall, attention's
     quadratic term grows), so the largest token count fitting at the longest *and* at the shortest example fits
-    every length between: the budget is the smaller of the two measured capacities (rows that fit x length).
-    Each rank loads its whole window (micro = the per-rank target, accumulation 1); the engine cuts it."""
+    every length between: the budget is the smallest of the measured capacities (rows that fit x length) at the
+    longest example, the shortest that matters, and one between them. Their three lines make the cost model
+    (`token_budget.cost_model`), by which a length between may hold more rows. Each rank loads its whole window
+    (micro = the per-rank target, accumulation 1); the engine cuts it."""
     per_rank = plan.target_batch_size // plan.world_size
     at_longest = result.max_micro_batch_size * seq_len
     # A forward never holds more rows than the window, so below at_longest / per_rank tokens per row the chunks
     # are whole windows whose peak grows with their length: the short end that matters is the shortest example
     # at or above that length.
     make_short, short_len = probe_batches(trainer, shortest=-(-at_longest // per_rank))
+    measured = {seq_len: result}
     if short_len < seq_len:
-        short_result, _ = probe(make_short, short_len)
-        at_shortest = short_result.max_micro_batch_size
-    else:
-        short_result, at_shortest = None, result.max_micro_batch_size
-    budget = min(at_longest, at_shortest * short_len)
+        measured[short_len], _ = probe(make_short, short_len)
+        # a third length between them pins a row's cost that does not grow with its length (cost_model)
+        make_mid, mid_len = probe_batches(trainer, shortest=round(math.sqrt(short_len * seq_len)))
+        if short_len < mid_len < seq_len:
+            measured[mid_len], _ = probe(make_mid, mid_len)
+    rows_at = {length: r.max_micro_batch_size for length, r in measured.items()}
+    budget = min(rows * length for length, rows in rows_at.items())
     budget = max(budget, seq_len)  # the longest example fits alone: the first probe found micro >= 1
-    model = _cost_model(result, seq_len, short_result, short_len)
+    model = None
+    if all(r.fitted is not None for r in measured.values()):
+        model = cost_model(result.fitted[0], {length: r.fitted[1] for length, r in measured.items()})
     rows_model = None
     if model is not None:
-        trials = [(t, seq_len) for t in result.measured_trials]
-        trials += [(t, short_len) for t in (short_result.measured_trials if short_result else [])]
-        rows_model = _usable(model, trials, result.budget_bytes,
-                             {seq_len: result.max_micro_batch_size, short_len: at_shortest})
+        trials = [(t, length) for length, r in measured.items() for t in r.measured_trials]
+        rows_model = _usable(model, trials, result.budget_bytes, rows_at)
         rows_model["forward_tokens"] = _forward_tokens(trials)
     tokens = TokenBudget(budget, rows_model, rows_model["forward_tokens"] if rows_model else None)
     result.extra["expected"] = _expected_cuts(trainer, per_rank, tokens, seq_len, result.max_micro_batch_size)
+    short = min(measured)
     result.extra["token_budget"] = {
         "tokens_per_forward": budget, "longest": seq_len, "rows_at_longest": result.max_micro_batch_size,
-        "shortest": short_len, "rows_at_shortest": at_shortest,
-        "short_trials": [t.__dict__ for t in short_result.measured_trials] if short_result else [],
+        "shortest": short, "rows_at_shortest": rows_at[short],
+        "rows_at": {str(k): v for k, v in rows_at.items()},
+        "short_trials": [t.__dict__ for length, r in measured.items() if length != seq_len
+                         for t in r.measured_trials],
         "cost_model": model,
     }
     return Plan(per_rank, 1, plan.world_size, plan.target_batch_size, token_budget=budget,
@@ -154,17 +163,6 @@ def _usable(model: dict, trials: list, budget_bytes: int, rows_at: dict[int, int
               for t, length in trials if t.micro_batch_size > 1 and t.peak_bytes is not None]
     usable = budget_bytes - model["base_bytes"] - max([0.0, *misses])
     return {**model, "usable_bytes": usable, "rows_at": {str(k): v for k, v in rows_at.items()}}
-
-
-def _cost_model(result: ProbeResult, seq_len: int, short: ProbeResult | None, short_len: int) -> dict | None:
-    """The probe's lines at the two lengths as one cost model (see `token_budget.cost_model`); None where a
-    length has a single measured size (no line)."""
-    lines = {seq_len: result.fitted}
-    if short is not None:
-        lines[short_len] = short.fitted
-    if any(line is None for line in lines.values()):
-        return None
-    return cost_model(result.fitted[0], {length: line[1] for length, line in lines.items()})
 
 
 def _expected_cuts(trainer, per_rank: int, budget: TokenBudget, longest: int,
@@ -221,7 +219,7 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
         for name, value in extra.get("expected", {}).items():
             figures[f"hf_accum/expected_{name}" if not name.startswith("samples") else f"hf_accum/{name}"] = value
         model = (extra.get("token_budget") or {}).get("cost_model")
-        for name in ("base_bytes", "per_token_bytes", "per_token_sq_bytes"):
+        for name in ("base_bytes", "per_row_bytes", "per_token_bytes", "per_token_sq_bytes"):
             if model:
                 figures[f"hf_accum/cost_{name}"] = model[name]
     trials = (probe or {}).get("trials") or []
@@ -254,7 +252,8 @@ def _summary(plan: Plan, figures: dict[str, float], args) -> str:
                     f"{figures['hf_accum/samples_mode_padded_over_real']:.2f})")
     if "hf_accum/cost_base_bytes" in figures:
         expected += (f"; measured cost model: peak ~ {_mib(figures['hf_accum/cost_base_bytes'])} + rows x "
-                     f"({figures['hf_accum/cost_per_token_bytes'] / 1024:.1f} KiB x length + "
+                     f"({figures['hf_accum/cost_per_row_bytes'] / 1024:.1f} KiB + "
+                     f"{figures['hf_accum/cost_per_token_bytes'] / 1024:.1f} KiB x length + "
                      f"{figures['hf_accum/cost_per_token_sq_bytes']:.1f} B x length^2)")
     return (f"plan {plan.describe()} (target_batch_size={plan.target_batch_size}): {measured}budget {budget} "
             f"({asked}), {figures['hf_accum/probe_trials']} probe trials{expected}")

@@ -112,19 +112,27 @@ def test_forced_group_counts_and_refusals():
         partition_padded([30, 5], 20)
 
 
-@pytest.mark.parametrize("per_token, per_token_sq, lengths", [
-    (4096.0, 0.0, (64, 512)),       # SDPA: activations only
-    (4096.0, 96.0, (64, 512)),      # eager attention's score matrices
-    (2048.0, 8.0, (300, 300)),      # one length: nothing separates the terms, all is per token
+@pytest.mark.parametrize("per_row, per_token, per_token_sq, lengths", [
+    (0.0, 4096.0, 0.0, (64, 512)),         # SDPA without a padding mask: activations only
+    (0.0, 4096.0, 96.0, (64, 512)),        # eager attention's score matrices
+    (50000.0, 4096.0, 96.0, (64, 181, 512)),  # three lengths pin a per-row cost too
+    (0.0, 2048.0, 8.0, (300,)),            # one length: nothing separates the terms, all is per token
 ])
-def test_the_cost_model_separates_per_token_and_quadratic_terms(per_token, per_token_sq, lengths):
-    slopes = {n: per_token * n + per_token_sq * n * n for n in lengths}
+def test_the_cost_model_separates_per_row_per_token_and_quadratic_terms(per_row, per_token, per_token_sq, lengths):
+    slopes = {n: per_row + per_token * n + per_token_sq * n * n for n in lengths}
     model = cost_model(1e6, slopes)
-    if lengths[0] != lengths[1]:
-        assert model["per_token_bytes"] == pytest.approx(per_token) and model["per_token_sq_bytes"] == pytest.approx(
-            per_token_sq, abs=1e-9)
+    if len(lengths) > 1:
+        assert model["per_token_bytes"] == pytest.approx(per_token)
+        assert model["per_token_sq_bytes"] == pytest.approx(per_token_sq, abs=1e-6)
+        assert model["per_row_bytes"] == pytest.approx(per_row, abs=1e-3)
     for n in lengths:  # it reproduces the measured lines at every measured length
         assert predicted_peak(model, 3, n) == pytest.approx(1e6 + 3 * slopes[n])
+
+
+def test_two_lengths_over_estimate_a_per_row_cost_between_them():
+    true = {n: 50000.0 + 4096.0 * n for n in (64, 181, 512)}
+    model = cost_model(0.0, {64: true[64], 512: true[512]})
+    assert predicted_peak(model, 1, 181) > true[181]
 
 
 # --- through the trainer ----------------------------------------------------------------------------------------
@@ -235,8 +243,8 @@ def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(t
     assert measured["longest"] == longest and measured["shortest"] <= longest
     if measured["rows_at_longest"] < 16:  # the window does not fit whole at the worst case: a second length
         assert measured["shortest"] < longest and measured["short_trials"]
-    assert plan.token_budget == min(measured["rows_at_longest"] * longest,
-                                    measured["rows_at_shortest"] * measured["shortest"])
+    assert plan.token_budget == min(rows * int(length) for length, rows in measured["rows_at"].items())
+    assert measured["rows_at"][str(longest)] == measured["rows_at_longest"]
     assert "cut into forwards of at most" in plan.describe()
     if measured["cost_model"] is not None:
         assert "measured cost model: peak ~" in caplog.text
