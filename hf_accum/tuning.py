@@ -139,19 +139,27 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe) ->
 
 
 def _forward_tokens(trials: list) -> float | None:
-    """What a forward costs beyond its tokens, in tokens: the intercept over the slope of the probe's step times
-    against the tokens each step held (least squares over its measured trials at both lengths; None when they
-    do not show a positive per-token time)."""
-    points = [(t.micro_batch_size * length, t.seconds) for t, length in trials if t.seconds]
-    if len({x for x, _ in points}) < 2:
-        return None
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
-             / sum((x - mean_x) ** 2 for x, _ in points))
-    if slope <= 0:
-        return None
-    return max(0.0, (mean_y - slope * mean_x) / slope)
+    """What a forward costs beyond its tokens, in tokens: at each probed length, the intercept over the slope of
+    the step times against the tokens each step held; the largest of them (a noisy, shared machine can shrink one
+    line's intercept, and an under-estimate would cut windows into needlessly many forwards). The trials' steps
+    include the optimizer step, so this over-estimates a forward's cost: one more forward is taken only where it
+    clearly pays. None when some length lacks two timed sizes or a positive per-token time: fewest forwards."""
+    by_length: dict[int, list[tuple[int, float]]] = {}
+    for t, length in trials:
+        if t.seconds:
+            by_length.setdefault(length, []).append((t.micro_batch_size * length, t.seconds))
+    estimates = []
+    for points in by_length.values():
+        if len({x for x, _ in points}) < 2:
+            return None
+        mean_x = sum(x for x, _ in points) / len(points)
+        mean_y = sum(y for _, y in points) / len(points)
+        slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
+                 / sum((x - mean_x) ** 2 for x, _ in points))
+        if slope <= 0:
+            return None
+        estimates.append(max(0.0, (mean_y - slope * mean_x) / slope))
+    return max(estimates) if estimates else None
 
 
 def _usable(model: dict, trials: list, budget_bytes: int, rows_at: dict[int, int]) -> dict:

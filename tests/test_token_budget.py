@@ -301,3 +301,16 @@ def test_check_accumulation_in_tokens_mode_runs_one_forward_not_the_window(tmp_p
     trainer.train()
     result = trainer.check_accumulation(num_micro_batches=2)
     assert result.passed and result.relative_error < 1e-6 and result.one_pass_size < 16
+
+
+def test_a_forwards_cost_in_tokens_is_read_from_the_probes_step_times():
+    from hf_accum.probe import Trial
+    from hf_accum.tuning import _forward_tokens
+
+    def trial(rows, length, overhead):
+        return Trial(rows, 1, None, overhead + 1e-5 * rows * length, True, "fits"), length
+
+    # 10 ms per step beyond 10 us per token: 1000 tokens at one length, 2000 at the other; the larger one counts
+    trials = [trial(1, 512, 0.01), trial(4, 512, 0.01), trial(2, 64, 0.02), trial(30, 64, 0.02)]
+    assert _forward_tokens(trials) == pytest.approx(2000)
+    assert _forward_tokens(trials[:3]) is None  # a length timed at one size only: fewest forwards
