@@ -246,6 +246,45 @@ def saved_training_args(checkpoint: str) -> dict | None:
     return _unpickle_opaque(path) if os.path.isfile(path) else None
 
 
+def optimizer_state_kinds(checkpoint: str) -> frozenset[str]:
+    """Which optimizer and scheduler state ``checkpoint`` holds, named by the loader that finds it:
+
+    - ``"trainer"``: what `Trainer._load_optimizer_and_scheduler` looks for without DeepSpeed: an optimizer file
+      (`OPTIMIZER_NAME`, `OPTIMIZER_NAME_BIN` (accelerate's FSDP), a folder named like it (sharded FSDP), SageMaker's
+      `OPTIMIZER_NAME_*`, XLA FSDP's `rank*-of-N-OPTIMIZER_NAME`) *and* `SCHEDULER_NAME`;
+    - ``"deepspeed"``: a `global_step*` entry, what `deepspeed_load_checkpoint` looks for (the engine keeps both).
+
+    Empty for a checkpoint written with `save_only_model=True`. transformers does not say so: without the files
+    it goes on with a fresh optimizer and schedule (5.17 to 5.23), DeepSpeed aside (it raises)."""
+    import glob
+    import os
+
+    from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN, SCHEDULER_NAME
+
+    if not os.path.isdir(checkpoint):
+        return frozenset()
+    names = os.listdir(checkpoint)
+    folder = glob.escape(checkpoint)
+    optimizer = (
+        os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME))
+        or os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME_BIN))
+        or any(OPTIMIZER_NAME_BIN.split(".")[0] in n for n in names if os.path.isdir(os.path.join(checkpoint, n)))
+        or bool(glob.glob(os.path.join(folder, OPTIMIZER_NAME) + "_*"))
+        or bool(glob.glob(os.path.join(folder, f"rank*-of-*-{OPTIMIZER_NAME}")))
+    )
+    kinds = set()
+    if optimizer and os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+        kinds.add("trainer")
+    if any(n.startswith("global_step") for n in names):
+        kinds.add("deepspeed")
+    return frozenset(kinds)
+
+
+def deepspeed_enabled(trainer) -> bool:
+    """The Trainer resumes through DeepSpeed's engine (`Trainer.is_deepspeed_enabled`, set from accelerate's state)."""
+    return bool(getattr(trainer, "is_deepspeed_enabled", False))
+
+
 def local_shard(t):
     """The part of a tensor this rank holds: a DTensor's (FSDP2) local shard, any other tensor itself."""
     return t.to_local() if type(t).__name__ == "DTensor" else t

@@ -302,8 +302,12 @@ class AccumulationMixin:
 
     def _stop_message(self, reason: str) -> str:
         plan = self._smaller_plan(self._engine.cut_units if self._engine else None)
-        how = ("Restart (a new run: a model sharded at load time cannot be resumed) with"
-               if _compat.sharded_at_load(self.model) else "Restart (resume from the last checkpoint) with")
+        if _compat.sharded_at_load(self.model):
+            how = "Restart (a new run: a model sharded at load time cannot be resumed) with"
+        elif self.args.save_only_model:
+            how = "Restart (a new run from the last checkpoint's weights: save_only_model=True saves no optimizer state) with"
+        else:
+            how = "Restart (resume from the last checkpoint) with"
         return (
             f"hf_accum: {reason}; this cannot be recovered without risking diverging or hanging ranks, so every "
             f"rank stops. Checkpoints in {self.args.output_dir} are intact. {how} "
@@ -406,6 +410,10 @@ class AccumulationMixin:
             return (f"This run cannot be resumed (its model was sharded at load time; transformers saves no optimizer "
                     f"state for it): start a new run from the weights in {where} "
                     "(from_pretrained(CHECKPOINT, distributed_config=...)); the optimizer and schedule start over.")
+        if self.args.save_only_model:
+            return (f"This run cannot be resumed (save_only_model=True: its checkpoints hold no optimizer or scheduler "
+                    f"state): start a new run from the weights in {where} (from_pretrained(CHECKPOINT)); the "
+                    "optimizer and schedule start over.")
         return (f"Resume with trainer.train(resume_from_checkpoint={where!r}) (or resume_from_checkpoint=True for "
                 f"the newest checkpoint in {self.args.output_dir}).")
 
@@ -443,7 +451,7 @@ class AccumulationMixin:
     def _check_output_dir(self, resume_from_checkpoint):
         """A run's checkpoints belong to its target batch (see `checkpoints.check_resume`). Returns the checkpoint
         to resume (True resolved to the newest complete one) and the plan stored with it."""
-        return check_resume(self.args, resume_from_checkpoint)
+        return check_resume(self.args, resume_from_checkpoint, deepspeed=_compat.deepspeed_enabled(self))
 
     # --- self-check -------------------------------------------------------------------------------------------
     def check_accumulation(self, num_micro_batches: int | None = None, tolerance: float | None = None) -> AccumulationCheck:

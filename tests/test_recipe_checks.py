@@ -64,13 +64,15 @@ def plan_file(folder, target):
                             "target_batch_size": target}, "key": {}, "probe": None}, f)
 
 
-def checkpoint(out, step, target=16, complete=True):
+def checkpoint(out, step, target=16, complete=True, weights_only=False):
     folder = os.path.join(out, f"checkpoint-{step}")
     os.makedirs(folder)
     if complete:
         with open(os.path.join(folder, "trainer_state.json"), "w") as f:
             json.dump({"global_step": step}, f)
         plan_file(folder, target)
+        for name in () if weights_only else ("optimizer.pt", "scheduler.pt"):  # what transformers loads
+            open(os.path.join(folder, name), "wb").close()
     return folder
 
 
@@ -95,9 +97,10 @@ def test_resume_values(tmp_path):
     checkpoint(out, 2)
     newest = checkpoint(out, 10)
     checkpoint(out, 12, complete=False)  # a kill while saving: passed over
+    checkpoint(out, 14, weights_only=True)  # save_only_model=True: no optimizer state to resume, passed over
     assert preflight.resolve_resume(True, out, 16) == newest
     assert preflight.resolve_resume(newest, out, 16) == newest
-    with pytest.raises(RecipeError, match=r"holds checkpoints of an earlier run \(newest: checkpoint-12\).*"
+    with pytest.raises(RecipeError, match=r"holds checkpoints of an earlier run \(newest: checkpoint-14\).*"
                                           "resume_from_checkpoint=true"):
         preflight.resolve_resume(None, out, 16)
     with pytest.raises(RecipeError, match="no such checkpoint directory"):

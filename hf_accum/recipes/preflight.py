@@ -80,7 +80,7 @@ def resolve_resume(value, output_dir: str, target: int) -> str | None:
             found = checkpoints(output_dir)
             raise RecipeError(
                 f"resume_from_checkpoint=true, but output_dir={output_dir!r} holds no complete checkpoint "
-                f"(checkpoint-N with trainer_state.json and {PLAN_FILE}"
+                f"(checkpoint-N with trainer_state.json, optimizer and scheduler state, and {PLAN_FILE}"
                 + (f"; incomplete: {', '.join(found)}" if found else "")
                 + "); set resume_from_checkpoint=PATH to one, or leave it unset to start a new run"
             )
