@@ -192,8 +192,9 @@ def part3():
         print(f"probe ({mode}): {trials} measured trials, {probe_s:.1f} s")
     model = tokens.probe_result.extra["token_budget"]["cost_model"]
     if model:
-        print(f"cost model: peak ~ {model['base_bytes'] / 2**20:.1f} MiB + rows x ({model['per_token_bytes'] / 1024:.2f} "
-              f"KiB x length + {model['per_token_sq_bytes']:.2f} B x length^2), lengths {model['lengths']}")
+        print(f"cost model: peak ~ {model['base_bytes'] / 2**20:.1f} MiB + rows x ({model['per_row_bytes'] / 1024:.2f} "
+              f"KiB + {model['per_token_bytes'] / 1024:.2f} KiB x length + {model['per_token_sq_bytes']:.2f} B x "
+              f"length^2), lengths {model['lengths']}")
 
     print(f"\n{'length':>7} {'admitted rows':>14} {'fit rows':>9} {'admitted/fit':>13}")
     worst = 1.0
