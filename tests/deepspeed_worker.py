@@ -136,7 +136,15 @@ def oom_mode(out, rank):
     trainer = trainer_for(os.path.join(out, "oom"), stage=3)
     if rank == 1:
         OOMAt(trainer.model, [3])
-    trainer.train()
+    try:
+        trainer.train()
+        raised = None
+    except BaseException as exc:
+        raised = {"type": type(exc).__name__, "message": str(exc)}
+        raise
+    finally:
+        with open(os.path.join(out, f"oom.rank{rank}.json"), "w") as f:
+            json.dump({"raised": raised, "step": trainer.state.global_step}, f)
 
 
 class FakeEngine:

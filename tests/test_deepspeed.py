@@ -177,6 +177,10 @@ def test_oom_under_zero3_stops_every_rank_and_use_cpu_false_is_refused(tmp_path)
     for r in (0, 1):  # written before the run that stops
         message = json.loads((tmp_path / f"rank{r}.json").read_text())["world_one"]
         assert "training sees world size 1: every rank would train on the same data" in message
+        got = json.loads((tmp_path / f"oom.rank{r}.json").read_text())
+        assert got["raised"]["type"] == "StopTraining" and "gradient_accumulation_steps=4" in got["raised"]["message"]
+    # rank 0 did not run out of memory: it stopped because rank 1 did (the reason passed through the store)
+    assert "on another rank" in json.loads((tmp_path / "oom.rank0.json").read_text())["raised"]["message"]
 
 
 @pytest.mark.slow
