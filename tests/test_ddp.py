@@ -37,10 +37,16 @@ def run_two_ranks(cmd, env, timeout):
     return proc
 
 
+def child_env(**extra) -> dict:
+    """The environment of a launched test process: this checkout first on the path, whatever else was there kept."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+
+
 def launch_two_ranks(out, runs, trainer="accum"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            os.path.join(ROOT, "tests", "ddp_worker.py"), "--out", str(out), "--trainer", trainer, *runs]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env = child_env()
     proc = run_two_ranks(cmd, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -80,7 +86,7 @@ def test_two_ranks_match_one_pass(accum_runs, run):
 def test_ranks_with_different_budgets_agree_on_the_most_constrained_plan(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            os.path.join(ROOT, "tests", "ddp_tune_worker.py"), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "KINETO_LOG_LEVEL": "3"}
+    env = child_env(KINETO_LOG_LEVEL="3")
     proc = run_two_ranks(cmd, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     import json
@@ -97,7 +103,7 @@ def test_ranks_with_different_budgets_agree_on_the_most_constrained_plan(tmp_pat
 def _torchrun(script, *argv, timeout=600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            os.path.join(ROOT, "tests", script), *map(str, argv)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "KINETO_LOG_LEVEL": "3"}
+    env = child_env(KINETO_LOG_LEVEL="3")
     return run_two_ranks(cmd, env, timeout)
 
 

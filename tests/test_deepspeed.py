@@ -17,7 +17,7 @@ import torch
 
 from hf_accum.deepspeed_batch import batch_contradiction, plan_fields, zero_stage
 
-from .test_ddp import ROOT, _free_port, _torchrun, run_two_ranks
+from .test_ddp import ROOT, _free_port, _torchrun, child_env, run_two_ranks
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="DeepSpeed is not installed (pip install 'hf-accum[deepspeed]')")
@@ -188,7 +188,7 @@ def test_oom_under_zero3_stops_every_rank_and_use_cpu_false_is_refused(tmp_path)
 def test_one_process_pieces_and_oom_stop(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
            os.path.join(ROOT, "tests", "deepspeed_worker.py"), "single", str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env = child_env()
     proc = run_two_ranks(cmd, env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((tmp_path / "single.json").read_text())

@@ -17,10 +17,10 @@ from packaging import version
 from hf_accum.plan_store import PLAN_FILE
 from hf_accum.preemption import EXIT_PREEMPTED
 
-from .test_ddp import ROOT, _free_port, run_two_ranks
+from .test_ddp import ROOT, _free_port, child_env, run_two_ranks
 
 WORKER = os.path.join(ROOT, "tests", "preempt_worker.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+ENV = child_env()
 
 
 def python(*argv):
