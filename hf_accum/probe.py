@@ -402,13 +402,20 @@ def make_step_fn(
 
 
 def random_token_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
-    """``make_batch`` for a causal LM: random ids, every position a label (the worst case: no padding)."""
+    """``make_batch`` for a causal LM: random ids, every position a label but one. With two rows or more, the last
+    row's last position is padding: batches of mixed lengths carry a padding mask, which can cost more memory than
+    its tokens (SDPA then builds masked scores), and a single pad token leaves every per-token cost as it was."""
     vocab = int(model.config.vocab_size)
     device = next(model.parameters()).device
 
     def make_batch(micro: int) -> dict[str, Any]:
         ids = torch.randint(0, vocab, (micro, seq_len), device=device)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        mask = torch.ones_like(ids)
+        labels = ids.clone()
+        if micro > 1 and seq_len > 1:
+            mask[-1, -1] = 0
+            labels[-1, -1] = -100
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
     return make_batch
 

@@ -353,3 +353,11 @@ def test_probe_model_on_cuda_plans_exactly_and_leaves_no_trace():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert torch.equal(rng, torch.cuda.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_random_batches_carry_a_padding_mask_as_padded_training_batches_do():
+    make_batch = random_token_batch(probe_llama(), 16)
+    one, three = make_batch(1), make_batch(3)
+    assert bool(one["attention_mask"].all())  # a single row is never padded
+    assert int((three["attention_mask"] == 0).sum()) == 1 and int(three["labels"][-1, -1]) == -100
+    assert int((three["labels"] != -100).sum()) == 3 * 16 - 1

@@ -184,3 +184,35 @@ def test_examples_longer_than_the_model_are_refused_before_probing(tmp_path, tok
     with pytest.raises(ValueError, match="beyond the model's max_position_embeddings=8. Truncate examples"):
         trainer.tune()
     assert trainer.probe_result is None
+
+
+def test_the_probes_step_bounds_a_real_training_step_on_padded_rows(tmp_path):
+    # A training batch of mixed lengths carries a padding mask, which costs memory of its own on SDPA; a probe of
+    # the longest example repeated (no mask) measured 50.0 MiB where training took 66.0 MiB (bench_token_budget)
+    import random
+
+    from hf_accum.meters import CpuMeter, live_tensor_bytes
+    from hf_accum.probe import make_step_fn
+    from hf_accum.tuning import probe_batches
+
+    from .exactness import pad_collate, tiny_llama
+
+    g = random.Random(0)
+    rows = []
+    for n in (128, 100, 70, 40):
+        ids = [g.randint(1, 90) for _ in range(n)]
+        rows.append({"input_ids": ids, "labels": ids})
+    args = AccumTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, auto_tune=False,
+                                  report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False)
+    trainer = AccumTrainer(model=tiny_llama(torch.float32), args=args, train_dataset=rows, data_collator=pad_collate)
+    model = trainer.model
+    opt = torch.optim.AdamW(model.parameters())
+    meter = CpuMeter(resident=lambda: live_tensor_bytes(model, opt))
+    make_batch, length = probe_batches(trainer)
+    assert length == 128
+    probe_step = make_step_fn(model, opt, make_batch)
+    real_step = make_step_fn(model, opt, lambda micro: pad_collate(rows[:micro]))
+    probe_step(1)  # the optimizer state, as the probe's warm-up creates it
+    probed = meter.measure(lambda: probe_step(4)).peak_bytes
+    trained = meter.measure(lambda: real_step(4)).peak_bytes
+    assert probed >= trained
