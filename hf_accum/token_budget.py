@@ -10,7 +10,8 @@ chunk pads only to its own longest row, and cut into contiguous groups:
 2. among partitions with that many groups (or with ``groups`` forced higher, so that every rank runs the same
    number of forwards), the one with the least padding: a small dynamic programme over the sorted lengths;
 3. where the probe measured what a forward costs beyond its tokens (``TokenBudget.forward_tokens``, from its
-   trials' times), one more forward while the padding it saves exceeds that cost.
+   trials' times), one more forward while the padding it saves exceeds that cost, up to as many forwards as equal
+   micro-batches sized for the window's longest row would take.
 
 Padding-free rows cost their total tokens (no padding): consecutive sequences are packed greedily.
 """
@@ -148,8 +149,11 @@ def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: 
         cut.append(where)
         if g < k:
             continue
-        # one more forward only while it saves more padded tokens than a forward costs (measured, in tokens)
-        if per_forward is None or g == n or best[g][n] - _next_best(best[g], sorted_len, budget) <= per_forward:
+        # one more forward only while it saves more padded tokens than a forward costs (measured, in tokens), and
+        # never more forwards than equal micro-batches sized for the window's longest row would take: a noisy
+        # timing must not make "tokens" mode slower than "samples" mode
+        if (per_forward is None or g >= max(k, -(-n // _rows(budget, sorted_len[-1])))
+                or best[g][n] - _next_best(best[g], sorted_len, budget) <= per_forward):
             break
     k = g
     if best[k][n] == inf:  # cannot happen for k >= least; kept as a guard against a wrong budget

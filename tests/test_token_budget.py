@@ -76,17 +76,17 @@ def test_partition_is_optimal_by_brute_force(kind):
         assert (len(parts), padded_tokens(lengths, parts)) == best
 
 
-@pytest.mark.parametrize("forward_tokens, groups", [
-    (None, 1),   # not measured: the fewest forwards, 5 rows padded to 10 = 50 tokens
-    (40.0, 1),   # a second forward would save 32 padded tokens, less than it costs
-    (5.0, 2),    # it saves 32 > 5: [2, 2, 2, 2] and [10], 18 tokens; a third saves nothing
-    (0.0, 2),
-])
-def test_one_more_forward_only_where_it_saves_more_padding_than_it_costs(forward_tokens, groups):
-    budget = TokenBudget(50, None, forward_tokens)
-    parts = partition_padded([2, 2, 10, 2, 2], budget)
-    assert len(parts) == groups
-    assert padded_tokens([2, 2, 10, 2, 2], parts) == (50 if groups == 1 else 18)
+@pytest.mark.parametrize("lengths, budget, forward_tokens, groups, padded", [
+    ([2, 2, 6, 10, 10], 20, None, 2, 38),  # not measured: the fewest forwards, [6, 2, 2] and [10, 10]
+    ([2, 2, 6, 10, 10], 20, 40.0, 2, 38),  # a third forward would save 8 padded tokens, less than it costs
+    ([2, 2, 6, 10, 10], 20, 5.0, 3, 30),   # it saves 8 > 5: [2, 2], [6], [10, 10]; a fourth saves nothing
+    ([2, 2, 6, 10, 10], 20, 0.0, 3, 30),
+    ([2, 2, 10, 2, 2], 50, 0.0, 1, 50),    # 5 rows fit at length 10: a second forward would save 32 tokens, but
+])                                         # one micro-batch sized for the longest row takes them all: one forward
+def test_one_more_forward_only_where_it_saves_more_padding_than_it_costs(lengths, budget, forward_tokens, groups,
+                                                                         padded):
+    parts = partition_padded(lengths, TokenBudget(budget, None, forward_tokens))
+    assert len(parts) == groups and padded_tokens(lengths, parts) == padded
 
 
 @pytest.mark.parametrize("length, rows", [
