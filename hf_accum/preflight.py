@@ -61,22 +61,22 @@ def _target_name(args) -> str:
     return "per_device_train_batch_size x gradient_accumulation_steps x world size"
 
 
-def _rows(dataset):
-    """(index, input_ids, labels) of each row that has both as sequences; HF datasets are read in batches."""
+def _rows(dataset, keys=("input_ids", "labels")):
+    """(index, *values) of each row that has every key; HF datasets are read in batches."""
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, list) and hasattr(dataset, "iter"):
-        if not {"input_ids", "labels"} <= set(columns):
+        if not set(keys) <= set(columns):
             return
         start = 0
-        for batch in dataset.select_columns(["input_ids", "labels"]).iter(batch_size=1000):
-            for offset, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"])):
-                yield start + offset, ids, labels
-            start += len(batch["input_ids"])
+        for batch in dataset.select_columns(list(keys)).iter(batch_size=1000):
+            for offset, values in enumerate(zip(*(batch[k] for k in keys))):
+                yield start + offset, *values
+            start += len(batch[keys[0]])
         return
     for index in range(len(dataset)):
         row = dataset[index]
-        if isinstance(row, dict) and "input_ids" in row and "labels" in row:
-            yield index, row["input_ids"], row["labels"]
+        if isinstance(row, dict) and all(k in row for k in keys):
+            yield index, *(row[k] for k in keys)
 
 
 def _check_label_alignment(dataset) -> None:
@@ -92,9 +92,7 @@ def _check_label_alignment(dataset) -> None:
 
 
 def _check_token_budget(dataset, budget: int) -> None:
-    for index in range(len(dataset)):
-        row = dataset[index]
-        ids = row.get("input_ids") if isinstance(row, dict) else None
+    for index, ids in _rows(dataset, ("input_ids",)):
         if _is_sequence(ids) and len(ids) > budget:
             raise ValueError(
                 f"train_dataset row {index} has {len(ids)} tokens, more than max_tokens_per_forward={budget}: it "

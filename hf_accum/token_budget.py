@@ -77,9 +77,9 @@ class TokenBudget:
         m = self.model
         if not m or not m["lengths"][0] <= length <= m["lengths"][-1]:
             return floor
-        measured = {int(k): v for k, v in m["rows_at"].items()}
-        if length in measured:
-            return max(floor, measured[length])
+        measured = m["rows_at"].get(str(length))  # JSON keys: the plan file stores and reads it so
+        if measured is not None:
+            return max(floor, measured)
         per_row = row_cost(m, length)
         return max(floor, int(m["usable_bytes"] // per_row)) if per_row > 0 else floor
 

@@ -42,7 +42,10 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
     meter = default_meter(trainer.model)
     fraction = None if args.memory_budget_bytes is not None else args.memory_budget
     budget = resolve_budget(meter, args.memory_budget_bytes, fraction, names=BUDGET_NAMES)
-    make_batch, seq_len = probe_batches(trainer)
+    # one pass over the data for every length the probe and the plan need (none with probe_seq_len, but in "tokens"
+    # mode, whose expected cuts are computed on the data)
+    lengths = _train_lengths(trainer) if args.probe_seq_len is None or args.micro_batching == "tokens" else None
+    make_batch, seq_len = probe_batches(trainer, lengths=lengths)
     device = str(meter.describe().get("device", meter.name))
     key = plan_key(trainer, seq_len=seq_len, capacity_bytes=meter.capacity_bytes(), device=device)
     stored = _stored_plan(args.output_dir, key)
@@ -80,7 +83,7 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
 
     result, plan = probe(make_batch, seq_len)
     if args.micro_batching == "tokens":
-        plan, result = token_plan(trainer, plan, result, seq_len, probe)
+        plan, result = token_plan(trainer, plan, result, seq_len, probe, lengths)
     figures = plan_figures(plan, budget, result.to_dict(), reused=False)
     where = ""
     if args.should_save:
@@ -90,7 +93,8 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
     return plan, result, key
 
 
-def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe) -> tuple[Plan, ProbeResult]:
+def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
+               lengths: list[int] | None) -> tuple[Plan, ProbeResult]:
     """``micro_batching="tokens"``: the most tokens one forward may hold, measured, not extrapolated.
 
     For a fixed token count, a step's peak is convex in the padded length (per-row terms fall, attention's
@@ -104,12 +108,12 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe) ->
     # A forward never holds more rows than the window, so below at_longest / per_rank tokens per row the chunks
     # are whole windows whose peak grows with their length: the short end that matters is the shortest example
     # at or above that length.
-    make_short, short_len = probe_batches(trainer, shortest=-(-at_longest // per_rank))
+    make_short, short_len = probe_batches(trainer, shortest=-(-at_longest // per_rank), lengths=lengths)
     measured = {seq_len: result}
     if short_len < seq_len:
         measured[short_len], _ = probe(make_short, short_len)
         # a third length between them pins a row's cost that does not grow with its length (cost_model)
-        make_mid, mid_len = probe_batches(trainer, shortest=round(math.sqrt(short_len * seq_len)))
+        make_mid, mid_len = probe_batches(trainer, shortest=round(math.sqrt(short_len * seq_len)), lengths=lengths)
         if short_len < mid_len < seq_len:
             measured[mid_len], _ = probe(make_mid, mid_len)
     rows_at = {length: r.max_micro_batch_size for length, r in measured.items()}
@@ -124,7 +128,7 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe) ->
         rows_model = _usable(model, trials, result.budget_bytes, rows_at)
         rows_model["forward_tokens"] = _forward_tokens(trials)
     tokens = TokenBudget(budget, rows_model, rows_model["forward_tokens"] if rows_model else None)
-    result.extra["expected"] = _expected_cuts(trainer, per_rank, tokens, seq_len, result.max_micro_batch_size)
+    result.extra["expected"] = _expected_cuts(lengths, per_rank, tokens, result.max_micro_batch_size)
     short = min(measured)
     result.extra["token_budget"] = {
         "tokens_per_forward": budget, "longest": seq_len, "rows_at_longest": result.max_micro_batch_size,
@@ -173,7 +177,7 @@ def _usable(model: dict, trials: list, budget_bytes: int, rows_at: dict[int, int
     return {**model, "usable_bytes": usable, "rows_at": {str(k): v for k, v in rows_at.items()}}
 
 
-def _expected_cuts(trainer, per_rank: int, budget: TokenBudget, longest: int,
+def _expected_cuts(lengths: list[int] | None, per_rank: int, budget: TokenBudget,
                    rows_at_longest: int) -> dict[str, float]:
     """Forwards per optimizer step and padded / real tokens this budget gives on the user's data (windows of a
     fixed shuffle), next to "samples" mode at the micro-batch that fits the worst case."""
@@ -181,10 +185,7 @@ def _expected_cuts(trainer, per_rank: int, budget: TokenBudget, longest: int,
 
     from .token_budget import partition_padded
 
-    dataset = trainer.train_dataset
-    try:
-        lengths = [_length(dataset[i]) for i in range(len(dataset))]
-    except TypeError:
+    if not lengths:
         return {}
     order = list(range(len(lengths)))
     random.Random(0).shuffle(order)
@@ -295,10 +296,12 @@ def _log_in_trainer(trainer, figures: dict[str, float]) -> None:
     trainer.add_callback(PlanLog(trainer, figures))
 
 
-def probe_batches(trainer, shortest: int | None = None) -> tuple[Callable[[int], dict[str, Any]], int]:
+def probe_batches(trainer, shortest: int | None = None,
+                  lengths: list[int] | None = None) -> tuple[Callable[[int], dict[str, Any]], int]:
     """``make_batch(micro)`` at the worst-case length: the longest training example, collated ``micro`` times
     (or random tokens at ``probe_seq_len`` for causal LMs), and that length. ``shortest=n``: the shortest example
-    of at least n tokens instead (the token-budget probe's second length; the longest when none is shorter)."""
+    of at least n tokens instead (the token-budget probe's second length; the longest when none is shorter).
+    ``lengths``: the examples' lengths when already read (`_train_lengths`)."""
     args = trainer.args
     if args.probe_seq_len is not None:
         if not loss_shifts_labels(trainer.model):
@@ -320,7 +323,8 @@ def probe_batches(trainer, shortest: int | None = None) -> tuple[Callable[[int],
         ) from None
     if size == 0:
         raise ValueError("train_dataset is empty: nothing to probe or train on.")
-    lengths = [_length(dataset[i]) for i in range(size)]  # one pass over the data
+    if lengths is None:
+        lengths = [_length(dataset[i]) for i in range(size)]  # one pass over the data
     longest = max(range(size), key=lengths.__getitem__)
     if shortest:
         candidates = [i for i in range(size) if lengths[i] >= shortest] or [longest]
@@ -341,6 +345,15 @@ def probe_batches(trainer, shortest: int | None = None) -> tuple[Callable[[int],
             "(e.g. tokenizer(..., truncation=True, max_length=...))."
         )
     return make_batch, int(seq_len)
+
+
+def _train_lengths(trainer) -> list[int] | None:
+    """Every training example's length; None for an iterable dataset (`probe_batches` says what to set)."""
+    dataset = trainer.train_dataset
+    try:
+        return [_length(dataset[i]) for i in range(len(dataset))]
+    except TypeError:
+        return None
 
 
 def _padded_rows(example, collate) -> Callable[[int], list]:

@@ -121,7 +121,7 @@ def train_mode(out, rank):
 
 def oom_mode(out, rank):
     from hf_accum import AccumTrainer, AccumTrainingArguments
-    from tests.exactness import tiny_gpt2
+    from tests.exactness import tiny_gpt2, train_recording_outcome
     from tests.test_oom_recovery import OOMAt
 
     try:
@@ -136,15 +136,7 @@ def oom_mode(out, rank):
     trainer = trainer_for(os.path.join(out, "oom"), stage=3)
     if rank == 1:
         OOMAt(trainer.model, [3])
-    try:
-        trainer.train()
-        raised = None
-    except BaseException as exc:
-        raised = {"type": type(exc).__name__, "message": str(exc)}
-        raise
-    finally:
-        with open(os.path.join(out, f"oom.rank{rank}.json"), "w") as f:
-            json.dump({"raised": raised, "step": trainer.state.global_step}, f)
+    train_recording_outcome(trainer, os.path.join(out, f"oom.rank{rank}.json"))
 
 
 class FakeEngine:

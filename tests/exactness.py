@@ -10,6 +10,7 @@ samples) -- never through the library's loss code or the model's own loss.
 from __future__ import annotations
 
 import copy
+import json
 import random
 from dataclasses import dataclass, field
 
@@ -151,6 +152,20 @@ class ExplicitArgsWrapper(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, labels=None):
         return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def train_recording_outcome(trainer, path: str) -> None:
+    """``trainer.train()`` in a launched worker, writing what it raised (or None) and the step it reached to
+    ``path`` whatever happens, then re-raising: the test reads every rank's outcome."""
+    raised = None
+    try:
+        trainer.train()
+    except BaseException as exc:
+        raised = {"type": type(exc).__name__, "message": str(exc)}
+        raise
+    finally:
+        with open(path, "w") as f:
+            json.dump({"raised": raised, "step": trainer.state.global_step}, f)
 
 
 # --- recording runs -------------------------------------------------------------------------------------------

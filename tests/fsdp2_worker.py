@@ -8,7 +8,6 @@
 - oom: the load-time FSDP2 run where rank 1 runs out of memory mid-window; each rank writes what it raised.
 """
 
-import json
 import os
 import sys
 
@@ -110,21 +109,14 @@ def train_mode(src, out, rank):
 
 
 def oom_mode(src, out, rank):
+    from tests.exactness import train_recording_outcome
     from tests.test_oom_recovery import OOMAt
 
     model = load(src, True)
     trainer = trainer_for(model, args_for(os.path.join(out, "oom")))
     if rank == 1:
         OOMAt(model.model.layers[1], [3])  # the second window's first (non-final) forward
-    try:
-        trainer.train()
-        raised = None
-    except BaseException as exc:
-        raised = {"type": type(exc).__name__, "message": str(exc)}
-        raise
-    finally:
-        with open(os.path.join(out, f"oom.rank{rank}.json"), "w") as f:
-            json.dump({"raised": raised, "step": trainer.state.global_step}, f)
+    train_recording_outcome(trainer, os.path.join(out, f"oom.rank{rank}.json"))
 
 
 if __name__ == "__main__":

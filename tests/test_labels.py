@@ -14,6 +14,7 @@ from transformers.trainer_callback import PrinterCallback
 from hf_accum import AccumTrainer, AccumTrainingArguments
 
 from .exactness import (
+    ExplicitArgsWrapper,
     StepRecorder,
     lm_examples,
     load_weights,
@@ -104,12 +105,8 @@ def test_a_model_whose_loss_skips_an_unknown_label_is_refused_before_training(tm
 
 
 # --- label_names ------------------------------------------------------------------------------------------------
-class TargetsWrapper(nn.Module):
+class TargetsWrapper(ExplicitArgsWrapper):
     """A user's model whose labels live under another key, declared with `label_names=["targets"]`."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
 
     def forward(self, input_ids, attention_mask=None, targets=None):
         return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=targets)
