@@ -439,3 +439,59 @@ def engine_boundary(trainer, final: bool):
         yield
     finally:
         state._set_sync_gradients(saved)
+
+
+def deepspeed_engine(trainer):
+    """The live DeepSpeed engine `train()` built (`Trainer.model_wrapped`, also kept as `trainer.deepspeed`)."""
+    return trainer.model_wrapped
+
+
+# What `DeepSpeedEngine.load_checkpoint` does not put back: its micro-step counter (the others are in the checkpoint).
+_ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+@contextlib.contextmanager
+def deepspeed_state_restored(trainer, scratch: str):
+    """Run the block (the probe's real steps through the engine), then put the engine back as it was: weights (its
+    fp32 master partitions and the module's), optimizer state, its LR scheduler and its step counters. ZeRO keeps
+    these in its own partitions, so they are saved and loaded the way transformers resumes a DeepSpeed run
+    (`engine.save_checkpoint` / `load_checkpoint`, every rank, collectively) into ``scratch``, removed after.
+
+    Restored only when the block ends normally: after an error some rank may sit in a collective, and the run
+    stops anyway (the user's own checkpoints are never touched)."""
+    import shutil
+
+    from transformers.trainer import _is_peft_model
+
+    engine = deepspeed_engine(trainer)
+    counters = {name: getattr(engine, name) for name in _ENGINE_COUNTERS}
+    tag = "hf_accum_probe"
+    engine.save_checkpoint(scratch, tag=tag)
+    try:
+        yield
+    except BaseException:
+        if trainer.args.should_save:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    load_path, _ = engine.load_checkpoint(scratch, tag=tag, load_module_strict=not _is_peft_model(trainer.model),
+                                          load_optimizer_states=True, load_lr_scheduler_states=True)
+    if load_path is None:
+        raise RuntimeError(f"hf_accum: DeepSpeed could not load back the state saved before the probe ({scratch})")
+    for name, value in counters.items():
+        setattr(engine, name, value)
+    torch.distributed.barrier()  # every rank has read its partition before the folder goes
+    if trainer.args.should_save:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def set_deepspeed_batch(trainer, micro: int, accumulation: int) -> None:
+    """The plan on the live engine, through its own setters (the micro-batch first: `set_train_batch_size` keeps
+    it and derives the accumulation), and in the config accelerate and the arguments hold, which is what is saved.
+    hf_accum still sets the accumulation boundary per chunk (`engine_boundary`): the engine's counter is only
+    what it reports."""
+    engine = deepspeed_engine(trainer)
+    engine.set_train_micro_batch_size(micro)
+    engine.set_train_batch_size(micro * accumulation * engine.dp_world_size)
+    for config in {id(c): c for c in (deepspeed_batch_config(trainer), trainer.args.hf_deepspeed_config.config)}.values():
+        config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
+                      train_batch_size=engine.train_batch_size())

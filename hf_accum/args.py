@@ -199,15 +199,6 @@ class AccumTrainingArguments(TrainingArguments):
                 "halves the micro-batch while accumulation stays (the effective batch shrinks silently). hf_accum "
                 "plans the batch and recovers from out-of-memory errors itself: set auto_find_batch_size=False."
             )
-        if self.deepspeed and self.tunes:
-            raise ValueError(
-                "auto_tune cannot plan a DeepSpeed run yet: ZeRO partitions parameters, gradients and optimizer states "
-                "when the engine is built, so hf_accum's probe (which runs on the unwrapped model) would measure memory "
-                "DeepSpeed does not use. Set auto_tune=False and choose per_device_train_batch_size and "
-                "gradient_accumulation_steps so that they times the world size equal "
-                f"target_batch_size={self.target_batch_size}; an out-of-memory error then stops every rank with a "
-                "smaller plan to restart with."
-            )
         if self.deepspeed:
             self._check_deepspeed_batch(world=None)  # the per-rank fields, before any distributed setup
         super().__post_init__()
@@ -265,6 +256,9 @@ class AccumTrainingArguments(TrainingArguments):
         from .deepspeed_batch import batch_contradiction, engine_name, zero_stage
         from .plan import Plan
 
+        if self.tunes:
+            self._check_deepspeed_tuned_fields()
+            return
         micro, accumulation = self.per_device_train_batch_size, self.gradient_accumulation_steps
         if self.micro_batching == "tokens":
             micro, accumulation = micro * accumulation, 1
@@ -275,6 +269,25 @@ class AccumTrainingArguments(TrainingArguments):
         problem = batch_contradiction(config, micro, accumulation, world, plan)
         if problem:
             raise ValueError(problem)
+
+    def _check_deepspeed_tuned_fields(self) -> None:
+        """auto_tune chooses the micro-batch and accumulation, so the config may not fix them; its total batch, if
+        given, must be the target."""
+        from . import _compat
+
+        config = _compat.deepspeed_user_config(self.deepspeed)
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            if config.get(key, "auto") != "auto":
+                raise ValueError(
+                    f"deepspeed config {key}={config[key]!r} fixes what auto_tune chooses (the probe measures "
+                    f'through the DeepSpeed engine and plans it). Set "{key}": "auto", or auto_tune=False.'
+                )
+        given = config.get("train_batch_size", "auto")
+        if given != "auto" and given != self.target_batch_size:
+            raise ValueError(
+                f"deepspeed config train_batch_size={given!r} contradicts target_batch_size={self.target_batch_size}. "
+                f'Set "train_batch_size": "auto" (hf_accum fills it from the plan) or {self.target_batch_size}.'
+            )
 
     @property
     def effective_batch_size(self) -> int:

@@ -13,6 +13,7 @@ much memory does this process need to run this step?".
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -133,6 +134,13 @@ def live_tensor_bytes(*holders: Any, device_type: str | None = "cpu") -> int:
             for item in holder:
                 add(item)
     return total
+
+
+def all_live_tensor_bytes(device_type: str | None = "cpu") -> int:
+    """Bytes of every tensor the Python heap holds: what an engine keeps in structures of its own (DeepSpeed's
+    flat partitions and optimizer state), which no list of modules and optimizers reaches."""
+    tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]  # type(): no deprecated proxies
+    return live_tensor_bytes(tensors, device_type=device_type)
 
 
 # --- CPU ---------------------------------------------------------------------------------------------------

@@ -538,7 +538,14 @@ def probe_model(
             )
         finally:
             opt.state.clear()  # the probe's optimizer state goes now, not whenever the closures die
-    result.extra.update({"seq_len": seq_len, "target_batch_size": target_batch_size, "world_size": world_size})
+    result.extra["seq_len"] = seq_len
+    return result, plan_from_result(result, target_batch_size, world_size)
+
+
+def plan_from_result(result: ProbeResult, target_batch_size: int, world_size: int) -> Plan:
+    """The exact plan from what the probe measured, every rank adopting the smallest rank's maximum; raises
+    :class:`NothingFitsError` when micro-batch 1 did not fit."""
+    result.extra.update({"target_batch_size": target_batch_size, "world_size": world_size})
     agreed = agree_max_micro_batch(result.max_micro_batch_size)
     if agreed != result.max_micro_batch_size:
         result.extra["local_max_micro_batch_size"] = result.max_micro_batch_size
@@ -546,10 +553,10 @@ def probe_model(
     if result.max_micro_batch_size < 1:
         raise NothingFitsError(_nothing_fits_message(result), result)
     plan = plan_batch(target_batch_size, world_size, result.max_micro_batch_size)
-    if optimize == "throughput" and result.chosen_micro_batch_size:
+    if result.optimize == "throughput" and result.chosen_micro_batch_size:
         micro = min(result.chosen_micro_batch_size, plan.micro_batch_size)
-        plan = Plan(micro, per_rank // micro, world_size, target_batch_size)
-    return result, plan
+        plan = Plan(micro, target_batch_size // world_size // micro, world_size, target_batch_size)
+    return plan
 
 
 def _nothing_fits_message(result: ProbeResult) -> str:

@@ -25,7 +25,7 @@ import weakref
 import torch
 from transformers import Trainer, TrainerCallback
 
-from . import _compat
+from . import _compat, tuning
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments
 from .checkpoints import check_resume
@@ -39,7 +39,7 @@ from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted, StopRequest
 from .preflight import check_training_data
 from .protocol import Local, StopTraining, TorchDistributed, WindowProtocol
 from .token_budget import TokenBudget
-from .tuning import tune
+from .engine_probe import probe_through_engine
 from .units import detect_unit, make_cutter
 from .window import WindowEngine
 
@@ -68,6 +68,8 @@ class AccumulationMixin:
         self.probe_result = None
         self._plan_key: dict | None = None
         self._engine: WindowEngine | None = None
+        self._pending_probe: tuning.Prepared | None = None  # DeepSpeed: probed through the engine, in the loop
+        self._probing = False
         self._post_checked = False
         self._forwarded_tokens = 0  # by the current loaded batch's forwards (see floating_point_ops)
         self._nonfinite_streak = 0
@@ -114,6 +116,8 @@ class AccumulationMixin:
     # --- the window ---------------------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._pending_probe is not None and batch_samples:
+            self._probe_through_engine(batch_samples[0])
         if self._normalization != "model" and batch_samples:
             self._window_engine(batch_samples[0]).begin(batch_samples)
         return batch_samples, num_items_in_batch
@@ -301,6 +305,8 @@ class AccumulationMixin:
         return plan if label is None else dataclasses.replace(plan, engine=label)
 
     def _stop_message(self, reason: str) -> str:
+        if self._probing:
+            return f"hf_accum: {reason}. Every rank stops before the first optimizer step; no weights were changed."
         plan = self._smaller_plan(self._engine.cut_units if self._engine else None)
         if _compat.sharded_at_load(self.model):
             how = "Restart (a new run: a model sharded at load time cannot be resumed) with"
@@ -358,9 +364,56 @@ class AccumulationMixin:
     @with_fused_loss
     def tune(self) -> Plan:
         """Measure (or reuse the stored plan), plan micro x accumulation x world = target, apply it."""
-        plan, self.probe_result, self._plan_key = tune(self)
+        prepared = tuning.prepare(self)
+        if prepared.stored is None and _compat.deepspeed_stage(self) is not None:
+            raise ValueError(
+                "tune() cannot probe a DeepSpeed run before train(): ZeRO partitions the model when train() builds "
+                "the engine, and the probe measures through that engine. Call train() (it probes at the first "
+                "window), or set auto_tune=False with per_device_train_batch_size x gradient_accumulation_steps x "
+                f"world size = target_batch_size={self.args.target_batch_size}."
+            )
+        plan, self.probe_result, self._plan_key = tuning.tune(self, prepared)
         self.apply_plan(plan)
         return plan
+
+    def _tune_deepspeed(self) -> None:
+        """Under DeepSpeed a stored plan is applied as usual; otherwise each rank loads its whole window (micro = the
+        per-rank target, accumulation 1: the engine is built for that) and the probe runs through the engine at
+        the first window (`_probe_through_engine`), whose plan then cuts every loaded window."""
+        prepared = tuning.prepare(self)
+        if prepared.stored is not None:
+            plan, self.probe_result, self._plan_key = tuning.tune(self, prepared)
+            self.apply_plan(plan)
+            return
+        world = self.args.world_size
+        self.apply_plan(Plan(self.args.target_batch_size // world, 1, world, self.args.target_batch_size))
+        self.plan = None  # the loading plan is not a plan: the probe has not run
+        self._pending_probe = prepared
+
+    def _probe_through_engine(self, batch) -> None:
+        prepared, self._pending_probe = self._pending_probe, None
+        world = self.accelerator.num_processes
+        collective = TorchDistributed(world, self.args.device) if world > 1 else Local()
+
+        def train_step(inputs):  # one real step through the engine, which steps its optimizer at the boundary
+            with _compat.engine_boundary(self, True), _compat.window_length_set(self, 1):
+                super(AccumulationMixin, self).training_step(_compat.deepspeed_engine(self), inputs)
+
+        def probe(make, length, max_micro=self.args.probe_max_micro_batch):
+            return probe_through_engine(self, collective=collective, train_step=train_step, make_batch=make,
+                                        seq_len=length, budget_bytes=prepared.budget, meter=prepared.meter,
+                                        budget_names=" or ".join(tuning.BUDGET_NAMES), max_micro_batch=max_micro,
+                                        log=logger.info)
+
+        self._probing = True  # left set when the probe stops the run: the stop message says so
+        plan, self.probe_result, self._plan_key = tuning.tune(self, prepared, probe)
+        self._probing = False
+        self.plan = plan = self._on_engine(plan)
+        engine = self._window_engine(batch)
+        engine.token_budget = _token_budget(plan)
+        if plan.token_budget is None:
+            engine.cut_units = plan.micro_batch_size  # each loaded window, cut into the plan's micro-batches
+        _compat.set_deepspeed_batch(self, plan.micro_batch_size, plan.gradient_accumulation_steps)
 
     @with_fused_loss
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
@@ -370,7 +423,9 @@ class AccumulationMixin:
                 self._label_spec()  # refuses a model whose loss hf_accum cannot drive exactly, before any work
             check_training_data(self)
             resume_from_checkpoint, stored = self._check_output_dir(resume_from_checkpoint)
-            if getattr(self.args, "tunes", False) and self.plan is None:  # a tune() before train() counts
+            if getattr(self.args, "tunes", False) and self.plan is None and _compat.deepspeed_stage(self) is not None:
+                self._tune_deepspeed()
+            elif getattr(self.args, "tunes", False) and self.plan is None:  # a tune() before train() counts
                 self.tune()
             elif getattr(self.args, "micro_batching", "samples") == "tokens" and self.plan is None:
                 self.apply_plan(self._given_token_plan())

@@ -55,6 +55,10 @@ class _TRLAccumulation(AccumulationMixin):
         with _compat.trl_metrics_untouched(self):
             return super().tune()
 
+    def _probe_through_engine(self, batch):
+        with _compat.trl_metrics_untouched(self):
+            return super()._probe_through_engine(batch)
+
     def check_accumulation(self, *args, **kwargs):
         with _compat.trl_metrics_untouched(self):
             return super().check_accumulation(*args, **kwargs)

@@ -6,6 +6,7 @@ trainer; the plan is applied by `AccumTrainer.apply_plan` alone.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -35,8 +36,21 @@ def default_meter(model: torch.nn.Module) -> Meter:
 BUDGET_NAMES = ("memory_budget_bytes", "memory_budget")  # the arguments a budget message must name
 
 
-def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
-    """Returns the plan, what the probe measured (None when the stored plan was reused) and the plan's key."""
+@dataclasses.dataclass
+class Prepared:
+    """What the probe needs from the trainer, read before training: the budget, the batches at the worst-case
+    length, the plan's key and the stored plan that key finds (None: probe)."""
+
+    meter: Meter
+    budget: int
+    lengths: list[int] | None
+    make_batch: Callable[[int], dict[str, Any]]
+    seq_len: int
+    key: dict[str, Any]
+    stored: tuple[Plan, dict] | None
+
+
+def prepare(trainer) -> Prepared:
     args = trainer.args
     _log_ignored_batch_settings(args)
     meter = default_meter(trainer.model)
@@ -48,25 +62,55 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
     make_batch, seq_len = probe_batches(trainer, lengths=lengths)
     device = str(meter.describe().get("device", meter.name))
     key = plan_key(trainer, seq_len=seq_len, capacity_bytes=meter.capacity_bytes(), device=device)
-    stored = _stored_plan(args.output_dir, key)
-    if stored is not None:
-        plan, record = stored
-        figures = plan_figures(plan, budget, record.get("probe"), reused=True)
+    return Prepared(meter, budget, lengths, make_batch, seq_len, key, _stored_plan(args.output_dir, key))
+
+
+Probe = Callable[..., tuple[ProbeResult, Plan]]  # probe(make_batch, length, max_micro=...) -> (result, plan)
+
+
+def tune(trainer, prepared: Prepared | None = None,
+         probe: Probe | None = None) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
+    """Returns the plan, what the probe measured (None when the stored plan was reused) and the plan's key.
+    ``probe``: how to measure one length (default: `probe_model` on the unwrapped model, before training; under
+    DeepSpeed, `engine_probe.probe_through_engine` inside the loop, whose figures are logged at once)."""
+    args = trainer.args
+    prepared = prepared or prepare(trainer)
+    in_loop = probe is not None
+    if prepared.stored is not None:
+        plan, record = prepared.stored
+        figures = plan_figures(plan, prepared.budget, record.get("probe"), reused=True)
         _show("hf_accum: reusing the plan in %s (nothing that changes memory changed): %s", args,
               os.path.join(args.output_dir, PLAN_FILE), _summary(plan, figures, args))
-        _log_in_trainer(trainer, figures)
-        return plan, None, key
+        _log_in_trainer(trainer, figures, in_loop)
+        return plan, None, prepared.key
 
+    result, plan = (probe or _model_probe(trainer, prepared))(prepared.make_batch, prepared.seq_len)
+    if args.micro_batching == "tokens":
+        plan, result = token_plan(trainer, plan, result, prepared.seq_len, probe or _model_probe(trainer, prepared),
+                                  prepared.lengths)
+    figures = plan_figures(plan, prepared.budget, result.to_dict(), reused=False)
+    where = ""
+    if args.should_save:
+        where = "; written to " + save_plan(args.output_dir, prepared.key, plan, result.to_dict())
+    _show("hf_accum: %s%s", args, _summary(plan, figures, args), where)
+    _log_in_trainer(trainer, figures, in_loop)
+    return plan, result, prepared.key
+
+
+def _model_probe(trainer, prepared: Prepared) -> Probe:
+    """`probe_model` on the trainer's model, optimizer and loss, before training."""
+    args = trainer.args
     _compat.enable_checkpointing(trainer.model, args)  # as train() will, so the probe measures it
     optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, trainer.model)
     autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+
     def probe(make, length, max_micro=args.probe_max_micro_batch):
         return probe_model(
             trainer.model,
             seq_len=length,
             target_batch_size=args.target_batch_size,
             world_size=args.world_size,
-            budget_bytes=budget,
+            budget_bytes=prepared.budget,
             budget_names=BUDGET_NAMES,
             make_batch=make,
             optimizer_cls=optimizer_cls,
@@ -75,22 +119,13 @@ def tune(trainer) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
             forward=lambda model, batch: trainer.compute_loss(model, batch),
             autocast_dtype=autocast,
             max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
-            meter=meter,
+            meter=prepared.meter,
             max_micro_batch=max_micro,
             optimize=args.auto_tune_optimize,
             log=logger.info,
         )
 
-    result, plan = probe(make_batch, seq_len)
-    if args.micro_batching == "tokens":
-        plan, result = token_plan(trainer, plan, result, seq_len, probe, lengths)
-    figures = plan_figures(plan, budget, result.to_dict(), reused=False)
-    where = ""
-    if args.should_save:
-        where = "; written to " + save_plan(args.output_dir, key, plan, result.to_dict())
-    _show("hf_accum: %s%s", args, _summary(plan, figures, args), where)
-    _log_in_trainer(trainer, figures)
-    return plan, result, key
+    return probe
 
 
 def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
@@ -291,7 +326,10 @@ class PlanLog(TrainerCallback):
             trainer.log(dict(self.figures))
 
 
-def _log_in_trainer(trainer, figures: dict[str, float]) -> None:
+def _log_in_trainer(trainer, figures: dict[str, float], in_loop: bool = False) -> None:
+    if in_loop:  # training has begun: its state and `report_to` integrations record them now
+        trainer.log(dict(figures))
+        return
     trainer.pop_callback(PlanLog)  # a second tune() replaces the figures of the first
     trainer.add_callback(PlanLog(trainer, figures))
 

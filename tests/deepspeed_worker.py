@@ -2,12 +2,15 @@
 - train OUT: the same data and target (8: micro 2 × accumulation 2 × world 2) under DDP, ZeRO-2 and ZeRO-3 ("auto"
   batch fields), and ZeRO-2 with micro_batching="tokens" (each rank's window loaded whole and cut into several
   forwards by a token budget: the engine must step once per window, not per forward); then ZeRO-3 stopped after a
-  checkpoint at step 2 and resumed from it in a new trainer. Saves per rank the final full weights, the engine's
+  checkpoint at step 2 and resumed from it in a new trainer; and ZeRO-2 / ZeRO-3 with auto_tune (the probe runs
+  through the engine at the first window), recording the weights when the first optimizer step begins, the
+  probe's trials and one real step measured after training. Saves per rank the final full weights, the engine's
   batch fields and step count, the plan and the forwards run.
 - single OUT (one process, no launcher; world 1): the `_compat` pieces on a real DeepSpeed setup (the plan filled
   into the config accelerate builds the engine from, a contradicting explicit field refused when a plan is applied,
   accelerate's backward stepping the engine only when `engine_boundary` says final, the shm op skipped), and an
   out-of-memory error under DeepSpeed stopping a one-process run too (its engine's gradients cannot be cleared).
+- probe_oom OUT: auto_tune under ZeRO-3 with an out-of-memory error in rank 1's first probe trial: every rank stops.
 - oom OUT: use_cpu=False on CPU (each rank would see world 1) must be refused (message written per rank); then
   ZeRO-3 with an out-of-memory error injected in rank 1's third forward: every rank must stop, none hang.
 """
@@ -17,6 +20,7 @@ import os
 import sys
 
 import torch
+from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,7 +50,8 @@ class CountForwards:
             self.count += 1
 
 
-def trainer_for(out, stage=None, max_steps=3, save_steps=None, callbacks=(), micro=2, accumulation=2, **kw):
+def trainer_for(out, stage=None, max_steps=3, save_steps=None, callbacks=(), micro=2, accumulation=2, tuned=False,
+                **kw):
     from accelerate.state import AcceleratorState
     from transformers.trainer_callback import PrinterCallback
 
@@ -59,7 +64,7 @@ def trainer_for(out, stage=None, max_steps=3, save_steps=None, callbacks=(), mic
     args = AccumTrainingArguments(
         output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
         target_batch_size=micro * accumulation * int(os.environ["WORLD_SIZE"]),
-        auto_tune=False, max_steps=max_steps, learning_rate=1e-2, max_grad_norm=0.0, report_to=[],
+        auto_tune=tuned, max_steps=max_steps, learning_rate=1e-2, max_grad_norm=0.0, report_to=[],
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, use_cpu=True, seed=0,
         disable_tqdm=True, remove_unused_columns=False, ddp_backend="gloo", logging_steps=1,
         deepspeed=ds_config(stage) if stage is not None else None,
@@ -89,6 +94,32 @@ def engine_record(trainer) -> dict:
             "describe": trainer.plan.describe() if trainer.plan else None}
 
 
+class AfterProbe(TrainerCallback):
+    """What the engine holds when the first optimizer step begins, after the probe ran through it."""
+
+    def __init__(self):
+        self.trainer, self.record = None, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        from hf_accum.engine_probe import SCRATCH
+
+        if self.record is None:
+            self.record = {"weights": full_weights(self.trainer), "engine_steps": self.trainer.deepspeed.global_steps,
+                           "scratch_left": os.path.exists(os.path.join(args.output_dir, SCRATCH))}
+
+
+def real_step_peak(trainer):
+    """The CPU meter around one real optimizer step at the plan, through the window engine and DeepSpeed's engine
+    (after training: the weights recorded before it are not affected; the baseline then also holds those records)."""
+    from hf_accum.meters import CpuMeter, all_live_tensor_bytes
+
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == trainer.plan.micro_batch_size
+    meter = CpuMeter(resident=all_live_tensor_bytes)
+    m = meter.measure(lambda: trainer.training_step(trainer.deepspeed, batch))
+    return {"peak_bytes": m.peak_bytes, "baseline_bytes": m.baseline_bytes}
+
+
 def train_mode(out, rank):
     from tests.exactness import tiny_gpt2
     from tests.test_resume import StopAt
@@ -104,6 +135,23 @@ def train_mode(out, rank):
         result[f"{name}_forwards"] = forwards.count
         if name != "ddp":
             result[f"{name}_engine"] = engine_record(trainer)
+    # auto_tune: the probe runs through the engine at the first window (capped at micro 2: the plan is DDP's)
+    for name, stage in (("zero2_tuned", 2), ("zero3_tuned", 3)):
+        after = AfterProbe()
+        trainer = trainer_for(os.path.join(out, name), stage=stage, tuned=True, probe_max_micro_batch=2,
+                              callbacks=[after])
+        after.trainer = trainer
+        forwards = CountForwards(trainer.model)
+        trainer.train()
+        result[name] = full_weights(trainer)
+        result[f"{name}_forwards"] = forwards.count
+        result[f"{name}_engine"] = engine_record(trainer)
+        result[f"{name}_after_probe"] = after.record
+        result[f"{name}_trials"] = [t.__dict__ for t in trainer.probe_result.trials]
+        result[f"{name}_args"] = [trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps]
+        with open(os.path.join(out, name, "hf_accum_plan.json")) as f:
+            result[f"{name}_stored"] = json.load(f)["plan"]
+        result[f"{name}_real_peak"] = real_step_peak(trainer)
     # resume: an uninterrupted ZeRO-3 run of 4 steps vs one stopped after its checkpoint at step 2, then resumed
     full = trainer_for(os.path.join(out, "resume_full"), stage=3, max_steps=4)
     full.train()
@@ -137,6 +185,18 @@ def oom_mode(out, rank):
     if rank == 1:
         OOMAt(trainer.model, [3])
     train_recording_outcome(trainer, os.path.join(out, f"oom.rank{rank}.json"))
+
+
+def probe_oom_mode(out, rank):
+    """auto_tune under ZeRO-3, out of memory in rank 1's first probe trial (its second forward, after the warm-up):
+    every rank must stop, none hang, and the weights must never have been stepped."""
+    from tests.exactness import train_recording_outcome
+    from tests.test_oom_recovery import OOMAt
+
+    trainer = trainer_for(os.path.join(out, "probe_oom"), stage=3, tuned=True)
+    if rank == 1:
+        OOMAt(trainer.model, [2])
+    train_recording_outcome(trainer, os.path.join(out, f"probe_oom.rank{rank}.json"))
 
 
 class FakeEngine:
@@ -200,6 +260,11 @@ def single_mode(out, rank):
     except StopTraining as exc:
         result["oom"] = str(exc)
     result["oom_steps"] = oom.state.global_step
+    try:
+        trainer_for(os.path.join(out, "tune_first"), stage=3, tuned=True).tune()
+        result["tune_before_train"] = None
+    except ValueError as exc:
+        result["tune_before_train"] = str(exc)
     with open(os.path.join(out, "single.json"), "w") as f:
         json.dump(result, f)
 
@@ -208,7 +273,7 @@ def main():
     mode, out = sys.argv[1], sys.argv[2]
     skip_shm_comm_op()
     rank = int(os.environ.get("RANK", 0))
-    {"train": train_mode, "oom": oom_mode, "single": single_mode}[mode](out, rank)
+    {"train": train_mode, "oom": oom_mode, "probe_oom": probe_oom_mode, "single": single_mode}[mode](out, rank)
 
 
 if __name__ == "__main__":

@@ -59,10 +59,23 @@ def _args(**kw):
     return AccumTrainingArguments(output_dir="unused", report_to=[], use_cpu=True, max_nonfinite_steps=None, **kw)
 
 
-def test_auto_tune_under_deepspeed_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match=r"^auto_tune cannot plan a DeepSpeed run yet: ZeRO partitions .* Set "
-                                         r"auto_tune=False .* target_batch_size=8;"):
-        _args(deepspeed={"zero_optimization": {"stage": 3}, **AUTO}, target_batch_size=8)
+@pytest.mark.parametrize("fields, message", [
+    ({"train_micro_batch_size_per_gpu": 2}, "deepspeed config train_micro_batch_size_per_gpu=2 fixes what auto_tune "
+     "chooses (the probe measures through the DeepSpeed engine and plans it). Set \"train_micro_batch_size_per_gpu\": "
+     "\"auto\", or auto_tune=False."),
+    ({"gradient_accumulation_steps": 1}, "deepspeed config gradient_accumulation_steps=1 fixes what auto_tune"),
+    ({"train_batch_size": 16}, "deepspeed config train_batch_size=16 contradicts target_batch_size=8. Set "
+     "\"train_batch_size\": \"auto\" (hf_accum fills it from the plan) or 8."),
+])
+def test_auto_tune_under_deepspeed_refuses_fields_it_chooses(fields, message):
+    with pytest.raises(ValueError) as info:
+        _args(deepspeed={"zero_optimization": {"stage": 3}, **AUTO, **fields}, target_batch_size=8)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_auto_tune_under_deepspeed_takes_auto_fields_and_the_targets_total():
+    for fields in (AUTO, {}, {"train_batch_size": 8}):
+        assert _args(deepspeed={"zero_optimization": {"stage": 3}, **fields}, target_batch_size=8).tunes
 
 
 @pytest.mark.parametrize("extra, micro_batching, message", [
@@ -151,6 +164,57 @@ def test_a_window_cut_into_forwards_steps_the_engine_once(zero_runs):
 
 @pytest.mark.slow
 @needs_deepspeed
+@pytest.mark.parametrize("run, stage", [("zero2_tuned", 2), ("zero3_tuned", 3)])
+def test_auto_tune_probes_through_the_engine_and_changes_nothing(zero_runs, run, stage):
+    # target 8 on 2 ranks, probe capped at micro 2: the plan is DDP's, so the final weights must be too
+    plan = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "world_size": 2, "target_batch_size": 8,
+            "engine": f"DeepSpeed ZeRO-{stage}"}
+    trials = [[(t["micro_batch_size"], t["peak_bytes"], t["status"]) for t in res[f"{run}_trials"]] for res in zero_runs]
+    assert trials[0] == trials[1], "every rank ran the same trials and read the same (agreed) figures"
+    assert [m for m, _, _ in trials[0]] == [1, 2]
+    for res in zero_runs:
+        after = res[f"{run}_after_probe"]  # when the first optimizer step begins, after the probe's steps
+        assert all(torch.equal(after["weights"][n], res["initial"][n]) for n in res["initial"])
+        assert after["engine_steps"] == 0 and not after["scratch_left"]
+        engine = res[f"{run}_engine"]
+        assert engine["plan"] == plan and res[f"{run}_stored"] == {k: v for k, v in plan.items() if k != "engine"}
+        assert (engine["stage"], engine["micro"], engine["accumulation"], engine["train_batch"]) == (stage, 2, 2, 8)
+        assert engine["engine_steps"] == engine["steps"] == 3
+        assert res[f"{run}_args"] == [2, 2]  # after train(), the arguments hold the plan
+        assert res[f"{run}_forwards"] == 6 + 3  # each window cut into 2 forwards; the probe's warm-up and 2 trials
+        diff = _update_diff(res[run], res["ddp"], res["initial"])
+        print(f"{run}: relative difference of the update vs DDP {diff:.2e}")
+        assert diff <= 1e-5
+        # the probe's step at the plan's micro-batch bounds a real optimizer step (CPU meter, above each baseline;
+        # 1 MiB for the profiler's share of gloo and bookkeeping). Under ZeRO-2 the step allocates DeepSpeed's
+        # gradient buckets (4 GB at its default bucket size), which a probe of the unwrapped model never sees.
+        probe = next(t for t in res[f"{run}_trials"] if t["micro_batch_size"] == 2)
+        real = res[f"{run}_real_peak"]
+        print(f"{run}: probe step {probe['peak_bytes'] - probe['baseline_bytes']} B, real step "
+              f"{real['peak_bytes'] - real['baseline_bytes']} B above their baselines")
+        assert real["peak_bytes"] - real["baseline_bytes"] <= probe["peak_bytes"] - probe["baseline_bytes"] + 2**20
+        if stage == 2:
+            assert probe["peak_bytes"] - probe["baseline_bytes"] > 2**30
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_out_of_memory_in_the_engine_probe_stops_every_rank(tmp_path):
+    start = time.monotonic()
+    proc = _torchrun("deepspeed_worker.py", "probe_oom", tmp_path, timeout=300)
+    took = time.monotonic() - start
+    assert proc.returncode != 0 and took < 240, f"a clean stop, no hang ({took:.0f} s)"
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"probe_oom.rank{r}.json").read_text())
+        assert got["raised"]["type"] == "StopTraining" and got["step"] == 0
+        message = got["raised"]["message"]
+        assert message.startswith("hf_accum: out of memory while the probe ran micro-batch 1 through DeepSpeed ZeRO-3")
+        assert message.endswith("Every rank stops before the first optimizer step; no weights were changed.")
+    assert "on another rank" in json.loads((tmp_path / "probe_oom.rank0.json").read_text())["raised"]["message"]
+
+
+@pytest.mark.slow
+@needs_deepspeed
 def test_zero3_resume_is_exact_and_keeps_the_plan(zero_runs):
     for res in zero_runs:
         num = sum(float((res["resumed"][n] - res["resume_full"][n]).pow(2).sum()) for n in res["initial"])
@@ -206,3 +270,5 @@ def test_one_process_pieces_and_oom_stop(tmp_path):
     # one process: DeepSpeed's partitions hold the window's gradients, so no re-run: a stop with the plan
     assert "out of memory under DeepSpeed" in res["oom"] and res["oom_steps"] == 1
     assert "per_device_train_batch_size=2 and gradient_accumulation_steps=4" in res["oom"]
+    # tune() before train() has no engine to probe through
+    assert res["tune_before_train"].startswith("tune() cannot probe a DeepSpeed run before train()")

@@ -1,0 +1,137 @@
+"""The probe through a live DeepSpeed engine.
+
+ZeRO partitions parameters, gradients and optimizer state when the engine is built, gathers ZeRO-3's parameters
+in every forward, and may offload: memory measured on the unwrapped model is not what training uses. So under
+DeepSpeed `train()` builds the engine first (each rank loading its whole window, which any micro-batch can cut),
+and at the first window the probe runs real steps through it — the Trainer's own `training_step` on the engine,
+its backward, its optimizer step at the boundary — at each micro-batch under test; then the engine is put back as
+it was (`_compat.deepspeed_state_restored`: weights, optimizer state, schedule, counters).
+
+Those steps run collectives on every rank, so every rank must run the same trials in the same order: the budget
+and the limit are the smallest over the ranks, and each measurement is the largest over the ranks (one exchange
+per trial) before the search reads it. An out-of-memory error cannot be skipped by one rank (the others would
+wait in a collective): it stops every rank, saying what to set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from . import _compat
+from .meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes
+from .oom import is_oom
+from .plan import Plan, divisors
+from .probe import MakeBatch, ProbeResult, _restore_rng, _save_rng, plan_from_result, probe_micro_batches
+from .protocol import Collective, StopTraining
+
+SCRATCH = ".hf_accum_probe_state"  # under output_dir: the engine's state while the probe runs, removed after
+
+
+class AgreedMeter(Meter):
+    """``inner``'s measurements, the largest over the ranks, so that every rank's search takes the same path. An
+    out-of-memory error stops every rank (announced in the store for the ranks left waiting)."""
+
+    def __init__(self, inner: Meter, collective: Collective, engine: str, names: str):
+        self.inner, self.collective, self.engine, self.names = inner, collective, engine, names
+        self.name = inner.name
+        self.catches_oom = False  # no rank may skip a size the others run: sizes over the limit are never tried
+
+    def measure(self, fn: Callable[[], Any], *, micro_batch_size: int | None = None) -> Measurement:
+        m = self._run(lambda: self.inner.measure(fn, micro_batch_size=micro_batch_size), micro_batch_size)
+        reserved = -1 if m.reserved_bytes is None else m.reserved_bytes
+        peak, reserved, baseline, rounding, micros = self.collective.max_of(
+            (m.peak_bytes, reserved, m.baseline_bytes, m.rounding_bytes, round(m.seconds * 1e6)))
+        return Measurement(peak, None if reserved < 0 else reserved, micros / 1e6, baseline, rounding)
+
+    def time(self, fn: Callable[[], Any], *, micro_batch_size: int | None = None) -> float:
+        return self._run(lambda: self.inner.time(fn, micro_batch_size=micro_batch_size), micro_batch_size)
+
+    def _run(self, measure, micro: int | None):
+        try:
+            return measure()
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+        fix = (f"lower {self.names} or set probe_max_micro_batch below {micro}" if micro and micro > 1 else
+               "to fit micro-batch 1, enable gradient_checkpointing, train LoRA adapters or offload to CPU in the "
+               "DeepSpeed config")
+        reason = (f"out of memory while the probe ran micro-batch {micro} through {self.engine}, where no rank can "
+                  f"skip a size the others run; {fix}")
+        self.collective.announce_stop(reason)
+        raise StopTraining(reason)
+
+    def capacity_bytes(self) -> int:
+        return self.inner.capacity_bytes()
+
+    def unavailable_bytes(self) -> int:
+        return self.inner.unavailable_bytes()
+
+    def describe(self) -> dict[str, Any]:
+        return self.inner.describe()
+
+
+def smallest(collective: Collective, *values: int) -> tuple[int, ...]:
+    """Each value's minimum over the ranks (one exchange)."""
+    return tuple(-v for v in collective.max_of(tuple(-int(v) for v in values)))
+
+
+def probe_through_engine(
+    trainer,
+    *,
+    collective: Collective,
+    train_step: Callable[[dict[str, Any]], Any],
+    make_batch: MakeBatch,
+    seq_len: int,
+    budget_bytes: int,
+    meter: Meter,
+    budget_names: str,
+    max_micro_batch: int | None,
+    log: Callable[[str], None],
+) -> tuple[ProbeResult, Plan]:
+    """Probe the live engine at ``seq_len`` (``train_step(batch)``: one real step through it, at the boundary) and
+    plan ``target_batch_size`` over the world; the engine, the model's modes and the RNG are left as they were."""
+    args = trainer.args
+    world = collective.world
+    per_rank = args.target_batch_size // world
+    cap = per_rank if max_micro_batch is None else min(per_rank, max_micro_batch)
+    engine = _compat.engine_label(trainer)
+    if isinstance(meter, CpuMeter) and meter.resident is None:
+        meter = CpuMeter(resident=all_live_tensor_bytes)  # the profiler sees no tensor allocated before a step
+    agreed = AgreedMeter(meter, collective, engine, budget_names)
+    budget, limit = smallest(collective, budget_bytes, meter.capacity_bytes() - meter.unavailable_bytes())
+    log(f"probing through {engine} at length {seq_len} (budget {budget / 2**20:.1f} MiB on every rank)")
+
+    def step_fn(micro: int) -> None:
+        train_step(make_batch(micro))
+
+    try:
+        with _compat.deepspeed_state_restored(trainer, os.path.join(args.output_dir, SCRATCH)), \
+                _modes_and_rng(trainer.model):
+            result = probe_micro_batches(step_fn, agreed, budget, cap, must_resolve=divisors(per_rank),
+                                         optimize=args.auto_tune_optimize, limit_bytes=limit, log=log)
+    except StopTraining:
+        raise
+    except Exception as exc:
+        reason = collective.peer_stop()
+        if reason is None:
+            raise
+        raise StopTraining(f"{reason} on another rank (this rank's pending collective failed as that rank left)") from exc
+    result.extra.update({"seq_len": seq_len, "engine": engine})
+    return result, plan_from_result(result, args.target_batch_size, world)
+
+
+@contextlib.contextmanager
+def _modes_and_rng(model: torch.nn.Module) -> Iterator[None]:
+    """The modules' train/eval flags and the RNG streams, as they were (the engine's state is restored apart)."""
+    modes, rng = [(m, m.training) for m in model.modules()], _save_rng()
+    try:
+        yield
+    finally:
+        for module, flag in modes:
+            module.training = flag
+        _restore_rng(rng)
