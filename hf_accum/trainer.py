@@ -4,7 +4,8 @@ memory-planned micro-batch, and recovery from out-of-memory errors mid-training.
 `AccumulationMixin` is a thin adapter: the window engine (`window.py`, which knows no Trainer) cuts and runs
 each window and owns the rank-agreement protocol (`protocol.py`); the overrides below only hand it the Trainer's
 pieces, each calling `super()`:
-- `get_batch_samples` begins the window (its count on every rank);
+- `get_batch_samples` begins the window (its count on every rank); under DeepSpeed with auto_tune, the first
+  one first runs the probe through the engine `train()` built (`_probe_through_engine`, `engine_probe.py`);
 - `training_step` runs one loaded batch through the engine, which calls back `_chunk_step` per chunk;
 - `_chunk_step` is the Trainer's own `training_step` on one chunk, its loss scaled by the chunk's exact share
   (the one place the user's `compute_loss` is wrapped: `_loss_scaled`);

@@ -91,7 +91,9 @@ def engine_record(trainer) -> dict:
     return {"stage": engine.zero_optimization_stage(), "micro": engine.train_micro_batch_size_per_gpu(), "accumulation": engine.gradient_accumulation_steps(),
             "train_batch": engine.train_batch_size(), "engine_steps": engine.global_steps,
             "steps": trainer.state.global_step, "plan": trainer.plan.to_dict() if trainer.plan else None,
-            "describe": trainer.plan.describe() if trainer.plan else None}
+            "describe": trainer.plan.describe() if trainer.plan else None,
+            "config": [trainer.accelerator.state.deepspeed_plugin.deepspeed_config[k] for k in
+                       ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")]}
 
 
 class AfterProbe(TrainerCallback):
@@ -152,6 +154,10 @@ def train_mode(out, rank):
         with open(os.path.join(out, name, "hf_accum_plan.json")) as f:
             result[f"{name}_stored"] = json.load(f)["plan"]
         result[f"{name}_real_peak"] = real_step_peak(trainer)
+    # a second tuned run in the same output_dir finds the stored plan (same key): no probe, the plan applied as given
+    again = trainer_for(os.path.join(out, "zero2_tuned"), stage=2, tuned=True, probe_max_micro_batch=2, max_steps=1)
+    again.train()
+    result["zero2_reused"] = {"probed": again.probe_result is not None, "engine": engine_record(again)}
     # resume: an uninterrupted ZeRO-3 run of 4 steps vs one stopped after its checkpoint at step 2, then resumed
     full = trainer_for(os.path.join(out, "resume_full"), stage=3, max_steps=4)
     full.train()

@@ -179,6 +179,7 @@ def test_auto_tune_probes_through_the_engine_and_changes_nothing(zero_runs, run,
         engine = res[f"{run}_engine"]
         assert engine["plan"] == plan and res[f"{run}_stored"] == {k: v for k, v in plan.items() if k != "engine"}
         assert (engine["stage"], engine["micro"], engine["accumulation"], engine["train_batch"]) == (stage, 2, 2, 8)
+        assert engine["config"] == [2, 2, 8]  # the config accelerate holds (and saves with the arguments)
         assert engine["engine_steps"] == engine["steps"] == 3
         assert res[f"{run}_args"] == [2, 2]  # after train(), the arguments hold the plan
         assert res[f"{run}_forwards"] == 6 + 3  # each window cut into 2 forwards; the probe's warm-up and 2 trials
@@ -195,6 +196,9 @@ def test_auto_tune_probes_through_the_engine_and_changes_nothing(zero_runs, run,
         assert real["peak_bytes"] - real["baseline_bytes"] <= probe["peak_bytes"] - probe["baseline_bytes"] + 2**20
         if stage == 2:
             assert probe["peak_bytes"] - probe["baseline_bytes"] > 2**30
+            reused = res["zero2_reused"]  # a second run in the same output_dir: the stored plan, no probe
+            assert not reused["probed"] and reused["engine"]["plan"] == plan
+            assert (reused["engine"]["micro"], reused["engine"]["accumulation"], reused["engine"]["steps"]) == (2, 2, 1)
 
 
 @pytest.mark.slow
