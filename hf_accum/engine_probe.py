@@ -106,7 +106,8 @@ def probe_through_engine(
     budget, limit = smallest(collective, budget_bytes, meter.capacity_bytes() - meter.unavailable_bytes())
     log(f"probing through {engine} at length {seq_len} (budget {budget / 2**20:.1f} MiB on every rank)")
 
-    def step_fn(micro: int) -> None:
+    def step_fn(micro: int) -> None:  # a window of one micro-batch, as the engine is told
+        _compat.set_deepspeed_batch(trainer, micro, 1)
         train_step(make_batch(micro))
 
     try:

@@ -31,6 +31,7 @@ from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments
 from .checkpoints import check_resume
 from .deepspeed_batch import batch_contradiction
+from .engine_probe import probe_through_engine
 from .fused_loss import with_fused_loss
 from .loss import LabelSpec, label_spec
 from .oom import free_memory, is_oom
@@ -40,7 +41,6 @@ from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted, StopRequest
 from .preflight import check_training_data
 from .protocol import Local, StopTraining, TorchDistributed, WindowProtocol
 from .token_budget import TokenBudget
-from .engine_probe import probe_through_engine
 from .units import detect_unit, make_cutter
 from .window import WindowEngine
 

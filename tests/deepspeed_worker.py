@@ -154,6 +154,12 @@ def train_mode(out, rank):
         with open(os.path.join(out, name, "hf_accum_plan.json")) as f:
             result[f"{name}_stored"] = json.load(f)["plan"]
         result[f"{name}_real_peak"] = real_step_peak(trainer)
+    # auto_tune with micro_batching="tokens": the token budget measured through the engine (3 lengths at most)
+    trainer = trainer_for(os.path.join(out, "zero2_tokens_tuned"), stage=2, tuned=True, micro_batching="tokens")
+    trainer.train()
+    result["zero2_tokens_tuned"] = full_weights(trainer)
+    result["zero2_tokens_tuned_engine"] = engine_record(trainer)
+    result["zero2_tokens_tuned_trials"] = [t.__dict__ for t in trainer.probe_result.trials]
     # a second tuned run in the same output_dir finds the stored plan (same key): no probe, the plan applied as given
     again = trainer_for(os.path.join(out, "zero2_tuned"), stage=2, tuned=True, probe_max_micro_batch=2, max_steps=1)
     again.train()

@@ -203,6 +203,22 @@ def test_auto_tune_probes_through_the_engine_and_changes_nothing(zero_runs, run,
 
 @pytest.mark.slow
 @needs_deepspeed
+def test_auto_tune_measures_a_token_budget_through_the_engine(zero_runs):
+    trials = [[(t["micro_batch_size"], t["peak_bytes"]) for t in res["zero2_tokens_tuned_trials"]] for res in zero_runs]
+    assert trials[0] == trials[1] and trials[0]
+    for res in zero_runs:
+        engine = res["zero2_tokens_tuned_engine"]
+        assert engine["plan"]["token_budget"] >= 40 and engine["plan"]["engine"] == "DeepSpeed ZeRO-2"
+        assert (engine["micro"], engine["accumulation"], engine["train_batch"]) == (4, 1, 8)  # each rank's window
+        assert engine["engine_steps"] == engine["steps"] == 3
+        diff = _update_diff(res["zero2_tokens_tuned"], res["ddp"], res["initial"])
+        print(f"zero2_tokens_tuned: token budget {engine['plan']['token_budget']}, {len(trials[0])} trials, "
+              f"relative difference of the update vs DDP {diff:.2e}")
+        assert diff <= 1e-5
+
+
+@pytest.mark.slow
+@needs_deepspeed
 def test_out_of_memory_in_the_engine_probe_stops_every_rank(tmp_path):
     start = time.monotonic()
     proc = _torchrun("deepspeed_worker.py", "probe_oom", tmp_path, timeout=300)

@@ -1,0 +1,98 @@
+"""The engine probe's agreement, without an engine: every rank's search must read the same figures (the largest over
+the ranks), one exchange per trial, and an out-of-memory error must stop every rank rather than be skipped on one.
+The real thing, through DeepSpeed on two ranks, is in tests/test_deepspeed.py."""
+
+import pytest
+
+from hf_accum.engine_probe import AgreedMeter, smallest
+from hf_accum.meters import FakeMeter
+from hf_accum.probe import probe_micro_batches
+from hf_accum.protocol import StopTraining
+
+MiB = 2**20
+
+
+class PeerCollective:
+    """Two ranks, seen from this one: the peer's measurement of the size this rank just ran is ``peer(micro)``."""
+
+    world = 2
+
+    def __init__(self, mine: FakeMeter, peer):
+        self.mine, self.peer = mine, peer
+        self.exchanges: list[tuple[int, ...]] = []
+        self.announced: list[str] = []
+
+    def max_of(self, values):
+        self.exchanges.append(tuple(values))
+        if len(values) != 5:  # the budget and limit: the peer's equal here
+            return tuple(values)
+        peer = (int(self.peer(self.mine.calls[-1])), -1, 0, 0, 0)
+        return tuple(max(a, b) for a, b in zip(values, peer))
+
+    def announce_stop(self, reason):
+        self.announced.append(reason)
+
+    def peer_stop(self):
+        return None
+
+
+def _trials(meter, budget=100 * MiB, cap=16):
+    result = probe_micro_batches(lambda micro: None, meter, budget, cap, must_resolve=[1, 2, 4, 8, 16])
+    return [(t.micro_batch_size, t.peak_bytes, t.status) for t in result.trials], result.max_micro_batch_size
+
+
+@pytest.mark.parametrize("mine, peer", [
+    (lambda m: 10 * MiB + 5 * MiB * m, lambda m: 10 * MiB + 7 * MiB * m),   # the peer needs more per row
+    (lambda m: 30 * MiB + 5 * MiB * m, lambda m: 10 * MiB + 6 * MiB * m),   # lines that cross
+    (lambda m: 10 * MiB + 6 * MiB * m, lambda m: 10 * MiB + 6 * MiB * m),   # equal ranks
+])
+def test_each_rank_searches_the_largest_figures_over_the_ranks(mine, peer):
+    meter = FakeMeter(mine, 10**12)
+    collective = PeerCollective(meter, peer)
+    agreed = _trials(AgreedMeter(meter, collective, "DeepSpeed ZeRO-3", "memory_budget"))
+    # the same search run on the worse of the two ranks at every size: what the peer's search also sees
+    expected = _trials(FakeMeter(lambda m: max(mine(m), peer(m)), 10**12))
+    assert agreed == expected
+    assert len(collective.exchanges) == len(meter.calls) == len(expected[0])  # one exchange per measured trial
+
+
+def test_an_out_of_memory_error_stops_every_rank_with_what_to_set():
+    meter = FakeMeter(lambda m: 10 * MiB * m, 35 * MiB)  # after micro 1 the search tries the cap, 16: it raises
+    collective = PeerCollective(meter, lambda m: 0)
+    with pytest.raises(StopTraining) as info:
+        _trials(AgreedMeter(meter, collective, "DeepSpeed ZeRO-3", "memory_budget_bytes or memory_budget"),
+                budget=10**9)
+    message = ("out of memory while the probe ran micro-batch 16 through DeepSpeed ZeRO-3, where no rank can skip a "
+               "size the others run; lower memory_budget_bytes or memory_budget or set probe_max_micro_batch below 16")
+    assert str(info.value) == message and collective.announced == [message]
+
+
+def test_out_of_memory_at_micro_batch_1_names_what_shrinks_a_step():
+    meter = FakeMeter(lambda m: 10 * MiB * m, 5 * MiB)
+    collective = PeerCollective(meter, lambda m: 0)
+    with pytest.raises(StopTraining, match="micro-batch 1 .* to fit micro-batch 1, enable gradient_checkpointing"):
+        AgreedMeter(meter, collective, "DeepSpeed ZeRO-2", "memory_budget").measure(lambda: None, micro_batch_size=1)
+
+
+def test_other_errors_pass_through_untouched():
+    meter = FakeMeter(lambda m: MiB, 10**9)
+    agreed = AgreedMeter(meter, PeerCollective(meter, lambda m: 0), "DeepSpeed ZeRO-2", "memory_budget")
+
+    def fails():
+        raise ValueError("a bug in the step")
+
+    with pytest.raises(ValueError, match="a bug in the step"):
+        agreed.measure(fails, micro_batch_size=2)
+
+
+def test_smallest_is_one_exchange():
+    class Ranks:
+        world = 2
+        calls = 0
+
+        def max_of(self, values):
+            self.calls += 1
+            return tuple(max(v, p) for v, p in zip(values, (-70, -9)))  # the peer holds 70 and 9
+
+    ranks = Ranks()
+    assert smallest(ranks, 100, 5) == (70, 5) and ranks.calls == 1
