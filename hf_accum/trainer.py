@@ -443,6 +443,7 @@ class AccumulationMixin:
             self._raise_if_stopped()
             return output
         finally:
+            self._probing = False
             downgraded = self._engine is not None and self._engine.cut_units is not None
             if self._engine is not None:
                 self._engine.end()
