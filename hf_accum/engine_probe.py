@@ -15,18 +15,15 @@ wait in a collective): it stops every rank, saying what to set.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from . import _compat
 from .meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes
 from .oom import is_oom
 from .plan import Plan, divisors
-from .probe import MakeBatch, ProbeResult, _restore_rng, _save_rng, plan_from_result, probe_micro_batches
+from .probe import MakeBatch, ProbeResult, modes_and_rng_preserved, plan_from_result, probe_micro_batches
 from .protocol import Collective, StopTraining
 
 SCRATCH = ".hf_accum_probe_state"  # under output_dir: the engine's state while the probe runs, removed after
@@ -112,7 +109,7 @@ def probe_through_engine(
 
     try:
         with _compat.deepspeed_state_restored(trainer, os.path.join(args.output_dir, SCRATCH)), \
-                _modes_and_rng(trainer.model):
+                modes_and_rng_preserved(trainer.model):
             result = probe_micro_batches(step_fn, agreed, budget, cap, must_resolve=divisors(per_rank),
                                          optimize=args.auto_tune_optimize, limit_bytes=limit, log=log)
     except StopTraining:
@@ -124,15 +121,3 @@ def probe_through_engine(
         raise StopTraining(f"{reason} on another rank (this rank's pending collective failed as that rank left)") from exc
     result.extra.update({"seq_len": seq_len, "engine": engine})
     return result, plan_from_result(result, args.target_batch_size, world)
-
-
-@contextlib.contextmanager
-def _modes_and_rng(model: torch.nn.Module) -> Iterator[None]:
-    """The modules' train/eval flags and the RNG streams, as they were (the engine's state is restored apart)."""
-    modes, rng = [(m, m.training) for m in model.modules()], _save_rng()
-    try:
-        yield
-    finally:
-        for module, flag in modes:
-            module.training = flag
-        _restore_rng(rng)

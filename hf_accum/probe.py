@@ -276,8 +276,6 @@ class _Saved:
     params: list[tuple[torch.Tensor, torch.Tensor]]
     buffers: list[tuple[torch.Tensor, torch.Tensor]]
     grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]]
-    training: list[tuple[torch.nn.Module, bool]]
-    rng: dict[str, Any]
 
 
 def _save_rng() -> dict[str, Any]:
@@ -305,6 +303,19 @@ def _restore_rng(state: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
+def modes_and_rng_preserved(model: torch.nn.Module) -> Iterator[None]:
+    """Run the block, then put every module's ``training`` flag and the torch, CUDA, numpy and ``random`` RNG
+    states back, even on error (the engine probe restores the weights through DeepSpeed instead)."""
+    modes, rng = [(m, m.training) for m in model.modules()], _save_rng()
+    try:
+        yield
+    finally:
+        for module, flag in modes:
+            module.training = flag
+        _restore_rng(rng)
+
+
+@contextlib.contextmanager
 def preserved(model: torch.nn.Module) -> Iterator[None]:
     """Run the block, then put the model and the RNG back exactly as they were, even on error.
 
@@ -318,27 +329,23 @@ def preserved(model: torch.nn.Module) -> Iterator[None]:
         params=[(p, p.detach().to("cpu", copy=True)) for p in model.parameters() if p.requires_grad],
         buffers=[(b, b.detach().to("cpu", copy=True)) for b in model.buffers()],
         grads=[(p, None if p.grad is None else p.grad.detach().to("cpu", copy=True)) for p in model.parameters()],
-        training=[(m, m.training) for m in model.modules()],
-        rng=_save_rng(),
     )
     grad_objects = {id(p): p.grad for p in model.parameters()}
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for live, copy in saved.params + saved.buffers:
-                live.copy_(copy)
-            for p, g in saved.grads:
-                if g is None:
-                    p.grad = None
-                else:
-                    original = grad_objects[id(p)]
-                    original.copy_(g)
-                    p.grad = original
-        for module, flag in saved.training:
-            module.training = flag
-        _restore_rng(saved.rng)
-        free_memory()
+    with modes_and_rng_preserved(model):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for live, copy in saved.params + saved.buffers:
+                    live.copy_(copy)
+                for p, g in saved.grads:
+                    if g is None:
+                        p.grad = None
+                    else:
+                        original = grad_objects[id(p)]
+                        original.copy_(g)
+                        p.grad = original
+            free_memory()
 
 
 def fresh_optimizer_like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -84,10 +84,10 @@ def tune(trainer, prepared: Prepared | None = None,
         _log_in_trainer(trainer, figures, in_loop)
         return plan, None, prepared.key
 
-    result, plan = (probe or _model_probe(trainer, prepared))(prepared.make_batch, prepared.seq_len)
+    probe = probe or _model_probe(trainer, prepared)
+    result, plan = probe(prepared.make_batch, prepared.seq_len)
     if args.micro_batching == "tokens":
-        plan, result = token_plan(trainer, plan, result, prepared.seq_len, probe or _model_probe(trainer, prepared),
-                                  prepared.lengths)
+        plan, result = token_plan(trainer, plan, result, prepared.seq_len, probe, prepared.lengths)
     figures = plan_figures(plan, prepared.budget, result.to_dict(), reused=False)
     where = ""
     if args.should_save:

@@ -217,13 +217,19 @@ def test_auto_tune_measures_a_token_budget_through_the_engine(zero_runs):
         assert diff <= 1e-5
 
 
+def _launch_that_stops(mode, out):
+    """A two-rank launch whose ranks must stop with an error, promptly (a hang would run into the timeout)."""
+    start = time.monotonic()
+    proc = _torchrun("deepspeed_worker.py", mode, out, timeout=300)
+    took = time.monotonic() - start
+    assert proc.returncode != 0 and took < 240, f"a clean stop, no hang ({took:.0f} s)"
+    return proc
+
+
 @pytest.mark.slow
 @needs_deepspeed
 def test_out_of_memory_in_the_engine_probe_stops_every_rank(tmp_path):
-    start = time.monotonic()
-    proc = _torchrun("deepspeed_worker.py", "probe_oom", tmp_path, timeout=300)
-    took = time.monotonic() - start
-    assert proc.returncode != 0 and took < 240, f"a clean stop, no hang ({took:.0f} s)"
+    _launch_that_stops("probe_oom", tmp_path)
     for r in (0, 1):
         got = json.loads((tmp_path / f"probe_oom.rank{r}.json").read_text())
         assert got["raised"]["type"] == "StopTraining" and got["step"] == 0
@@ -250,11 +256,8 @@ def test_zero3_resume_is_exact_and_keeps_the_plan(zero_runs):
 @pytest.mark.slow
 @needs_deepspeed
 def test_oom_under_zero3_stops_every_rank_and_use_cpu_false_is_refused(tmp_path):
-    start = time.monotonic()
-    proc = _torchrun("deepspeed_worker.py", "oom", tmp_path, timeout=300)
-    took = time.monotonic() - start
+    proc = _launch_that_stops("oom", tmp_path)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and took < 240, f"a clean stop, no hang ({took:.0f} s)"
     assert "[rank1]: hf_accum.protocol.StopTraining: hf_accum: out of memory in a micro-batch" in out
     assert ("per_device_train_batch_size=1 and gradient_accumulation_steps=4 (micro 1 × accumulation 4 × world 2 = 8 "
             "on DeepSpeed ZeRO-3)") in out
