@@ -65,6 +65,8 @@ def run_accumulation_check(trainer, num_micro_batches: int | None = None, tolera
         trained = trainer._window_engine(batch)
         if trained.token_budget is not None:  # the loaded batch is a whole window: check one forward's worth
             batch = trained.cutter.cut_by_tokens(batch, trained.token_budget)[0]
+        elif trained.cut_units:
+            batch = trained.cutter.cut_near_equal(batch, trained.cut_units)[0]
         # A local engine (no collective, no DDP wrapper) that cuts exactly as training does.
         engine = WindowEngine(trained.cutter, trained.mode, WindowProtocol(Local(), Policy.RERUN),
                               device=trainer.args.device)

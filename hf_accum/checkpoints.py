@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 
 from . import _compat
-from .plan import Plan, divisors
+from .plan import Plan, plan_for_micro
 from .plan_store import PLAN_FILE, PlanFileError, load_stored_plan, save_plan
 
 logger = logging.getLogger(__name__)
@@ -111,8 +111,8 @@ def newest_complete_checkpoint(output_dir: str, deepspeed: bool | None = None) -
 def restore_plan(checkpoint: str, world_size: int = 1) -> Plan:
     """Write back the plan file of a checkpoint that lost it, from the target its saved arguments hold.
 
-    The micro-batch is the largest divisor of the per-rank target not above the one the run started with (any
-    micro-batch gives the same optimizer steps; only the target matters for exactness). Returns the plan."""
+    The micro-batch is the one the run started with, at most the per-rank target (any cut of a window gives the
+    same optimizer steps; only the target matters for exactness). Returns the plan."""
     saved = _compat.saved_training_args(checkpoint) or {}
     target = saved.get("target_batch_size")
     if not isinstance(target, int) or isinstance(target, bool) or target < 1:
@@ -122,8 +122,7 @@ def restore_plan(checkpoint: str, world_size: int = 1) -> Plan:
     per_rank = target // world_size
     started = saved.get("per_device_train_batch_size")
     cap = started if isinstance(started, int) and started > 0 else per_rank
-    micro = max(d for d in divisors(per_rank) if d <= cap)
-    plan = Plan(micro, per_rank // micro, world_size, target)
+    plan = plan_for_micro(target, world_size, min(cap, per_rank))
     save_plan(checkpoint, {"restored_from": "training_args.bin"}, plan, None)
     logger.warning("hf_accum: wrote %s: %s", os.path.join(checkpoint, PLAN_FILE), plan.describe())
     return plan

@@ -22,7 +22,7 @@ from typing import Any
 from . import _compat
 from .meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes
 from .oom import is_oom
-from .plan import Plan, divisors
+from .plan import Plan, forward_breakpoints
 from .probe import MakeBatch, ProbeResult, modes_and_rng_preserved, plan_from_result, probe_micro_batches
 from .protocol import Collective, StopTraining
 
@@ -110,7 +110,7 @@ def probe_through_engine(
     try:
         with _compat.deepspeed_state_restored(trainer, os.path.join(args.output_dir, SCRATCH)), \
                 modes_and_rng_preserved(trainer.model):
-            result = probe_micro_batches(step_fn, agreed, budget, cap, must_resolve=divisors(per_rank),
+            result = probe_micro_batches(step_fn, agreed, budget, cap, must_resolve=forward_breakpoints(per_rank),
                                          optimize=args.auto_tune_optimize, limit_bytes=limit, log=log)
     except StopTraining:
         raise

@@ -7,8 +7,10 @@ Nothing here touches a device.  Three pieces:
   the line is fitted through the measured points nearest the budget, not through all of them;
 * :class:`MicroBatchSearch`, the search policy as a small state machine (``propose`` / ``record``), so the
   probe, the tests and the benchmark all drive the very same decisions;
-* :func:`plan_batch`: ``micro * accumulation * world == target``, exactly, or a ``ValueError`` that says
-  what to set instead.  The effective batch is never changed silently.
+* :func:`plan_batch`: ``world`` ranks × a per-rank window of ``target / world`` samples, cut into the fewest
+  forwards of at most the largest micro-batch that fits (near-equal; no divisor constraint, since the loss is
+  normalized over the whole window), or a ``ValueError`` that says what to set instead.  The effective batch
+  is never changed silently.
 """
 
 from __future__ import annotations
@@ -36,6 +38,26 @@ def divisors(n: int) -> list[int]:
                 large.append(n // i)
         i += 1
     return small + large[::-1]
+
+
+def forwards_for(units: int, max_units: int) -> int:
+    """Forwards needed for ``units`` samples at most ``max_units`` per forward: ``ceil(units / max_units)``."""
+    return -(-units // max_units)
+
+
+def forward_breakpoints(per_rank: int) -> list[int]:
+    """The micro-batch sizes a plan can use for a per-rank window of ``per_rank`` samples: the smallest
+    ``m`` reaching each forward count, ``ceil(per_rank / f)``, so a size between two of them saves nothing
+    (``forward_breakpoints(31) == [1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 31]``)."""
+    return sorted({-(-per_rank // f) for f in range(1, per_rank + 1)})
+
+
+def near_equal_sizes(units: int, forwards: int) -> list[int]:
+    """``units`` cut into ``forwards`` sizes differing by at most one, the smaller ones first (the window's
+    longest rows go first, so they get the smaller forwards): ``near_equal_sizes(31, 5) == [6, 6, 6, 6, 7]``."""
+    forwards = max(1, min(forwards, units))
+    small, extra = divmod(units, forwards)
+    return [small] * (forwards - extra) + [small + 1] * extra
 
 
 def nearest_exact_targets(target_batch_size: int, world_size: int) -> tuple[int, ...]:
@@ -92,7 +114,11 @@ def predict_max_micro(model: tuple[float, float], budget_bytes: float) -> int | 
 # --- the plan -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Plan:
-    """micro_batch_size × gradient_accumulation_steps × world_size == target_batch_size, exactly."""
+    """``world_size`` ranks, each with a window of ``target_batch_size / world_size`` samples per optimizer step,
+    cut into ``gradient_accumulation_steps`` forwards of at most ``micro_batch_size`` samples each:
+    ``gradient_accumulation_steps == ceil(window / micro_batch_size)``. When the micro-batch divides the window
+    this is transformers' ``micro × accumulation × world == target``; otherwise the forwards are near-equal
+    (31 = 7 + 6 + 6 + 6 + 6), which the exact window loss allows."""
 
     micro_batch_size: int
     gradient_accumulation_steps: int
@@ -114,15 +140,38 @@ class Plan:
             keys = {"lengths", "rows_at", "usable_bytes", "per_token_bytes", "per_token_sq_bytes"}
             if self.token_budget is None or not isinstance(self.token_model, dict) or not keys <= set(self.token_model):
                 raise ValueError(f"inconsistent plan: token_model needs a token_budget and the keys {sorted(keys)}")
-        product = self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
-        if product != self.target_batch_size:
-            raise ValueError(f"inconsistent plan: {self.describe()} but the product is {product}")
+        if self.target_batch_size % self.world_size:
+            raise ValueError(f"inconsistent plan: target_batch_size={self.target_batch_size} is not a multiple of "
+                             f"world_size={self.world_size}")
+        window = self.window
+        if self.micro_batch_size > window or self.gradient_accumulation_steps != forwards_for(window, self.micro_batch_size):
+            raise ValueError(f"inconsistent plan: micro {self.micro_batch_size} × accumulation "
+                             f"{self.gradient_accumulation_steps} does not cut a window of {window} samples "
+                             f"(accumulation must be ceil({window} / {self.micro_batch_size}))")
+
+    @property
+    def window(self) -> int:
+        """Samples per rank per optimizer step."""
+        return self.target_batch_size // self.world_size
+
+    @property
+    def forwards(self) -> int:
+        """Forwards per rank per optimizer step (a token budget's depend on the data: 1 loaded window)."""
+        return self.gradient_accumulation_steps
+
+    @property
+    def even(self) -> bool:
+        """The micro-batch divides the window: transformers' own loading can run this plan."""
+        return self.micro_batch_size * self.gradient_accumulation_steps == self.window
 
     def describe(self) -> str:
         on = f" on {self.engine}" if self.engine else ""
         if self.token_budget is not None:
             return (f"window {self.micro_batch_size} × world {self.world_size} = {self.target_batch_size}, "
                     f"cut into forwards of at most {self.token_budget} tokens{on}")
+        if not self.even:
+            return (f"window {self.window} × world {self.world_size} = {self.target_batch_size}, "
+                    f"{self.forwards} forwards of ≤ {self.micro_batch_size} rows{on}")
         return (
             f"micro {self.micro_batch_size} × accumulation {self.gradient_accumulation_steps} "
             f"× world {self.world_size} = {self.target_batch_size}{on}"
@@ -137,7 +186,8 @@ class Plan:
 
 
 def plan_batch(target_batch_size: int, world_size: int, max_micro_batch_size: int) -> Plan:
-    """The exact plan whose micro-batch is the largest divisor of the per-rank target that fits.
+    """The exact plan with the fewest forwards: the per-rank window cut into ``ceil(window / max)`` near-equal
+    forwards, ``micro_batch_size`` the largest of them (``ceil(31 / 5) = 7`` for 31 samples where 7 fit).
 
     ``max_micro_batch_size`` is the largest micro-batch that fits in memory (from the probe), or 0 when
     none does.  Raises ``ValueError`` naming the argument and the fix when no exact plan exists.
@@ -160,19 +210,27 @@ def plan_batch(target_batch_size: int, world_size: int, max_micro_batch_size: in
             "length, or raise the memory budget."
         )
     per_rank = target_batch_size // world_size
-    micro = max(d for d in divisors(per_rank) if d <= max_micro_batch_size)
-    return Plan(micro, per_rank // micro, world_size, target_batch_size)
+    return plan_for_micro(target_batch_size, world_size, min(max_micro_batch_size, per_rank))
+
+
+def plan_for_micro(target_batch_size: int, world_size: int, micro: int) -> Plan:
+    """The plan cutting each rank's window into ``ceil(window / micro)`` near-equal forwards."""
+    per_rank = target_batch_size // world_size
+    forwards = forwards_for(per_rank, min(micro, per_rank))
+    return Plan(forwards_for(per_rank, forwards), forwards, world_size, target_batch_size)
 
 
 def choose_fastest(samples_per_second: dict[int, float], per_rank_target: int, max_micro_batch_size: int) -> int:
-    """``optimize="throughput"``: the fitting divisor of the per-rank target with the most samples/s.
+    """``optimize="throughput"``: the fitting size with the least time per optimizer step, ``ceil(window / m)``
+    forwards of ``m / samples_per_second[m]`` seconds each (the largest forward sets the pace).
 
-    Ties go to the larger micro-batch (fewer accumulation steps, fewer optimizer-free forward passes).
+    Ties go to the larger micro-batch (fewer forwards).
     """
-    fitting = [d for d in divisors(per_rank_target) if d <= max_micro_batch_size and d in samples_per_second]
+    fitting = [m for m in forward_breakpoints(per_rank_target)
+               if m <= max_micro_batch_size and samples_per_second.get(m)]
     if not fitting:
-        raise ValueError("choose_fastest: no timed divisor of the per-rank target fits")
-    return max(fitting, key=lambda d: (samples_per_second[d], d))
+        raise ValueError("choose_fastest: no timed micro-batch size of the per-rank target fits")
+    return min(fitting, key=lambda m: (forwards_for(per_rank_target, m) * m / samples_per_second[m], -m))
 
 
 # --- the search ------------------------------------------------------------------------------------------

@@ -24,7 +24,15 @@ import torch
 
 from .meters import CpuMeter, CudaMeter, Meter, live_tensor_bytes
 from .oom import free_memory, is_oom
-from .plan import MicroBatchSearch, Plan, choose_fastest, divisors, nearest_exact_targets, plan_batch
+from .plan import (
+    MicroBatchSearch,
+    Plan,
+    choose_fastest,
+    forward_breakpoints,
+    nearest_exact_targets,
+    plan_batch,
+    plan_for_micro,
+)
 
 StepFn = Callable[[int], Any]
 MakeBatch = Callable[[int], dict[str, Any]]  # micro_batch_size -> collated batch at the worst-case length
@@ -115,11 +123,11 @@ def probe_micro_batches(
 
     ``step_fn(micro)`` runs one complete training step (forward, backward, optimizer step) at that
     micro-batch size and keeps no reference to its tensors.  ``must_resolve``: the sizes a plan can use
-    (divisors of the per-rank target); the search does not stop while one of them between the largest
+    (`plan.forward_breakpoints` of the per-rank target: each the smallest reaching its forward count); the search does not stop while one of them between the largest
     fit and the estimate is unresolved.  ``limit_bytes``: for meters that cannot catch an OOM (CPU), the
     most a step may be predicted to need before it is refused unrun (default: the meter's capacity
-    minus what others hold).  ``optimize="throughput"`` also times every fitting divisor in
-    ``must_resolve`` and sets ``chosen_micro_batch_size`` to the fastest.
+    minus what others hold).  ``optimize="throughput"`` also times every fitting size in
+    ``must_resolve`` and sets ``chosen_micro_batch_size`` to the one with the least time per optimizer step.
     """
     if optimize not in ("memory", "throughput"):
         raise ValueError(f'optimize must be "memory" or "throughput", got {optimize!r}')
@@ -198,9 +206,10 @@ def _time_fitting_divisors(
     must_resolve: Sequence[int],
     say: Log,
 ) -> None:
-    """Throughput mode: time every fitting divisor and pick the one with the most samples/s.
+    """Throughput mode: time every fitting size a plan can use and pick the one with the least time per optimizer
+    step (`plan.choose_fastest`).
 
-    A divisor not yet measured is measured first (memory grows with the micro-batch, so it should fit;
+    A size not yet measured is measured first (memory grows with the micro-batch, so it should fit;
     the meter checks).  Times then come from two unmeasured runs, keeping the faster: a measured run
     pays for the profiler (CPU) or for refilling an emptied allocator cache (CUDA), and the first run at
     a new size pays for allocator growth, neither of which a steady training step has.
@@ -541,7 +550,7 @@ def probe_model(
         )
         try:
             result = probe_micro_batches(
-                step_fn, meter, budget, cap, must_resolve=divisors(per_rank), optimize=optimize, log=log
+                step_fn, meter, budget, cap, must_resolve=forward_breakpoints(per_rank), optimize=optimize, log=log
             )
         finally:
             opt.state.clear()  # the probe's optimizer state goes now, not whenever the closures die
@@ -561,8 +570,7 @@ def plan_from_result(result: ProbeResult, target_batch_size: int, world_size: in
         raise NothingFitsError(_nothing_fits_message(result), result)
     plan = plan_batch(target_batch_size, world_size, result.max_micro_batch_size)
     if result.optimize == "throughput" and result.chosen_micro_batch_size:
-        micro = min(result.chosen_micro_batch_size, plan.micro_batch_size)
-        plan = Plan(micro, target_batch_size // world_size // micro, world_size, target_batch_size)
+        plan = plan_for_micro(target_batch_size, world_size, min(result.chosen_micro_batch_size, plan.micro_batch_size))
     return plan
 
 

@@ -35,7 +35,7 @@ from .engine_probe import probe_through_engine
 from .fused_loss import with_fused_loss
 from .loss import LabelSpec, label_spec
 from .oom import free_memory, is_oom
-from .plan import Plan, divisors
+from .plan import Plan, divisors, plan_for_micro
 from .plan_store import PLAN_FILE, save_plan
 from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted, StopRequest
 from .preflight import check_training_data
@@ -172,6 +172,7 @@ class AccumulationMixin:
                               shrink=_weakly(self._shrink), reset=_weakly(self._zero_grad),
                               shrink_tokens=_weakly(self._shrink_tokens), device=self.args.device)
         engine.token_budget = _token_budget(self.plan)
+        engine.cut_units = self._plan_cut(self.plan)
         engine.stop_requested = self._stop_request.__bool__
         return engine
 
@@ -247,8 +248,9 @@ class AccumulationMixin:
 
     # --- out-of-memory recovery ---------------------------------------------------------------------------------
     def _shrink(self, units: int | None) -> int:
-        """The engine's next cut after an OOM: the next smaller micro-batch dividing the per-rank target, applied
-        as the plan in force (the effective batch and the step count are kept)."""
+        """The engine's next cut after an OOM: one more forward per window (loaded whole), or the next smaller
+        micro-batch dividing the per-rank target (micro-batches loaded as given), applied as the plan in force
+        (the effective batch and the step count are kept)."""
         self._refuse_rerun_under_deepspeed()
         plan = self._smaller_plan(units)
         if plan is None:
@@ -289,8 +291,13 @@ class AccumulationMixin:
                                "gradients in its own partitions (they cannot be cleared to re-run the window)")
 
     def _smaller_plan(self, units: int | None = None) -> Plan | None:
-        current = units or self.args.per_device_train_batch_size
         world = self._engine.world if self._engine is not None else self.accelerator.num_processes
+        if self._loads_windows() and self.plan is not None:
+            current = units or self.plan.micro_batch_size
+            if current <= 1:
+                return None
+            return self._on_engine(plan_for_micro(self.plan.target_batch_size, world, current - 1))
+        current = units or self.args.per_device_train_batch_size
         target = getattr(self.args, "target_batch_size", None) or (
             self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * world
         )
@@ -299,6 +306,18 @@ class AccumulationMixin:
         if not smaller:
             return None
         return self._on_engine(Plan(smaller[-1], per_rank // smaller[-1], world, target))
+
+    def _loads_windows(self) -> bool:
+        """Each rank loads its whole window and the engine cuts it (the plan's near-equal forwards, or a token
+        budget): whenever hf_accum plans; micro-batches are loaded as given only when the user set them."""
+        return bool(getattr(self.args, "tunes", False)) or getattr(self.args, "micro_batching", "samples") == "tokens"
+
+    def _plan_cut(self, plan: Plan | None) -> int | None:
+        """The engine's units per forward for ``plan`` (None: each loaded batch is one forward, or a token budget
+        cuts it)."""
+        if plan is None or plan.token_budget is not None or not self._loads_windows():
+            return None
+        return plan.micro_batch_size
 
     def _on_engine(self, plan: Plan) -> Plan:
         """The plan, naming the sharded engine that runs it (DeepSpeed and its ZeRO stage)."""
@@ -315,12 +334,16 @@ class AccumulationMixin:
             how = "Restart (a new run from the last checkpoint's weights: save_only_model=True saves no optimizer state) with"
         else:
             how = "Restart (resume from the last checkpoint) with"
+        if plan is None:
+            setting = "a smaller model footprint"
+        elif self._loads_windows():
+            setting = f"probe_max_micro_batch={plan.micro_batch_size} ({plan.describe()})"
+        else:
+            setting = (f"per_device_train_batch_size={plan.micro_batch_size} and gradient_accumulation_steps="
+                       f"{plan.gradient_accumulation_steps} ({plan.describe()})")
         return (
             f"hf_accum: {reason}; this cannot be recovered without risking diverging or hanging ranks, so every "
-            f"rank stops. Checkpoints in {self.args.output_dir} are intact. {how} "
-            + (f"per_device_train_batch_size={plan.micro_batch_size} and gradient_accumulation_steps="
-               f"{plan.gradient_accumulation_steps} ({plan.describe()})" if plan else "a smaller model footprint")
-            + "."
+            f"rank stops. Checkpoints in {self.args.output_dir} are intact. {how} {setting}."
         )
 
     # --- planning ---------------------------------------------------------------------------------------------
@@ -338,11 +361,14 @@ class AccumulationMixin:
         if self._engine is not None:
             self._engine.token_budget = _token_budget(plan)
         if not in_training_loop:
-            self.args.per_device_train_batch_size = plan.micro_batch_size
-            self.args.gradient_accumulation_steps = plan.gradient_accumulation_steps
-            _compat.set_train_batch_size(self, plan.micro_batch_size)
+            # loaded whole, each window is cut by the engine (`_plan_cut`); else transformers loads the micro-batches
+            micro, accumulation = ((plan.window, 1) if self._loads_windows()
+                                   else (plan.micro_batch_size, plan.gradient_accumulation_steps))
+            self.args.per_device_train_batch_size = micro
+            self.args.gradient_accumulation_steps = accumulation
+            _compat.set_train_batch_size(self, micro)
             if self._engine is not None:
-                self._engine.cut_units = None
+                self._engine.cut_units = self._plan_cut(plan)
             if into_deepspeed and self.args.deepspeed is not None:
                 # the engine, built in train(), gets the plan: "auto" batch fields filled from these arguments
                 _compat.fill_deepspeed_config(self)
@@ -412,9 +438,9 @@ class AccumulationMixin:
         self.plan = plan = self._on_engine(plan)
         engine = self._window_engine(batch)
         engine.token_budget = _token_budget(plan)
-        if plan.token_budget is None:
-            engine.cut_units = plan.micro_batch_size  # each loaded window, cut into the plan's micro-batches
-        _compat.set_deepspeed_batch(self, plan.micro_batch_size, plan.gradient_accumulation_steps)
+        engine.cut_units = self._plan_cut(plan)  # each loaded window, cut into the plan's forwards
+        # the engine loads whole windows, as the Trainer does; hf_accum sets its boundary per forward
+        _compat.set_deepspeed_batch(self, plan.window, 1)
 
     @with_fused_loss
     def train(self, resume_from_checkpoint=None, *args, **kwargs):

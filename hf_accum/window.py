@@ -23,6 +23,7 @@ import torch
 
 from .loss import Window
 from .oom import free_memory, is_oom
+from .plan import forwards_for
 from .protocol import Local, Phase, Policy, Restart, StopTraining, WindowProtocol
 from .token_budget import TokenBudget
 from .units import Cutter, sliver
@@ -39,7 +40,7 @@ class WindowEngine:
         self.shrink_tokens = shrink_tokens or _cannot_shrink
         self.reset = reset or (lambda: None)
         self.device = device
-        self.cut_units: int | None = None  # units per forward after an OOM; None: as loaded
+        self.cut_units: int | None = None  # most units per forward (the plan's, or after an OOM); None: as loaded
         self.token_budget: TokenBudget | None = None  # micro_batching="tokens": what one forward may hold
         self._forwards: tuple[int, ...] = ()  # per loaded batch, agreed over ranks
         self.window: Window | None = None
@@ -75,7 +76,12 @@ class WindowEngine:
     def _agree_forwards(self) -> None:
         if self.token_budget is not None:
             own = tuple(self.cutter.forwards_under(b, self.token_budget) for b in self._batches)
-            self._forwards = self.protocol.agree_forwards(own)
+        elif self.cut_units:
+            own = tuple(forwards_for(self.cutter.units(b), self.cut_units) for b in self._batches)
+        else:
+            self._forwards = ()
+            return
+        self._forwards = self.protocol.agree_forwards(own)
 
     def largest_loaded_units(self) -> int:
         """Units of the largest batch of the current window, as loaded."""
@@ -122,10 +128,10 @@ class WindowEngine:
 
     # --- chunks ----------------------------------------------------------------------------------------------
     def _chunks(self, batch, index: int) -> list:
+        groups = self._forwards[index] if index < len(self._forwards) else None
         if self.token_budget is not None:
-            groups = self._forwards[index] if index < len(self._forwards) else None
             return self.cutter.cut_by_tokens(batch, self.token_budget, groups, self.mode)
-        return self.cutter.cut(batch, self.cut_units, self.mode) if self.cut_units else [batch]
+        return self.cutter.cut_near_equal(batch, self.cut_units, groups, self.mode) if self.cut_units else [batch]
 
     def _run_loaded(self, batch, index: int, run_chunk) -> torch.Tensor:
         last = index == len(self._batches) - 1

@@ -16,6 +16,9 @@ from hf_accum.plan import (
     choose_fastest,
     divisors,
     fit_memory_model,
+    forward_breakpoints,
+    forwards_for,
+    near_equal_sizes,
     nearest_exact_targets,
     plan_batch,
     predict_max_micro,
@@ -88,20 +91,37 @@ def test_nearest_exact_targets(target, world, expected):
     "target, world, max_micro, micro, accum",
     [
         (64, 1, 64, 64, 1),  # everything fits: no accumulation
-        (64, 1, 30, 16, 4),  # 30 fits, but the plan needs a divisor of 64
-        (64, 2, 30, 16, 2),  # per-rank target 32
-        (64, 4, 5, 4, 4),
-        (48, 1, 30, 24, 2),
-        (37, 1, 36, 1, 37),  # a prime target: exact wins over fast
+        (64, 1, 32, 32, 2),
+        (64, 2, 16, 16, 2),  # per-rank target 32
+        (64, 4, 4, 4, 4),
+        (48, 1, 24, 24, 2),
         (36, 3, 100, 12, 1),  # the per-rank target caps the micro-batch
         (1, 1, 1, 1, 1),
     ],
 )
-def test_plan_batch_table(target, world, max_micro, micro, accum):
+def test_plan_batch_table_even(target, world, max_micro, micro, accum):
     plan = plan_batch(target, world, max_micro)
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.world_size) == (micro, accum, world)
     assert plan.micro_batch_size * plan.gradient_accumulation_steps * plan.world_size == target
     assert plan.describe() == f"micro {micro} × accumulation {accum} × world {world} = {target}"
+
+
+@pytest.mark.parametrize(
+    "target, world, max_micro, micro, forwards, line",
+    [
+        (31, 1, 7, 7, 5, "window 31 × world 1 = 31, 5 forwards of ≤ 7 rows"),  # 7+6+6+6+6, not 31 forwards of 1
+        (37, 1, 36, 19, 2, "window 37 × world 1 = 37, 2 forwards of ≤ 19 rows"),  # a prime target: 2 forwards
+        (64, 1, 30, 22, 3, "window 64 × world 1 = 64, 3 forwards of ≤ 22 rows"),  # 3 forwards where 30 fit
+        (64, 2, 30, 16, 2, "micro 16 × accumulation 2 × world 2 = 64"),  # 30 fit; 2 forwards need only 16
+        (64, 4, 5, 4, 4, "micro 4 × accumulation 4 × world 4 = 64"),  # 5 fit; 4 forwards need only 4
+        (48, 1, 30, 24, 2, "micro 24 × accumulation 2 × world 1 = 48"),
+    ],
+)
+def test_plan_batch_cuts_any_target_into_the_fewest_forwards(target, world, max_micro, micro, forwards, line):
+    plan = plan_batch(target, world, max_micro)
+    assert (plan.micro_batch_size, plan.forwards) == (micro, forwards)
+    assert plan.forwards == math.ceil(target / world / max_micro)
+    assert plan.describe() == line
 
 
 def test_plan_batch_not_divisible_names_the_argument_and_the_nearest_targets():
@@ -120,9 +140,33 @@ def test_plan_batch_rejects_bad_numbers(target, world):
         plan_batch(target, world, 4)
 
 
-def test_a_plan_whose_product_is_wrong_cannot_be_built():
+@pytest.mark.parametrize("micro, accumulation, world, target", [
+    (3, 2, 1, 8),  # 2 forwards of 3 cannot hold 8 samples
+    (2, 5, 1, 8),  # 4 forwards of 2 are enough: 5 is not the fewest
+    (9, 1, 1, 8),  # a forward larger than the window
+    (2, 2, 3, 8),  # the world does not divide the target
+])
+def test_a_plan_that_does_not_cut_its_window_cannot_be_built(micro, accumulation, world, target):
     with pytest.raises(ValueError, match="inconsistent plan"):
-        Plan(micro_batch_size=3, gradient_accumulation_steps=2, world_size=1, target_batch_size=8)
+        Plan(micro_batch_size=micro, gradient_accumulation_steps=accumulation, world_size=world,
+             target_batch_size=target)
+
+
+@pytest.mark.parametrize("units, forwards, sizes", [
+    (31, 5, [6, 6, 6, 6, 7]), (32, 4, [8, 8, 8, 8]), (7, 3, [2, 2, 3]), (3, 5, [1, 1, 1]), (1, 1, [1]),
+])
+def test_near_equal_sizes(units, forwards, sizes):
+    assert near_equal_sizes(units, forwards) == sizes
+
+
+@given(per_rank=st.integers(1, 600))
+def test_forward_breakpoints_are_the_smallest_size_for_each_forward_count(per_rank):
+    points = forward_breakpoints(per_rank)
+    counts = [forwards_for(per_rank, m) for m in points]
+    assert counts == sorted(set(counts), reverse=True)  # one breakpoint per forward count, strictly fewer
+    for m in range(1, per_rank + 1):  # any size does the work of the largest breakpoint not above it
+        below = max(p for p in points if p <= m)
+        assert forwards_for(per_rank, m) == forwards_for(per_rank, below)
 
 
 @given(
@@ -134,13 +178,14 @@ def test_a_plan_whose_product_is_wrong_cannot_be_built():
 def test_plan_batch_properties(world, per_rank, max_micro, extra):
     target = world * per_rank
     plan = plan_batch(target, world, max_micro)
-    assert plan.micro_batch_size * plan.gradient_accumulation_steps * plan.world_size == target
-    assert per_rank % plan.micro_batch_size == 0
-    assert plan.micro_batch_size <= max_micro
-    # the largest such divisor: nothing bigger that divides and fits was passed over
-    assert not [d for d in divisors(per_rank) if plan.micro_batch_size < d <= max_micro]
-    # monotone: more memory never gives a smaller micro-batch
-    assert plan_batch(target, world, max_micro + extra).micro_batch_size >= plan.micro_batch_size
+    sizes = near_equal_sizes(per_rank, plan.forwards)
+    assert sum(sizes) == per_rank and max(sizes) == plan.micro_batch_size <= max_micro
+    # the fewest forwards any cut of the window into forwards of at most max_micro can have
+    assert plan.forwards == math.ceil(per_rank / min(max_micro, per_rank))
+    # even plans are transformers' micro x accumulation x world = target
+    assert plan.even == (plan.micro_batch_size * plan.forwards * world == target)
+    # monotone: more memory never gives more forwards
+    assert plan_batch(target, world, max_micro + extra).forwards <= plan.forwards
 
 
 @given(world=st.integers(2, 16), target=st.integers(1, 4096))
@@ -158,7 +203,9 @@ def test_plan_batch_refuses_any_target_the_world_does_not_divide(world, target):
         ({1: 10.0, 2: 19.0, 4: 30.0, 8: 29.0}, 16, 8, 4),  # fastest, not largest
         ({1: 10.0, 2: 30.0, 4: 30.0}, 16, 8, 4),  # a tie goes to the larger micro-batch
         ({1: 10.0, 2: 19.0, 4: 30.0, 8: 99.0}, 16, 6, 4),  # 8 does not fit
-        ({1: 10.0, 3: 50.0, 4: 30.0}, 16, 8, 4),  # 3 does not divide 16
+        ({1: 10.0, 3: 50.0, 4: 30.0}, 16, 8, 3),  # 6 forwards of 3 (0.36 s) beat 4 of 4 (0.53 s)
+        ({1: 10.0, 6: 60.0, 7: 62.0}, 31, 7, 7),  # 5 forwards of 7 (0.56 s) beat 6 of 6 (0.6 s)
+        ({1: 10.0, 5: 30.0, 6: 30.0}, 12, 6, 6),  # 5 takes 3 forwards, as many as 4: 6 needs 2
     ],
 )
 def test_choose_fastest(rates, per_rank, max_micro, expected):
@@ -305,9 +352,9 @@ def test_linear_memory_gives_the_exact_plan_in_at_most_three_trials(a, b, headro
     tried, search = drive(memory, budget, max_micro)
     assert GOAL_FRACTION * best <= search.largest_fit <= best
     assert len(tried) <= 3
-    # with the target's divisors to resolve, the plan is the one the true maximum gives
+    # with the sizes a plan can use to resolve, the plan is the one the true maximum gives
     target = max_micro
-    tried, search = drive(memory, budget, max_micro, must=divisors(target))
+    tried, search = drive(memory, budget, max_micro, must=forward_breakpoints(target))
     assert plan_batch(target, 1, search.largest_fit) == plan_batch(target, 1, best)
     assert len(tried) <= 4
 
@@ -340,7 +387,7 @@ def test_any_curve_ends_with_a_fitting_size_within_the_goal(
         "convex": lambda m: a + b * m + (b * m * m) // (10 * knee),
     }[kind]
     budget = int(memory(1) * budget_factor)
-    must = divisors(target)
+    must = forward_breakpoints(target)
     tried, search = drive(memory, budget, max_micro, must=must, report_over=report_over)
     best = true_max(memory, budget, max_micro)
     found = search.largest_fit
@@ -382,10 +429,11 @@ def test_the_goals_hold_on_average_over_a_family_of_curves(shape):
         budget = memory(1) * rng.uniform(1.2, 20)
         target = rng.choice([16, 32, 48, 64, 96, 128, 256])
         rounding = 20 * MiB if shape in ("intercept", "staircase") else 0
-        tried, search = drive(memory, budget, target, must=divisors(target), baseline=base, rounding=rounding)
+        tried, search = drive(memory, budget, target, must=forward_breakpoints(target), baseline=base,
+                              rounding=rounding)
         best = true_max(memory, budget, target)
         assert search.largest_fit >= math.floor(GOAL_FRACTION * best)
-        # and the plan is the one the true maximum gives: every divisor up to the estimate was resolved
+        # and the plan is the one the true maximum gives: every usable size up to the estimate was resolved
         assert plan_batch(target, 1, search.largest_fit) == plan_batch(target, 1, best)
         trials.append(len(tried))
     assert sum(trials) / len(trials) <= 4

@@ -111,3 +111,36 @@ def test_sliver_is_one_unit_two_tokens(unit, batch):
     assert s["input_ids"].shape == (1, 2)
     if unit == "sequences":
         assert s["cu_seq_lens_q"].tolist() == [0, 2] and s["max_length_q"] == 2
+
+
+# --- near-equal forwards (the plan's cut of a window loaded whole) ---------------------------------------------
+@pytest.mark.parametrize("lengths, max_units, groups, rows_per_chunk, widths", [
+    ([3, 9, 4, 8, 2, 7, 5], 3, None, [[1, 3], [5, 6], [0, 2, 4]], [9, 7, 4]),  # 3 forwards of 2, 2, 3; longest first
+    ([4] * 7, 7, None, [[0, 1, 2, 3, 4, 5, 6]], [4]),  # fits in one forward: the batch as it is
+    ([4] * 6, 2, None, [[0, 1], [2, 3], [4, 5]], [4, 4, 4]),  # equal lengths keep their order
+    ([5, 1, 3], 3, 2, [[0], [1, 2]], [5, 3]),  # the ranks agreed on 2 forwards: one more than this rank needs
+])
+def test_cut_near_equal_puts_the_longest_rows_together(lengths, max_units, groups, rows_per_chunk, widths):
+    batch = padded(lengths)
+    batch["row"] = torch.arange(len(lengths))
+    cutter = make_cutter("rows", CAUSAL)
+    chunks = cutter.cut_near_equal(batch, max_units, groups, "tokens")
+    assert [c["row"].tolist() for c in chunks] == rows_per_chunk
+    assert [c["input_ids"].shape[1] for c in chunks] == widths  # each chunk trimmed to its own longest row
+    assert sum(int(cutter.count(c, "tokens")) for c in chunks) == int(cutter.count(batch, "tokens"))
+
+
+def test_cut_near_equal_keeps_pairs_and_sequences_whole():
+    chosen, rejected = padded([2, 6, 4]), padded([3, 5, 6])
+    pairs = {k: torch.cat([chosen[k], torch.nn.functional.pad(rejected[k], (0, 0))]) for k in chosen}
+    pairs["ref_chosen_logps"] = torch.tensor([0.0, 1.0, 2.0])
+    cutter = make_cutter("pairs", CAUSAL)
+    chunks = cutter.cut_near_equal(pairs, 2, None, "tokens")
+    # pair lengths (the longer row): 3, 6, 6 -> the two longest pairs (1, 2) share a forward
+    assert [c["ref_chosen_logps"].tolist() for c in chunks] == [[1.0, 2.0], [0.0]]
+    assert chunks[0]["input_ids"].shape[0] == 4 and chunks[1]["input_ids"].shape[0] == 2
+    flat_batch = flat([3, 4, 2, 5, 1])
+    seqs = make_cutter("sequences", CAUSAL)
+    parts = seqs.cut_near_equal(flat_batch, 2, None, "tokens")
+    assert [int(seqs.count(c, "samples")) for c in parts] == [1, 2, 2]  # in order, 5 sequences in 3 forwards
+    assert sum(int(seqs.count(c, "tokens")) for c in parts) == int(seqs.count(flat_batch, "tokens"))
