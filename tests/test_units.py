@@ -136,9 +136,10 @@ def test_cut_near_equal_keeps_pairs_and_sequences_whole():
     pairs["ref_chosen_logps"] = torch.tensor([0.0, 1.0, 2.0])
     cutter = make_cutter("pairs", CAUSAL)
     chunks = cutter.cut_near_equal(pairs, 2, None, "tokens")
-    # pair lengths (the longer row): 3, 6, 6 -> the two longest pairs (1, 2) share a forward
-    assert [c["ref_chosen_logps"].tolist() for c in chunks] == [[1.0, 2.0], [0.0]]
-    assert chunks[0]["input_ids"].shape[0] == 4 and chunks[1]["input_ids"].shape[0] == 2
+    # pair lengths (the longer row): 3, 6, 6 -> 2 forwards of 1 and 2 pairs, the longest pair in the smaller one
+    assert [c["ref_chosen_logps"].tolist() for c in chunks] == [[1.0], [0.0, 2.0]]
+    assert chunks[0]["input_ids"].shape[0] == 2 and chunks[1]["input_ids"].shape[0] == 4
+    assert chunks[0]["input_ids"].tolist() == [[5] * 6, [5] * 5 + [0]]  # chosen 1 with rejected 1
     flat_batch = flat([3, 4, 2, 5, 1])
     seqs = make_cutter("sequences", CAUSAL)
     parts = seqs.cut_near_equal(flat_batch, 2, None, "tokens")
