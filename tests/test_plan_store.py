@@ -98,7 +98,7 @@ BAD_PLANS = [
     ({"micro_batch_size": -4, "gradient_accumulation_steps": -4, "world_size": 1, "target_batch_size": 16},
      "micro_batch_size=-4 is not a positive integer"),
     ({"micro_batch_size": 4, "gradient_accumulation_steps": 2, "world_size": 1, "target_batch_size": 16},
-     "but the product is 8"),
+     "micro 4 × accumulation 2 does not cut a window of 16 samples"),
     ({"micro_batch_size": True, "gradient_accumulation_steps": 16, "world_size": 1, "target_batch_size": 16},
      "micro_batch_size=True is not a positive integer"),
     ({"micro_batch_size": 4, "world_size": 1, "target_batch_size": 16}, "lacks gradient_accumulation_steps"),
@@ -126,7 +126,7 @@ def test_a_stored_plan_that_cannot_be_trusted_is_named_and_probed_again(tmp_path
     warning = next(r.getMessage() for r in caplog.records if "ignoring the stored plan" in r.getMessage())
     assert f"{path}: {problem}" in warning and "Probing again" in warning
     assert again.probe_result is not None and good.micro_batch_size > 0
-    assert again.args.per_device_train_batch_size == good.micro_batch_size
+    assert again.args.per_device_train_batch_size == good.window  # loaded whole, cut by the engine
     assert json.loads(path.read_text())["plan"] == good.to_dict()  # rewritten
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_accum.meters import CpuMeter, FakeMeter, live_tensor_bytes
-from hf_accum.plan import divisors, plan_batch
+from hf_accum.plan import divisors, forward_breakpoints, plan_batch
 from hf_accum.probe import (
     NothingFitsError,
     agree_max_micro_batch,
@@ -47,10 +47,10 @@ class Recorder:
 # fmt: off
 PROBE_TABLE = [
     # id, memory (bytes of micro), budget, target, sizes measured, max found, plan (micro, accum)
-    ("linear", lambda m: 100 * MiB + 10 * MiB * m, 400 * MiB, 64, [1, 3, 30], 30, (16, 4)),
+    ("linear", lambda m: 100 * MiB + 10 * MiB * m, 400 * MiB, 64, [1, 3, 30], 30, (22, 3)),
     ("fits-all", lambda m: 100 * MiB + 10 * MiB * m, 4000 * MiB, 64, [1, 36, 64], 64, (64, 1)),
     ("tight", lambda m: 100 * MiB + 10 * MiB * m, 135 * MiB, 48, [1, 2, 3], 3, (3, 16)),
-    ("plateau", lambda m: max(200 * MiB, 100 * MiB + 10 * MiB * m), 400 * MiB, 64, [1, 2, 4, 8, 16, 34, 25, 30], 30, (16, 4)),
+    ("plateau", lambda m: max(200 * MiB, 100 * MiB + 10 * MiB * m), 400 * MiB, 64, [1, 2, 4, 8, 16, 34, 25, 30], 30, (22, 3)),
 ]
 # fmt: on
 
@@ -63,7 +63,7 @@ PROBE_TABLE = [
 def test_probe_with_a_fake_meter_tries_exactly(memory, budget, target, expected_calls, expected_max, expected_plan):
     meter = FakeMeter(memory, capacity_bytes=budget)  # over budget is an out-of-memory error
     step = Recorder()
-    result = probe_micro_batches(step, meter, budget, target, must_resolve=divisors(target))
+    result = probe_micro_batches(step, meter, budget, target, must_resolve=forward_breakpoints(target))
     assert meter.calls == expected_calls
     assert step.ran[0] == 1 and step.ran[1:] == [t.micro_batch_size for t in result.trials if t.fits]  # warm-up first
     assert result.max_micro_batch_size == expected_max
@@ -180,10 +180,10 @@ def test_no_gradients_or_optimizer_state_are_left_behind(probed):
     assert live_tensor_bytes(model) == sum(t.numel() * t.element_size() for t in held)
 
 
-def test_the_plan_is_exact_and_uses_the_largest_fitting_divisor(probed):
+def test_the_plan_cuts_the_window_into_the_fewest_forwards_that_fit(probed):
     _, budget, *_, result, plan = probed
-    assert plan.micro_batch_size * plan.gradient_accumulation_steps == 32
-    assert plan.micro_batch_size == max(d for d in divisors(32) if d <= result.max_micro_batch_size)
+    assert plan.gradient_accumulation_steps == -(-32 // result.max_micro_batch_size)
+    assert plan.micro_batch_size == -(-32 // plan.gradient_accumulation_steps) <= result.max_micro_batch_size
     assert 10 <= result.max_micro_batch_size <= 12  # the budget was set for 11.5 samples
     assert plan.gradient_accumulation_steps > 1
     assert len(result.measured_trials) <= 4
@@ -192,9 +192,9 @@ def test_the_plan_is_exact_and_uses_the_largest_fitting_divisor(probed):
     assert fitting[result.max_micro_batch_size].peak_bytes <= budget
 
 
-def test_the_next_larger_divisor_exceeds_the_budget(probed):
+def test_the_next_size_with_fewer_forwards_exceeds_the_budget(probed):
     model, budget, *_, result, plan = probed
-    nxt = next(d for d in divisors(32) if d > plan.micro_batch_size)
+    nxt = next(d for d in forward_breakpoints(32) if d > plan.micro_batch_size)
     assert result.next_size == nxt
     if result.next_verdict == "measured":  # it, or a smaller size, was run and did not fit
         assert any(not t.fits and t.micro_batch_size <= nxt for t in result.trials)

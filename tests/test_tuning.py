@@ -1,6 +1,7 @@
 """The tuner inside the trainer: probe -> plan -> apply, the stored plan, and bad input before heavy work."""
 
 import json
+import math
 import logging
 import os
 import re
@@ -39,10 +40,12 @@ def test_plan_is_measured_applied_and_written(tmp_path, tok, caplog):
     # The probe never changes the weights.
     assert all(torch.equal(p, weights[n]) for n, p in trainer.model.named_parameters())
     result = trainer.probe_result
-    assert plan.micro_batch_size * plan.gradient_accumulation_steps == 16
+    # the fewest forwards the largest fitting micro-batch allows, near-equal (no divisor of 16 needed)
+    assert plan.gradient_accumulation_steps == math.ceil(16 / result.max_micro_batch_size)
+    assert plan.micro_batch_size == math.ceil(16 / plan.gradient_accumulation_steps)
     assert plan.gradient_accumulation_steps > 1, "the small budget must force accumulation"
-    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (
-        plan.micro_batch_size, plan.gradient_accumulation_steps)
+    # the Trainer loads each window whole; the engine cuts it into the plan's forwards
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (16, 1)
     fits = {t.micro_batch_size: t for t in result.trials if t.status != "refused"}
     assert fits[plan.micro_batch_size].fits if plan.micro_batch_size in fits else plan.micro_batch_size <= result.max_micro_batch_size
     assert all(t.peak_bytes <= 8 * MiB for t in result.trials if t.fits)
@@ -52,7 +55,7 @@ def test_plan_is_measured_applied_and_written(tmp_path, tok, caplog):
 
     trainer.train()
     assert trainer.state.global_step == 2
-    assert trainer.state.train_batch_size == plan.micro_batch_size
+    assert trainer.state.train_batch_size == plan.window  # each loaded batch is a window
 
 
 def test_stored_plan_is_reused_only_when_the_key_matches(tmp_path, tok, caplog):
