@@ -182,6 +182,23 @@ class StepRecorder(TrainerCallback):
         self.weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
 
 
+class ForwardSizes(TrainerCallback):
+    """The rows of every training forward of ``model`` once training begins (the probe's steps come before)."""
+
+    def __init__(self, model: nn.Module):
+        self.sizes: list[int] = []
+        self._on = False
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self._on and module.training and torch.is_tensor(ids):
+            self.sizes.append(int(ids.shape[0]))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._on = True
+
+
 def recording(trainer_cls):
     """Subclass of ``trainer_cls`` that keeps every micro-batch it trains on, grouped by optimizer step."""
 
@@ -342,7 +359,8 @@ def _as(cls, model):
     return model
 
 
-def run_case(case: Case, base_trainer_cls, output_dir: str, micro: int = 3, accum: int = 4, **arg_overrides):
+def run_case(case: Case, base_trainer_cls, output_dir: str, micro: int = 3, accum: int = 4, forward_sizes: bool = False,
+             **arg_overrides):
     """Train one epoch on the case and return (max relative gradient error, logged losses, reference losses)."""
     from transformers import TrainingArguments
 
@@ -363,8 +381,10 @@ def run_case(case: Case, base_trainer_cls, output_dir: str, micro: int = 3, accu
         args = TrainingArguments(**kwargs)
     cls = recording(base_trainer_cls if case.mixin is None else type("User", (case.mixin, base_trainer_cls), {}))
     recorder = StepRecorder()
-    trainer = cls(model=model, args=args, train_dataset=case.data(), data_collator=pad_collate, callbacks=[recorder],
+    callbacks = [recorder, ForwardSizes(model)] if forward_sizes else [recorder]
+    trainer = cls(model=model, args=args, train_dataset=case.data(), data_collator=pad_collate, callbacks=callbacks,
                   **case.trainer_kwargs)
+    trainer.forward_sizes = callbacks[-1]
     trainer.remove_callback(PrinterCallback)  # keeps benchmark tables readable
     trainer.train()
     ref = reference_run(initial, recorder, trainer.windows, case.kind, label_smoothing=case.label_smoothing)

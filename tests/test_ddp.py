@@ -83,6 +83,24 @@ def test_two_ranks_match_one_pass(accum_runs, run):
 
 
 @pytest.mark.slow
+def test_two_ranks_cut_an_uneven_window_exactly(tmp_path):
+    """Target 14 on 2 ranks where 3 samples fit: each rank's window of 7 is loaded whole and cut into 3 forwards
+    (2 + 2 + 3, no divisor of 7 needed); one pass over both ranks' samples is the reference. (24 samples: accelerate's
+    even_batches completes the last window from the start, as it does for any DDP run.)"""
+    run = "causal_lm:1:uneven"
+    launch_two_ranks(tmp_path, [run])
+    ranks, windows, err, ref = check_run(tmp_path, run)
+    assert [len(w) for w in windows] == [2, 2], "one loaded window per rank per step"
+    assert [sum(int(b["input_ids"].shape[0]) for b in w) for w in windows] == [14, 14]
+    for r in ranks:
+        assert r["plan"] == {"micro_batch_size": 3, "gradient_accumulation_steps": 3, "world_size": 2,
+                             "target_batch_size": 14}
+        assert len(r["forwards"]) == 6 and sorted(r["forwards"][:3]) == sorted(r["forwards"][3:]) == [2, 2, 3]
+    assert err <= 1e-6, f"relative gradient error {err:.3e}"
+    assert ranks[0]["losses"] == pytest.approx(ref.losses, rel=1e-6)
+
+
+@pytest.mark.slow
 def test_ranks_with_different_budgets_agree_on_the_most_constrained_plan(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            os.path.join(ROOT, "tests", "ddp_tune_worker.py"), str(tmp_path)]

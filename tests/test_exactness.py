@@ -54,3 +54,20 @@ def test_target_batch_size_and_single_window(tmp_path):
     assert err <= TOL
     assert [len(w) for w in trainer.windows] == [3, 3, 2]
     assert len(lm_examples(16, seed=1)) == 16
+
+
+def test_an_uneven_cut_of_a_prime_target_equals_one_pass(tmp_path):
+    """Target 7 where the probe may use at most 3 rows: 3 forwards (2 + 2 + 3) per window, not 7 forwards of one;
+    the last window (16 = 7 + 7 + 2) is one forward of 2. Every step equals one float64 pass over its samples."""
+    err, logged, ref_losses, trainer = run_case(
+        CASES["causal_lm"], AccumTrainer, str(tmp_path), micro=1, accum=1, target_batch_size=7, probe_max_micro_batch=3,
+        forward_sizes=True,
+    )
+    plan = trainer.plan
+    assert (plan.micro_batch_size, plan.forwards) == (3, 3)
+    assert plan.describe() == "window 7 × world 1 = 7, 3 forwards of ≤ 3 rows"
+    assert [sum(int(b["input_ids"].shape[0]) for b in w) for w in trainer.windows] == [7, 7, 2]
+    sizes = trainer.forward_sizes.sizes
+    assert sorted(sizes[0:3]) == [2, 2, 3] and sorted(sizes[3:6]) == [2, 2, 3] and sizes[6:] == [2]
+    assert err <= TOL, f"relative gradient error {err:.3e}"
+    assert logged == pytest.approx(ref_losses, rel=1e-6)
