@@ -60,6 +60,16 @@ def near_equal_sizes(units: int, forwards: int) -> list[int]:
     return [small] * (forwards - extra) + [small + 1] * extra
 
 
+def near_equal_groups(lengths: Sequence[int], max_units: int, groups: int | None = None) -> list[list[int]]:
+    """Indices of padded rows cut into ``ceil(n / max_units)`` forwards (at least ``groups``) of near-equal counts,
+    longest rows together, the longest in the smaller forwards; each group's indices in their original order."""
+    total = len(lengths)
+    sizes = near_equal_sizes(total, max(forwards_for(total, max_units), groups or 1))
+    order = sorted(range(total), key=lambda i: -lengths[i])  # stable: equal lengths keep their order
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [sorted(order[lo:hi]) for lo, hi in zip(starts[:-1], starts[1:])]
+
+
 def nearest_exact_targets(target_batch_size: int, world_size: int) -> tuple[int, ...]:
     """The multiples of ``world_size`` nearest ``target_batch_size`` (below and above; one if it is one)."""
     below = (target_batch_size // world_size) * world_size

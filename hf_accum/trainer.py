@@ -70,6 +70,7 @@ class AccumulationMixin:
         self._plan_key: dict | None = None
         self._engine: WindowEngine | None = None
         self._pending_probe: tuning.Prepared | None = None  # DeepSpeed: probed through the engine, in the loop
+        self._whole_windows: bool | None = None  # how the applied plan is loaded (`_loads_windows`)
         self._probing = False
         self._post_checked = False
         self._forwarded_tokens = 0  # by the current loaded batch's forwards (see floating_point_ops)
@@ -309,7 +310,10 @@ class AccumulationMixin:
 
     def _loads_windows(self) -> bool:
         """Each rank loads its whole window and the engine cuts it (the plan's near-equal forwards, or a token
-        budget): whenever hf_accum plans; micro-batches are loaded as given only when the user set them."""
+        budget): whenever hf_accum plans; micro-batches are loaded as given only when the user set them. Fixed
+        when a plan is applied (a recipe turns auto_tune off once it has planned)."""
+        if self._whole_windows is not None:
+            return self._whole_windows
         return bool(getattr(self.args, "tunes", False)) or getattr(self.args, "micro_batching", "samples") == "tokens"
 
     def _plan_cut(self, plan: Plan | None) -> int | None:
@@ -362,7 +366,9 @@ class AccumulationMixin:
             self._engine.token_budget = _token_budget(plan)
         if not in_training_loop:
             # loaded whole, each window is cut by the engine (`_plan_cut`); else transformers loads the micro-batches
-            micro, accumulation = ((plan.window, 1) if self._loads_windows()
+            self._whole_windows = None
+            self._whole_windows = self._loads_windows()
+            micro, accumulation = ((plan.window, 1) if self._whole_windows
                                    else (plan.micro_batch_size, plan.gradient_accumulation_steps))
             self.args.per_device_train_batch_size = micro
             self.args.gradient_accumulation_steps = accumulation

@@ -79,8 +79,8 @@ def tune(trainer, prepared: Prepared | None = None,
     if prepared.stored is not None:
         plan, record = prepared.stored
         figures = plan_figures(plan, prepared.budget, record.get("probe"), reused=True)
-        _show("hf_accum: reusing the plan in %s (nothing that changes memory changed): %s", args,
-              os.path.join(args.output_dir, PLAN_FILE), _summary(plan, figures, args))
+        _show("%s (reused %s: nothing that changes memory changed)", args, plan_line(plan, figures),
+              os.path.join(args.output_dir, PLAN_FILE))
         _log_in_trainer(trainer, figures, in_loop)
         return plan, None, prepared.key
 
@@ -91,8 +91,8 @@ def tune(trainer, prepared: Prepared | None = None,
     figures = plan_figures(plan, prepared.budget, result.to_dict(), reused=False)
     where = ""
     if args.should_save:
-        where = "; written to " + save_plan(args.output_dir, prepared.key, plan, result.to_dict())
-    _show("hf_accum: %s%s", args, _summary(plan, figures, args), where)
+        where = f" (details: {save_plan(args.output_dir, prepared.key, plan, result.to_dict())})"
+    _show("%s%s", args, plan_line(plan, figures), where)
     _log_in_trainer(trainer, figures, in_loop)
     return plan, result, prepared.key
 
@@ -215,9 +215,11 @@ def _usable(model: dict, trials: list, budget_bytes: int, rows_at: dict[int, int
 def _expected_cuts(lengths: list[int] | None, per_rank: int, budget: TokenBudget,
                    rows_at_longest: int) -> dict[str, float]:
     """Forwards per optimizer step and padded / real tokens this budget gives on the user's data (windows of a
-    fixed shuffle), next to "samples" mode at the micro-batch that fits the worst case."""
+    fixed shuffle), next to "samples" mode's plan at the micro-batch that fits the worst case, each cut by the rule
+    that would run it (`partition_padded`, `plan.near_equal_groups`)."""
     import random
 
+    from .plan import near_equal_groups, plan_batch
     from .token_budget import partition_padded
 
     if not lengths:
@@ -225,15 +227,19 @@ def _expected_cuts(lengths: list[int] | None, per_rank: int, budget: TokenBudget
     order = list(range(len(lengths)))
     random.Random(0).shuffle(order)
     windows = [[lengths[i] for i in order[w:w + per_rank]] for w in range(0, len(order), per_rank)]
-    micro = max(1, min(rows_at_longest, per_rank))
+    micro = plan_batch(per_rank, 1, max(1, rows_at_longest)).micro_batch_size
     real = sum(lengths) or 1
     tokens = [partition_padded(w, budget) for w in windows]
+    samples = [near_equal_groups(w, micro) for w in windows]
+
+    def padded(cuts):
+        return sum(len(g) * max(w[i] for i in g) for w, gs in zip(windows, cuts) for g in gs) / real
+
     return {
         "forwards_per_step": sum(map(len, tokens)) / len(windows),
-        "padded_over_real": sum(len(g) * max(w[i] for i in g) for w, gs in zip(windows, tokens) for g in gs) / real,
-        "samples_mode_forwards_per_step": sum(-(-len(w) // micro) for w in windows) / len(windows),
-        "samples_mode_padded_over_real": sum(len(w[m:m + micro]) * max(w[m:m + micro])
-                                             for w in windows for m in range(0, len(w), micro)) / real,
+        "padded_over_real": padded(tokens),
+        "samples_mode_forwards_per_step": sum(map(len, samples)) / len(windows),
+        "samples_mode_padded_over_real": padded(samples),
     }
 
 
@@ -279,28 +285,17 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
     return figures
 
 
-def _summary(plan: Plan, figures: dict[str, float], args) -> str:
-    budget = _mib(figures["hf_accum/budget_bytes"])
-    asked = (f"memory_budget_bytes={args.memory_budget_bytes}" if args.memory_budget_bytes is not None
-             else f"memory_budget={args.memory_budget} of the memory usable at start")
+def plan_line(plan: Plan, figures: dict[str, float]) -> str:
+    """The one plan line, the same in the log, the recipes and `hf-accum probe`: the plan (`Plan.describe`), the
+    peak measured against the budget, and how it was found. Everything else is in the plan file and the logged
+    figures (`plan_figures`)."""
     peak = figures.get("hf_accum/peak_bytes_per_step")
     at = figures.get("hf_accum/peak_measured_at_micro_batch")
-    measured = "" if peak is None else (
-        f"peak {_mib(peak)} per step, " if at == plan.micro_batch_size
-        else f"peak <= {_mib(peak)} per step (measured at micro-batch {at}), ")
-    expected = ""
-    if "hf_accum/expected_forwards_per_step" in figures:
-        expected = (f"; on your data ~{figures['hf_accum/expected_forwards_per_step']:.1f} forwards per optimizer "
-                    f"step, padded/real tokens {figures['hf_accum/expected_padded_over_real']:.2f} (\"samples\" mode: "
-                    f"{figures['hf_accum/samples_mode_forwards_per_step']:.1f} and "
-                    f"{figures['hf_accum/samples_mode_padded_over_real']:.2f})")
-    if "hf_accum/cost_base_bytes" in figures:
-        expected += (f"; measured cost model: peak ~ {_mib(figures['hf_accum/cost_base_bytes'])} + rows x "
-                     f"({figures['hf_accum/cost_per_row_bytes'] / 1024:.1f} KiB + "
-                     f"{figures['hf_accum/cost_per_token_bytes'] / 1024:.1f} KiB x length + "
-                     f"{figures['hf_accum/cost_per_token_sq_bytes']:.1f} B x length^2)")
-    return (f"plan {plan.describe()} (target_batch_size={plan.target_batch_size}): {measured}budget {budget} "
-            f"({asked}), {figures['hf_accum/probe_trials']} probe trials{expected}")
+    memory = f"budget {_mib(figures['hf_accum/budget_bytes'])}"
+    if peak is not None:
+        memory = (f"peak {'' if at == plan.micro_batch_size else '≤ '}{_mib(peak)} of {memory}")
+    found = "stored plan" if figures.get("hf_accum/plan_reused") else f"{figures['hf_accum/probe_trials']} probe trials"
+    return f"hf_accum plan: {plan.describe()}; {memory}; {found}"
 
 
 def _show(message: str, args, *values) -> None:

@@ -74,20 +74,17 @@ class Cutter:
         """``ceil(units / max_units)`` forwards (at least ``groups``: equal counts on ranks) whose unit counts
         differ by at most one. Padded rows and pairs go longest first, so the longest rows share a forward (less
         padding) and get the smaller counts; padding-free sequences keep their order. Verified with ``mode``."""
-        from .plan import forwards_for, near_equal_sizes
+        from .plan import forwards_for, near_equal_groups, near_equal_sizes
 
         total = self.units(batch)
         sizes = near_equal_sizes(total, max(forwards_for(total, max_units), groups or 1))
         if len(sizes) == 1:
             return [dict(batch)]
-        starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         if self.unit == "sequences":
-            chunks = self._chunks(batch, starts)
+            chunks = self._chunks(batch, [sum(sizes[:i]) for i in range(len(sizes) + 1)])
         else:
-            lengths = self.lengths(batch)
-            order = sorted(range(total), key=lambda i: -lengths[i])  # stable: equal lengths keep their order
             take = _take_pair_indices if self.unit == "pairs" else _take_row_indices
-            chunks = [self._trim(take(batch, sorted(order[lo:hi]))) for lo, hi in zip(starts[:-1], starts[1:])]
+            chunks = [self._trim(take(batch, idx)) for idx in near_equal_groups(self.lengths(batch), max_units, groups)]
         return self.verified(batch, chunks, mode) if mode else chunks
 
     def cut_by_tokens(self, batch: Mapping, budget: int, groups: int | None = None,

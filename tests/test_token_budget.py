@@ -13,6 +13,7 @@ from transformers import DataCollatorWithFlattening
 from transformers.trainer_callback import PrinterCallback
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
+from hf_accum.plan import plan_batch
 from hf_accum.token_budget import (
     TokenBudget,
     TooLongForBudget,
@@ -230,8 +231,11 @@ def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(t
     trainer = AccumTrainer(model=model, args=args, train_dataset=long_tailed(32), data_collator=pad_collate)
     with caplog.at_level(logging.WARNING, logger="hf_accum"):
         plan = trainer.tune()
-    assert "forwards per optimizer step, padded/real tokens" in caplog.text  # what it means for the user's data
-    expected = trainer.probe_result.extra["expected"]
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("hf_accum plan: "))
+    assert line.startswith(f"hf_accum plan: {plan.describe()}; ")  # the one short plan line; details in the file
+    expected = trainer.probe_result.extra["expected"]  # what it means for the user's data, vs "samples" mode's plan
+    samples = plan_batch(16, 1, trainer.probe_result.extra["token_budget"]["rows_at_longest"])
+    assert expected["samples_mode_forwards_per_step"] == samples.forwards  # 32 examples: 2 full windows of 16
     # less padding than "samples" mode; more forwards only where the probe's step times say one costs less
     # than the padding it saves
     assert expected["padded_over_real"] <= expected["samples_mode_padded_over_real"]
@@ -247,7 +251,6 @@ def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(t
     assert measured["rows_at"][str(longest)] == measured["rows_at_longest"]
     assert "cut into forwards of at most" in plan.describe()
     if measured["cost_model"] is not None:
-        assert "measured cost model: peak ~" in caplog.text
         fitted = trainer.probe_result.fitted  # the line at the longest length, which the model reproduces
         assert predicted_peak(measured["cost_model"], 2, longest) == pytest.approx(fitted[0] + 2 * fitted[1])
     trainer.train()

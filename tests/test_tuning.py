@@ -1,8 +1,8 @@
 """The tuner inside the trainer: probe -> plan -> apply, the stored plan, and bad input before heavy work."""
 
 import json
-import math
 import logging
+import math
 import os
 import re
 
@@ -63,7 +63,7 @@ def test_stored_plan_is_reused_only_when_the_key_matches(tmp_path, tok, caplog):
     again = make(tmp_path, tok)
     with caplog.at_level(logging.INFO, logger="hf_accum"):
         plan = again.tune()
-    assert again.probe_result is None and "reusing the plan" in caplog.text
+    assert again.probe_result is None and "stored plan (reused " in caplog.text
     assert plan.to_dict() == json.loads((tmp_path / PLAN_FILE).read_text())["plan"]
     changed = make(tmp_path, tok, memory_budget_bytes=10 * MiB)
     changed.tune()
@@ -139,8 +139,10 @@ def test_plan_and_measurements_are_shown_by_default_and_in_the_trainers_logs(tmp
     plan = trainer.plan
     shown = [r.getMessage() for r in caplog.records if r.name.startswith("hf_accum") and r.levelno >= logging.WARNING]
     assert len(shown) == 1, shown
-    assert shown[0].startswith(f"hf_accum: plan {plan.describe()} (target_batch_size=16): peak ")
-    assert "budget 8.0 MiB (memory_budget_bytes=8388608)" in shown[0] and "probe trials" in shown[0]
+    # one short line: the plan, the peak measured against the budget, how it was found; details in the plan file
+    assert shown[0].startswith(f"hf_accum plan: {plan.describe()}; peak ")
+    assert " of budget 8.0 MiB; " in shown[0] and "probe trials (details: " in shown[0]
+    assert len(shown[0].split(" (details: ")[0]) <= 160
     logged = next(e for e in trainer.state.log_history if "hf_accum/micro_batch_size" in e)
     measured = [t for t in trainer.probe_result.trials if t.status != "refused"]
     assert logged["hf_accum/micro_batch_size"] == plan.micro_batch_size
@@ -152,7 +154,8 @@ def test_plan_and_measurements_are_shown_by_default_and_in_the_trainers_logs(tmp
     reused = make(tmp_path, tok)
     reused.train()
     shown = [r.getMessage() for r in caplog.records if r.name.startswith("hf_accum") and r.levelno >= logging.WARNING]
-    assert len(shown) == 1 and shown[0].startswith("hf_accum: reusing the plan in ")
+    assert len(shown) == 1 and shown[0].startswith(f"hf_accum plan: {plan.describe()}; peak ")
+    assert "; stored plan (reused " in shown[0]
     logged = next(e for e in reused.state.log_history if "hf_accum/micro_batch_size" in e)
     assert logged["hf_accum/plan_reused"] == 1 and logged["hf_accum/micro_batch_size"] == plan.micro_batch_size
 

@@ -161,8 +161,10 @@ def _configured_plan(args) -> dict[str, Any]:
 
 
 def _describe(plan: dict[str, Any]) -> str:
-    return (f"micro {plan['micro_batch_size']} x accumulation {plan['gradient_accumulation_steps']} x "
-            f"world {plan['world_size']} = {plan['target_batch_size']}")
+    """The plan as every line shows it (`Plan.describe`)."""
+    from ..plan import Plan
+
+    return Plan(**plan).describe()
 
 
 # --- probe ------------------------------------------------------------------------------------------------------
@@ -279,13 +281,10 @@ def _plan_in_force(trainer) -> dict[str, Any]:
 
 
 def _say_plan(say, built: Built, plan: dict[str, Any]) -> None:
-    probe = _probe_summary(built.trainer, plan["micro_batch_size"])
-    say(f"plan: {_describe(plan)} samples per optimizer step"
-        + (" (reused the stored plan)" if probe.get("reused_stored_plan") else ""))
+    """The plan line, unless the tuner just showed it (`tuning.plan_line`, the same line), then tokens per step."""
+    if built.trainer.probe_result is None and not built.args.tunes:
+        say(f"hf_accum plan: {_describe(plan)}")
     _say_tokens(say, plan["target_batch_size"], built.data, _unit(built.recipe), built.args)
-    if probe.get("peak_bytes") is not None:
-        say(f"peak memory per step at micro {plan['micro_batch_size']}: {_mib(probe['peak_bytes'])} "
-            f"({probe['peak_source']}; budget {_mib(probe['budget_bytes'])})")
 
 
 def _summary(built: Built, result, plan: dict[str, Any], resume: str | None, cuda_peak: int | None,
