@@ -24,6 +24,7 @@ from .plan import Plan
 from .plan_store import PLAN_FILE, PlanFileError, load_plan, plan_key, save_plan
 from .probe import ProbeResult, probe_model, random_token_batch, resolve_budget
 from .token_budget import TokenBudget, cost_model, predicted_peak
+from .units import detect_unit, make_cutter
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
             optimizer_cls=optimizer_cls,
             optimizer_kwargs=optimizer_kwargs,
             optimizer=trainer.optimizer,
-            forward=lambda model, batch: trainer.compute_loss(model, batch),
+            forward=lambda model, batch: trainer.compute_loss(model, batch, num_items_in_batch=_items(trainer, batch)),
             autocast_dtype=autocast,
             max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
             meter=prepared.meter,
@@ -126,6 +127,15 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
         )
 
     return probe
+
+
+def _items(trainer, batch) -> torch.Tensor | None:
+    """What a training forward passes as ``num_items_in_batch`` (its own counted labels, as `_chunk_step` does), so a
+    ``compute_loss_func`` that divides by it runs in the probe as in training."""
+    mode = getattr(trainer.args, "loss_normalization", "tokens")
+    if mode == "model":
+        return None
+    return make_cutter(trainer.batch_unit or detect_unit(batch), trainer._label_spec()).count(batch, mode).clamp(min=1)
 
 
 def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,

@@ -114,3 +114,34 @@ def test_eval_oom_lowers_only_the_eval_batch(tmp_path, caplog):
     assert "eval_loss" in metrics and "per_device_eval_batch_size 8 -> 4" in caplog.text
     assert trainer.args.per_device_eval_batch_size == 4
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 2)
+
+
+def tuned(tmp_path, cap, oom_calls=()):
+    """A tuned run of target 7 (the plan cuts each window, loaded whole, into near-equal forwards of <= cap)."""
+    model = tiny_gpt2()
+    args = AccumTrainingArguments(
+        output_dir=str(tmp_path), target_batch_size=7, probe_max_micro_batch=cap, num_train_epochs=1,
+        learning_rate=1e-2, max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+        seed=0, disable_tqdm=True, remove_unused_columns=False,
+    )
+    trainer = recording(AccumTrainer)(model=model, args=args, train_dataset=lm_examples(21, seed=4),
+                                      data_collator=pad_collate, compute_loss_func=sum_over_items_loss)
+    trainer.remove_callback(PrinterCallback)
+    trainer.tune()  # the probe's forwards come before the injector counts
+    injector = OOMAt(model, oom_calls) if oom_calls else None
+    trainer.train()
+    return trainer, injector
+
+
+def test_oom_in_an_uneven_window_adds_one_forward_and_matches_a_clean_run(tmp_path, caplog):
+    # 7 per step where 3 fit: 3 forwards (2 + 2 + 3); an OOM at the 2nd forward of step 2 re-runs that window in
+    # 4 forwards of <= 2 (2 + 2 + 2 + 1), the plan a clean run capped at 2 makes from the start
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        hit, injector = tuned(tmp_path / "oom", cap=3, oom_calls=(5,))
+    assert injector.count > 0 and "out of memory at step 1" in caplog.text
+    clean, _ = tuned(tmp_path / "clean", cap=2)
+    assert hit.plan.to_dict() == clean.plan.to_dict() == {
+        "micro_batch_size": 2, "gradient_accumulation_steps": 4, "world_size": 1, "target_batch_size": 7}
+    assert "window 7 × world 1 = 7, 4 forwards of ≤ 2 rows" in caplog.text
+    assert hit.state.global_step == clean.state.global_step == 3
+    assert rel(hit.model, clean.model) <= 1e-10
