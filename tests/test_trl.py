@@ -58,9 +58,10 @@ def test_sft_trainer_plans_the_batch_and_its_gradients_are_one_pass_over_the_eff
     assert trainer._total_train_tokens == 0 and not any(trainer._metrics["train"].values())
     trainer.train()
 
-    assert trainer.args.per_device_train_batch_size == 4 and trainer.args.gradient_accumulation_steps == 3
-    assert [len(w) for w in trainer.windows] == [3, 3]  # 24 samples = 2 optimizer steps of 4 x 3
-    assert all(b["input_ids"].shape[0] == 4 for w in trainer.windows for b in w)
+    # each window of 12 is loaded whole and cut by the engine into the plan's 3 forwards of 4
+    assert trainer.args.per_device_train_batch_size == 12 and trainer.args.gradient_accumulation_steps == 1
+    assert [len(w) for w in trainer.windows] == [1, 1]  # 24 samples = 2 optimizer steps of 4 x 3
+    assert all(b["input_ids"].shape[0] == 12 for w in trainer.windows for b in w)
     # one process: transformers' flag has no effect, so it is left as given (it is turned off only with world > 1)
     assert trainer._normalization == "tokens" and trainer.args.average_tokens_across_devices is args.average_tokens_across_devices
     ref = reference_run(initial, recorder, trainer.windows, "causal")
