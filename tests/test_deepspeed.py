@@ -178,10 +178,12 @@ def test_auto_tune_probes_through_the_engine_and_changes_nothing(zero_runs, run,
         assert after["engine_steps"] == 0 and not after["scratch_left"]
         engine = res[f"{run}_engine"]
         assert engine["plan"] == plan and res[f"{run}_stored"] == {k: v for k, v in plan.items() if k != "engine"}
-        assert (engine["stage"], engine["micro"], engine["accumulation"], engine["train_batch"]) == (stage, 2, 2, 8)
-        assert engine["config"] == [2, 2, 8]  # the config accelerate holds (and saves with the arguments)
+        # each rank loads its whole window (4), the engine's batch fields say so, and hf_accum cuts it into the plan's
+        # 2 forwards of 2, setting the engine's boundary per forward
+        assert (engine["stage"], engine["micro"], engine["accumulation"], engine["train_batch"]) == (stage, 4, 1, 8)
+        assert engine["config"] == [4, 1, 8]  # the config accelerate holds (and saves with the arguments)
         assert engine["engine_steps"] == engine["steps"] == 3
-        assert res[f"{run}_args"] == [2, 2]  # after train(), the arguments hold the plan
+        assert res[f"{run}_args"] == [4, 1]  # after train(), the arguments hold the loaded window
         assert res[f"{run}_forwards"] == 6 + 3  # each window cut into 2 forwards; the probe's warm-up and 2 trials
         diff = _update_diff(res[run], res["ddp"], res["initial"])
         print(f"{run}: relative difference of the update vs DDP {diff:.2e}")
@@ -198,7 +200,7 @@ def test_auto_tune_probes_through_the_engine_and_changes_nothing(zero_runs, run,
             assert probe["peak_bytes"] - probe["baseline_bytes"] > 2**30
             reused = res["zero2_reused"]  # a second run in the same output_dir: the stored plan, no probe
             assert not reused["probed"] and reused["engine"]["plan"] == plan
-            assert (reused["engine"]["micro"], reused["engine"]["accumulation"], reused["engine"]["steps"]) == (2, 2, 1)
+            assert (reused["engine"]["micro"], reused["engine"]["accumulation"], reused["engine"]["steps"]) == (4, 1, 1)
 
 
 @pytest.mark.slow
