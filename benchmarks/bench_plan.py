@@ -7,9 +7,9 @@ a step shorter so that it is padded as training's are); AccumTrainer's probe mus
 forwards per optimizer step of the divisor plan (the largest divisor of the target that fits, as hf_accum planned
 before) and of the uneven cut (goal: ceil(target / 7)). For the targets in MEASURED both plans train 3 optimizer
 steps from the same weights: forwards counted by a hook on the model, CPU seconds per optimizer step (median of
-the steps after the first), and the uneven run's peak against the budget by the meter.
+the steps after the first, over 2 interleaved rounds), and the uneven run's peak against the budget by the meter.
 
-    python benchmarks/bench_plan.py                 # about 3 minutes on 2 CPU cores
+    python benchmarks/bench_plan.py                 # about 8 minutes on 2 idle CPU cores
 """
 
 import copy
@@ -33,7 +33,8 @@ from hf_accum.plan import divisors, plan_batch  # noqa: E402
 
 LENGTH, FITS = 256, 7
 TARGETS = range(24, 65)
-MEASURED = (24, 29, 31, 37, 41, 47, 53, 59, 61, 64)
+MEASURED = (24, 29, 31, 37, 41, 47, 53, 61, 64)
+ROUNDS = 2
 
 
 def rows(n, seed=0, last_shorter=True):
@@ -118,17 +119,21 @@ def main():
           f"{'s/step uneven':>13} {'uneven/div':>10} {'peak/budget':>11}")
     ratios = []
     for t in MEASURED:
-        with tempfile.TemporaryDirectory() as out:
-            d = divisor_micro(t, FITS)
-            plain, clock_d = train(initial, data, out, 3, per_device_train_batch_size=d,
-                                   gradient_accumulation_steps=t // d, target_batch_size=t, auto_tune=False)
-            plain.train()
-        with tempfile.TemporaryDirectory() as out:
-            tuned, clock_u = train(initial, data, out, 3, target_batch_size=t, memory_budget_bytes=budget)
-            tuned.tune()
-            meter = CpuMeter(resident=lambda model=tuned.model: live_tensor_bytes(model))
-            peak = meter.measure(tuned.train).peak_bytes
-        s_d, s_u = statistics.median(clock_d.seconds[1:]), statistics.median(clock_u.seconds[1:])
+        d = divisor_micro(t, FITS)
+        seconds = {"divisor": [], "uneven": []}
+        for _ in range(ROUNDS):  # interleaved, so that a busy moment of the machine hits both plans alike
+            with tempfile.TemporaryDirectory() as out:
+                plain, clock_d = train(initial, data, out, 3, per_device_train_batch_size=d,
+                                       gradient_accumulation_steps=t // d, target_batch_size=t, auto_tune=False)
+                plain.train()
+                seconds["divisor"] += clock_d.seconds[1:]
+            with tempfile.TemporaryDirectory() as out:
+                tuned, clock_u = train(initial, data, out, 3, target_batch_size=t, memory_budget_bytes=budget)
+                tuned.tune()
+                meter = CpuMeter(resident=lambda model=tuned.model: live_tensor_bytes(model))
+                peak = meter.measure(tuned.train).peak_bytes
+                seconds["uneven"] += clock_u.seconds[1:]
+        s_d, s_u = statistics.median(seconds["divisor"]), statistics.median(seconds["uneven"])
         ratios.append(s_u / s_d)
         print(f"{t:6} {tuned.probe_result.max_micro_batch_size:9} {statistics.mean(clock_d.forwards):12.1f} "
               f"{statistics.mean(clock_u.forwards):15.1f} {s_d:10.3f} {s_u:13.3f} {s_u / s_d:10.2f} "
