@@ -52,8 +52,11 @@ class AccumulationMixin:
     `class AccumSFTTrainer(AccumulationMixin, SFTTrainer)`). Must come before the Trainer class in the bases.
 
     Subclasses declare what one unit of their batches is (`batch_unit`: None detects rows or padding-free
-    sequences from the batch; "pairs" for TRL's [chosen; rejected] preference batches) and whether their
+    sequences from the batch; "pairs" for [chosen; rejected] preference batches) and whether their
     `compute_loss` runs collectives (TRL gathers metrics there), which rules out skipping forwards on one rank.
+    Mixed into a TRL trainer, both come from the TRL class (`hf_accum.trl.TRL_TRAINERS`: DPOTrainer's batches are
+    pairs, ...), and a TRL trainer whose batches hf_accum cannot cut exactly (GRPO's generation groups, ...) is
+    refused at construction.
     """
 
     batch_unit: str | None = None
@@ -64,6 +67,10 @@ class AccumulationMixin:
         bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
         if bound.arguments.get("args") is not None:
             bound.arguments["args"] = copy.copy(bound.arguments["args"])
+        self._trl = _trl_base(type(self), bound.arguments.get("args"))  # before TRL tokenizes the data
+        if self._trl is not None:
+            self.batch_unit = self.batch_unit or self._trl[1].unit
+            self.collectives_in_compute_loss = True  # every TRL trainer gathers metrics in compute_loss
         super().__init__(*bound.args, **bound.kwargs)
         self.plan: Plan | None = None
         self.probe_result = None
@@ -97,6 +104,11 @@ class AccumulationMixin:
     def _refuse_unsupported_setups(self) -> None:
         """Every setup hf_accum cannot run exactly fails here, at construction, naming what to set."""
         _compat.refuse_silent_engine_fallback(self)
+        if self._trl is not None and self._normalization != "model":
+            base, mixed = self._trl
+            problem = mixed.check(self) if mixed.check else None
+            if problem:
+                raise ValueError(f"{type(self).__name__} (hf_accum over {base}): {problem}")
         if self._skips_nonfinite and _compat.engine_steps_in_backward(self):
             raise ValueError(
                 "max_nonfinite_steps is set, but DeepSpeed steps the optimizer inside backward, before hf_accum could "
@@ -112,7 +124,9 @@ class AccumulationMixin:
 
     @property
     def _normalization(self) -> str:
-        return getattr(self.args, "loss_normalization", "tokens")  # plain TrainingArguments: "tokens"
+        # plain TrainingArguments: "tokens"; a plain TRL config: what its trainer's loss is a mean over
+        trl = getattr(self, "_trl", None)
+        return getattr(self.args, "loss_normalization", trl[1].normalization if trl else "tokens")
 
     # --- the window ---------------------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -534,6 +548,22 @@ class AccumulationMixin:
             self.args.per_device_eval_batch_size = max(1, old // 2)
             logger.warning("hf_accum: out of memory in evaluation; per_device_eval_batch_size %d -> %d",
                            old, self.args.per_device_eval_batch_size)
+
+
+def _trl_base(cls: type, args) -> tuple[str, object] | None:
+    """The TRL trainer ``cls`` mixes into and what hf_accum does over it (`hf_accum.trl.mixed_into`); raises, naming
+    what to use, where hf_accum cannot cut its batches exactly."""
+    if not any(c.__module__.split(".")[0] == "trl" for c in cls.__mro__):
+        return None
+    from .trl import mixed_into
+
+    base, mixed = mixed_into(cls)
+    if mixed.refusal and getattr(args, "loss_normalization", None) != "model":
+        raise ValueError(f"{cls.__name__} mixes AccumulationMixin into {base}: {mixed.refusal}.")
+    if cls.batch_unit is not None and mixed.unit is not None and cls.batch_unit != mixed.unit:
+        raise ValueError(f"{cls.__name__} declares batch_unit={cls.batch_unit!r}, but {base} collates "
+                         f"{mixed.unit}: set batch_unit={mixed.unit!r} (or leave it unset).")
+    return base, mixed
 
 
 class _StepControl(TrainerCallback):
