@@ -28,7 +28,7 @@ from transformers import Trainer, TrainerCallback
 
 from . import _compat, tuning
 from .accumulation_check import AccumulationCheck, run_accumulation_check
-from .args import AccumTrainingArguments
+from .args import AccumTrainingArguments, resolve_nonfinite_limit
 from .checkpoints import check_resume
 from .deepspeed_batch import batch_contradiction
 from .engine_probe import probe_through_engine
@@ -82,8 +82,8 @@ class AccumulationMixin:
         self._forwarded_tokens = 0  # by the current loaded batch's forwards (see floating_point_ops)
         self._nonfinite_streak = 0
         self._stop_request = StopRequest()
-        self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
         self._refuse_unsupported_setups()
+        self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
         if _compat.sharded_at_load(self.model) and not self.args.save_only_model:
             # transformers cannot checkpoint this model's optimizer state (see `_compat.sharded_at_load`); the
             # checkpoints hf_accum itself writes when it stops (a signal, non-finite losses) then hold the weights
@@ -109,12 +109,11 @@ class AccumulationMixin:
             problem = mixed.check(self) if mixed.check else None
             if problem:
                 raise ValueError(f"{type(self).__name__} (hf_accum over {base}): {problem}")
-        if self._skips_nonfinite and _compat.engine_steps_in_backward(self):
-            raise ValueError(
-                "max_nonfinite_steps is set, but DeepSpeed steps the optimizer inside backward, before hf_accum could "
-                "drop a non-finite window's gradients. Set max_nonfinite_steps=None (steps are then taken as "
-                "transformers takes them)."
-            )
+        if hasattr(self.args, "max_nonfinite_steps"):
+            limit, line = resolve_nonfinite_limit(self.args.max_nonfinite_steps, _compat.engine_steps_in_backward(self))
+            self.args.max_nonfinite_steps = limit  # our copy: "auto" resolved for this engine
+            if line and self._normalization != "model":
+                (logger.warning if limit is None else logger.info)(line)  # DeepSpeed's: nothing is skipped for you
         if self._normalization != "model" and self.args.n_gpu > 1:
             raise ValueError(
                 f"loss_normalization={self._normalization!r} does not support torch.nn.DataParallel "
