@@ -484,6 +484,18 @@ def deepspeed_state_restored(trainer, scratch: str):
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def deepspeed_buckets(trainer) -> dict[str, int]:
+    """The sizes, in elements, of the communication buffers the live engine's ZeRO optimizer allocates, by the
+    DeepSpeed config key that sets each (DeepSpeed's defaults, 5e8 for ZeRO-1/2, where the config sets none)."""
+    zero = deepspeed_engine(trainer)._config.zero_config
+    stage = int(zero.stage)
+    if stage == 0:
+        return {}
+    if stage < 3:
+        return {"reduce_bucket_size": int(zero.reduce_bucket_size), "allgather_bucket_size": int(zero.allgather_bucket_size)}
+    return {"reduce_bucket_size": int(zero.reduce_bucket_size), "stage3_prefetch_bucket_size": int(zero.prefetch_bucket_size)}
+
+
 def set_deepspeed_batch(trainer, micro: int, accumulation: int) -> None:
     """The plan on the live engine, through its own setters (the micro-batch first: `set_train_batch_size` keeps
     it and derives the accumulation), and in the config accelerate and the arguments hold, which is what is saved.
