@@ -40,8 +40,9 @@ class AgreedMeter(Meter):
     """``inner``'s measurements, the largest over the ranks, so that every rank's search takes the same path. An
     out-of-memory error stops every rank (announced in the store for the ranks left waiting)."""
 
-    def __init__(self, inner: Meter, collective: Collective, engine: str, names: str):
+    def __init__(self, inner: Meter, collective: Collective, engine: str, names: str, fit_one: str | None = None):
         self.inner, self.collective, self.engine, self.names = inner, collective, engine, names
+        self.fit_one = fit_one  # what to do when micro-batch 1 runs out of memory, where known better than the default
         self.name = inner.name
         self.catches_oom = False  # no rank may skip a size the others run: sizes over the limit are never tried
 
@@ -62,8 +63,8 @@ class AgreedMeter(Meter):
             if not is_oom(exc):
                 raise
         fix = (f"lower {self.names} or set probe_max_micro_batch below {micro}" if micro and micro > 1 else
-               "to fit micro-batch 1, enable gradient_checkpointing, train LoRA adapters or offload to CPU in the "
-               "DeepSpeed config")
+               self.fit_one or "to fit micro-batch 1, enable gradient_checkpointing, train LoRA adapters or offload to "
+               "CPU in the DeepSpeed config")
         reason = (f"out of memory while the probe ran micro-batch {micro} through {self.engine}, where no rank can "
                   f"skip a size the others run; {fix}")
         self.collective.announce_stop(reason)
@@ -106,8 +107,14 @@ def probe_through_engine(
     engine = _compat.engine_label(trainer)
     if isinstance(meter, CpuMeter) and meter.resident is None:
         meter = CpuMeter(resident=all_live_tensor_bytes)  # the profiler sees no tensor allocated before a step
-    agreed = AgreedMeter(meter, collective, engine, budget_names)
     budget, limit = smallest(collective, budget_bytes, meter.capacity_bytes() - meter.unavailable_bytes())
+    state, buckets, element = _model_and_buffers(trainer)
+    fit_one = None
+    if buffers_dominate(limit, state, buckets, element):  # an OOM at micro-batch 1 is then most likely theirs
+        fit_one = (f"DeepSpeed's own communication buffers ({_sizes(buckets)} elements of {element} bytes) could "
+                   f"take half of the memory this process can use, the model's weights, gradients and optimizer "
+                   f"state far less: set smaller ones in the DeepSpeed config's \"zero_optimization\"")
+    agreed = AgreedMeter(meter, collective, engine, budget_names, fit_one)
     log(f"probing through {engine} at length {seq_len} (budget {budget / 2**20:.1f} MiB on every rank)")
 
     def step_fn(micro: int) -> None:  # a window of one micro-batch, as the engine is told
@@ -132,17 +139,24 @@ def probe_through_engine(
     except NothingFitsError as exc:
         first = next((t for t in result.trials if t.micro_batch_size == 1 and t.peak_bytes is not None), None)
         need = None if first is None else (first.reserved_bytes or first.peak_bytes)
-        params = [p for p in trainer.model.parameters()]
-        buckets = _compat.deepspeed_buckets(trainer)
-        element = max((p.element_size() for p in params if p.requires_grad), default=4)
-        if need is None or not buffers_dominate(need, model_state_bytes(params), buckets, element):
+        if need is None or not buffers_dominate(need, state, buckets, element):
             raise
-        raise NothingFitsError(
-            buffers_message(engine, need, result.budget_bytes, model_state_bytes(params), buckets, element), result
-        ) from exc
+        raise NothingFitsError(buffers_message(engine, need, result.budget_bytes, state, buckets, element),
+                               result) from exc
 
 
 # --- when DeepSpeed's own buffers, not the model, are what does not fit -----------------------------------------
+def _model_and_buffers(trainer) -> tuple[int, dict[str, int], int]:
+    """The model's state bytes, the engine's bucket sizes (elements) and the element size its gradients use."""
+    params = list(trainer.model.parameters())
+    element = max((p.element_size() for p in params if p.requires_grad), default=4)
+    return model_state_bytes(params), _compat.deepspeed_buckets(trainer), element
+
+
+def _sizes(buckets: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in buckets.items())
+
+
 def model_state_bytes(params) -> int:
     """What the model itself holds through a step, unpartitioned: its weights, a gradient of every trainable
     weight and AdamW's two float32 moments (the most ZeRO's partitions of them can add up to on one rank)."""
@@ -165,7 +179,7 @@ def buffers_message(engine: str, need_bytes: int, budget_bytes: int, state_bytes
                     element_size: int) -> str:
     from .probe import _gib
 
-    sizes = ", ".join(f"{k}={v}" for k, v in buckets.items())
+    sizes = _sizes(buckets)
     smaller = max(10 ** max(0, len(str(budget_bytes // 10 // element_size)) - 1), 1)  # a tenth of the budget
     return (
         f"even micro-batch 1 does not fit: one training step through {engine} needs {_gib(need_bytes)} against a "

@@ -35,8 +35,8 @@ def skip_shm_comm_op():
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def ds_config(stage: int) -> dict:
-    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+def ds_config(stage: int, **zero) -> dict:
+    return {"zero_optimization": {"stage": stage, **zero}, "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto"}
 
 
@@ -51,7 +51,7 @@ class CountForwards:
 
 
 def trainer_for(out, stage=None, max_steps=3, save_steps=None, callbacks=(), micro=2, accumulation=2, tuned=False,
-                **kw):
+                zero=None, **kw):
     from accelerate.state import AcceleratorState
     from transformers.trainer_callback import PrinterCallback
 
@@ -67,7 +67,7 @@ def trainer_for(out, stage=None, max_steps=3, save_steps=None, callbacks=(), mic
         auto_tune=tuned, max_steps=max_steps, learning_rate=1e-2, max_grad_norm=0.0, report_to=[],
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, use_cpu=True, seed=0,
         disable_tqdm=True, remove_unused_columns=False, ddp_backend="gloo", logging_steps=1,
-        deepspeed=ds_config(stage) if stage is not None else None, **kw,  # max_nonfinite_steps: the default
+        deepspeed=ds_config(stage, **(zero or {})) if stage is not None else None, **kw,  # max_nonfinite_steps: default
     )
     trainer = AccumTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_examples(40, seed=3),
                            data_collator=pad_collate, callbacks=list(callbacks))
@@ -310,6 +310,13 @@ def defaults_mode(out, rank):
         result["nothing_fits"] = None
     except NothingFitsError as exc:
         result["nothing_fits"] = str(exc)
+    # the advice taken: the buckets the message suggests, the same budget
+    small = {"reduce_bucket_size": 100000, "allgather_bucket_size": 100000}
+    advised = trainer_for(os.path.join(out, "advised"), stage=2, tuned=True, memory_budget_bytes=64 * 2**20,
+                          zero=small, max_steps=1)
+    advised.train()
+    result["advised_plan"] = advised.plan.describe()
+    result["advised_peak"] = advised.probe_result.trials[0].peak_bytes
     with open(os.path.join(out, "defaults.json"), "w") as f:
         json.dump(result, f)
 

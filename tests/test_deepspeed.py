@@ -314,3 +314,7 @@ def test_deepspeed_with_default_arguments(tmp_path):
     assert message.startswith("even micro-batch 1 does not fit: one training step through DeepSpeed ZeRO-2 needs ")
     assert "reduce_bucket_size=500000000, allgather_bucket_size=500000000 elements" in message
     assert "checkpointing or LoRA would not shrink them" in message
+    assert '"reduce_bucket_size": 100000, "allgather_bucket_size": 100000' in message
+    # the advice works: with those buckets the same 64 MiB budget fits the whole per-rank target
+    assert res["advised_plan"] == "micro 4 × accumulation 1 × world 1 = 4 on DeepSpeed ZeRO-2"
+    assert res["advised_peak"] < 64 * 2**20

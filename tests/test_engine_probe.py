@@ -135,3 +135,13 @@ def test_model_state_bytes_counts_weights_gradients_and_adam_moments():
 
     trained, frozen = torch.nn.Parameter(torch.zeros(10)), torch.nn.Parameter(torch.zeros(5), requires_grad=False)
     assert model_state_bytes([trained, frozen]) == 10 * (4 + 4 + 8) + 5 * 4
+
+
+def test_an_out_of_memory_error_at_micro_batch_one_names_the_buffers_where_they_dominate():
+    meter = FakeMeter(lambda m: 10 * MiB * m, 5 * MiB)  # micro-batch 1 itself runs out of memory
+    advice = 'DeepSpeed\'s own communication buffers (...): set smaller ones in the DeepSpeed config\'s "zero_optimization"'
+    collective = PeerCollective(meter, lambda m: 0)
+    agreed = AgreedMeter(meter, collective, "DeepSpeed ZeRO-2", "memory_budget", fit_one=advice)
+    with pytest.raises(StopTraining, match=r"micro-batch 1 through DeepSpeed ZeRO-2.*; DeepSpeed's own communication"):
+        probe_micro_batches(lambda micro: None, agreed, 100 * MiB, 16, must_resolve=[1, 2, 4, 8, 16])
+    assert collective.announced and "zero_optimization" in collective.announced[0]
