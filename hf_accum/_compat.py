@@ -184,6 +184,18 @@ def trl_metrics_untouched(trainer):
             trainer._total_train_tokens = tokens
 
 
+def trl_metrics_kept(method):
+    """``method`` of a trainer run under `trl_metrics_untouched` (a no-op for trainers that keep no TRL metrics)."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapped(trainer, *args, **kwargs):
+        with trl_metrics_untouched(trainer):
+            return method(trainer, *args, **kwargs)
+
+    return wrapped
+
+
 def kineto_events(prof):
     """The finished profiler's raw kineto events (the `[memory]` events the CPU meter replays)."""
     return prof.profiler.kineto_results.events()

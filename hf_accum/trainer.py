@@ -375,6 +375,7 @@ class AccumulationMixin:
         if problem:
             raise ValueError(problem)
 
+    @_compat.trl_metrics_kept
     @with_fused_loss
     def tune(self) -> Plan:
         """Measure (or reuse the stored plan), plan micro x accumulation x world = target, apply it."""
@@ -404,6 +405,7 @@ class AccumulationMixin:
         self.plan = None  # the loading plan is not a plan: the probe has not run
         self._pending_probe = prepared
 
+    @_compat.trl_metrics_kept
     def _probe_through_engine(self, batch) -> None:
         prepared, self._pending_probe = self._pending_probe, None
         world = self.accelerator.num_processes
@@ -524,6 +526,7 @@ class AccumulationMixin:
         return check_resume(self.args, resume_from_checkpoint, deepspeed=_compat.deepspeed_enabled(self))
 
     # --- self-check -------------------------------------------------------------------------------------------
+    @_compat.trl_metrics_kept
     def check_accumulation(self, num_micro_batches: int | None = None, tolerance: float | None = None) -> AccumulationCheck:
         """Compare the gradient of k micro-batches with one pass over the same samples on the real model and data.
 

@@ -48,22 +48,10 @@ class AccumSFTConfig(SFTConfig, AccumTrainingArguments):
 
 
 class _TRLAccumulation(AccumulationMixin):
-    """What every TRL trainer needs on top of the mixin: TRL gathers metrics inside `compute_loss` (so no rank
-    may skip a forward), and the probe's / accumulation check's steps must not show up in those metrics."""
-
-    collectives_in_compute_loss = True
-
-    def tune(self):
-        with _compat.trl_metrics_untouched(self):
-            return super().tune()
-
-    def _probe_through_engine(self, batch):
-        with _compat.trl_metrics_untouched(self):
-            return super()._probe_through_engine(batch)
-
-    def check_accumulation(self, *args, **kwargs):
-        with _compat.trl_metrics_untouched(self):
-            return super().check_accumulation(*args, **kwargs)
+    """The mixin as hf_accum's TRL trainers use it. What every TRL trainer needs on top of the plain mixin comes with
+    the mixin itself, for a user's own `class MyX(AccumulationMixin, trl.XTrainer)` too: the batch unit and the
+    refusals (`TRL_TRAINERS`), no skipped forward on one rank (TRL gathers metrics inside `compute_loss`), and the
+    probe's / accumulation check's steps kept out of TRL's metrics (`_compat.trl_metrics_kept`)."""
 
 
 class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):

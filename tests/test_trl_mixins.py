@@ -202,3 +202,19 @@ def test_mixed_in_dpo_with_an_accum_dpo_config_and_a_target_is_exact_through_an_
     from hf_accum.trl import AccumDPOConfig
 
     assert dpo_exact(tmp_path, caplog, AccumDPOConfig, target_batch_size=8, auto_tune=False) <= 1e-6
+
+
+def test_the_probes_steps_stay_out_of_trls_metrics_in_a_users_mixin(tmp_path):
+    from hf_accum.trl import AccumSFTConfig
+
+    tok = tiny.build_tokenizer()
+    rows = tiny.generate_instruction_data(12, seed=1)
+    data = Dataset.from_list([{"prompt": r["prompt"], "completion": r["response"]} for r in rows])
+    model = tiny.build_model("causal_lm", tokenizer=tok, dtype=torch.float64, hidden_size=32)
+    args = AccumSFTConfig(output_dir=str(tmp_path), target_batch_size=4, probe_max_micro_batch=2, **COMMON)
+    trainer = mixed("SFTTrainer")(model=model, args=args, train_dataset=data, processing_class=tok)
+    plan = trainer.tune()
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (2, 2) and trainer.probe_result.trials
+    assert trainer._total_train_tokens == 0 and not any(trainer._metrics["train"].values())
+    trainer.check_accumulation()
+    assert trainer._total_train_tokens == 0 and not any(trainer._metrics["train"].values())
