@@ -181,14 +181,14 @@ TRL_TRAINERS: dict[str, MixedInto] = {
     "DPOTrainer": MixedInto("pairs", "samples", check=_dpo_trainer_refusal),  # [chosen; rejected], per-pair terms
     "RewardTrainer": MixedInto("pairs", "samples", check=_reward_trainer_refusal),  # per-pair logsigmoid (+ centering)
     "KTOTrainer": MixedInto(refusal=(
-        "its loss subtracts a KL estimate computed from the whole batch (mismatched prompt/completion rows, gathered "
-        "over ranks), which is not a mean of per-sample terms, so no cut of a batch is exact. Use KTOTrainer without "
-        "AccumulationMixin")),
+        "its loss compares each sample with a KL estimate averaged over the whole batch (mismatched prompt/completion "
+        "rows, gathered over ranks), so cutting a batch into smaller forwards changes every sample's term. Use "
+        "KTOTrainer without AccumulationMixin")),
     "GRPOTrainer": MixedInto(refusal=_GENERATION_GROUPS.format(name="GRPOTrainer")),
     "RLOOTrainer": MixedInto(refusal=_GENERATION_GROUPS.format(name="RLOOTrainer")),
     "DistillationTrainer": MixedInto(refusal=(
-        "it generates completions inside the training loop (on-policy) and hf_accum has not verified its loss as a "
-        "mean over counted tokens. Use DistillationTrainer without AccumulationMixin")),
+        "it generates its completions inside the training loop for a whole accumulation window at once (as GRPO "
+        "does), which hf_accum's window cannot re-cut. Use DistillationTrainer without AccumulationMixin")),
 }
 
 
