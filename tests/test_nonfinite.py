@@ -150,3 +150,11 @@ def test_max_nonfinite_steps_from_the_command_line(tmp_path, flag, value):
 def test_a_bad_max_nonfinite_steps_is_refused(tmp_path, value):
     with pytest.raises(ValueError, match=r"max_nonfinite_steps=.* must be 'auto' \(the engine's default\)"):
         AccumTrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_nonfinite_steps=value)
+
+
+@pytest.mark.parametrize("overrides, value", [([], "auto"), (["training.max_nonfinite_steps=4"], 4),
+                                              (["training.max_nonfinite_steps=null"], None)])
+def test_max_nonfinite_steps_from_a_recipe(overrides, value):
+    from hf_accum.recipes.config import load_recipe
+
+    assert load_recipe("lora_sft", overrides).training_args().max_nonfinite_steps == value
