@@ -555,7 +555,7 @@ class AccumulationMixin:
 def _trl_base(cls: type, args) -> tuple[str, object] | None:
     """The TRL trainer ``cls`` mixes into and what hf_accum does over it (`hf_accum.trl.mixed_into`); raises, naming
     what to use, where hf_accum cannot cut its batches exactly."""
-    if not any(c.__module__.split(".")[0] == "trl" for c in cls.__mro__):
+    if not any(c.__module__.split(".")[0] == "trl" and issubclass(c, Trainer) for c in cls.__mro__):
         return None
     from .trl import mixed_into
 

@@ -9,9 +9,9 @@
 `AccumSFTConfig` is `SFTConfig` + `AccumTrainingArguments` (one dataclass: every field of both is a keyword, a
 CLI flag for `HfArgumentParser` and a YAML key; both `__post_init__` checks run). `AccumSFTTrainer` is
 `SFTTrainer` with `AccumulationMixin` in front: `SFTTrainer.training_step` (activation offloading context) and
-`compute_loss` (TRL's fused LM head, its metrics) run unchanged inside hf_accum's window scaling. The same
-composition works for other TRL trainers whose loss is a mean over counted tokens:
-`class MyTrainer(AccumulationMixin, trl.SomeTrainer)`.
+`compute_loss` (TRL's fused LM head, its metrics) run unchanged inside hf_accum's window scaling. A user's own
+`class MyTrainer(AccumulationMixin, trl.SomeTrainer)` gets what `TRL_TRAINERS` says of that trainer: its batch unit
+(DPOTrainer and RewardTrainer: whole pairs) and checks, or a refusal at construction naming what to use instead.
 
 `AccumDPOTrainer` / `AccumDPOConfig` do the same for `DPOTrainer`: batches are cut into whole preference pairs
 (row i with row B+i), the loss is normalized over the window's pairs ("samples"), and loss types that are not a
@@ -198,7 +198,7 @@ def mixed_into(cls: type) -> tuple[str, MixedInto] | None:
     refused: hf_accum does not know the unit of its batches."""
     import trl
 
-    base = next((c for c in cls.__mro__ if c.__module__.split(".")[0] == "trl"), None)
+    base = next((c for c in cls.__mro__ if c.__module__.split(".")[0] == "trl" and issubclass(c, Trainer)), None)
     if base is None:
         return None
     name = base.__name__
