@@ -184,6 +184,18 @@ def trl_metrics_untouched(trainer):
             trainer._total_train_tokens = tokens
 
 
+def trl_metrics_kept(method):
+    """``method`` of a trainer run under `trl_metrics_untouched` (a no-op for trainers that keep no TRL metrics)."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapped(trainer, *args, **kwargs):
+        with trl_metrics_untouched(trainer):
+            return method(trainer, *args, **kwargs)
+
+    return wrapped
+
+
 def kineto_events(prof):
     """The finished profiler's raw kineto events (the `[memory]` events the CPU meter replays)."""
     return prof.profiler.kineto_results.events()
@@ -482,6 +494,18 @@ def deepspeed_state_restored(trainer, scratch: str):
     torch.distributed.barrier()  # every rank has read its partition before the folder goes
     if trainer.args.should_save:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def deepspeed_buckets(trainer) -> dict[str, int]:
+    """The sizes, in elements, of the communication buffers the live engine's ZeRO optimizer allocates, by the
+    DeepSpeed config key that sets each (DeepSpeed's defaults, 5e8 for ZeRO-1/2, where the config sets none)."""
+    zero = deepspeed_engine(trainer)._config.zero_config
+    stage = int(zero.stage)
+    if stage == 0:
+        return {}
+    if stage < 3:
+        return {"reduce_bucket_size": int(zero.reduce_bucket_size), "allgather_bucket_size": int(zero.allgather_bucket_size)}
+    return {"reduce_bucket_size": int(zero.reduce_bucket_size), "stage3_prefetch_bucket_size": int(zero.prefetch_bucket_size)}
 
 
 def set_deepspeed_batch(trainer, micro: int, accumulation: int) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import Trainer
 
 from . import _compat
 from .protocol import Local, Policy, WindowProtocol
@@ -43,15 +44,17 @@ class AccumulationCheck:
     one_pass_size: int
     passed: bool
     skipped_reason: str | None = None
+    cause: str | None = None  # a mismatch: what the check assumed that the loss does not satisfy
 
     def __str__(self) -> str:
         if self.skipped_reason:
             return f"accumulation check skipped: {self.skipped_reason}"
         verdict = "OK" if self.passed else "MISMATCH"
+        because = f". Why: {self.cause}" if self.cause and not self.passed else ""
         return (
             f"accumulation check {verdict}: {len(self.micro_batch_sizes)} micro-batches {self.micro_batch_sizes} vs "
             f"one pass of {self.one_pass_size}: relative gradient error {self.relative_error:.3e} "
-            f"(tolerance {self.tolerance:.0e})"
+            f"(tolerance {self.tolerance:.0e}){because}"
         )
 
 
@@ -92,9 +95,29 @@ def run_accumulation_check(trainer, num_micro_batches: int | None = None, tolera
     num = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(accumulated, one_pass)) ** 0.5
     den = sum(float(b.double().pow(2).sum()) for b in one_pass) ** 0.5
     rel = num / den if den > 0 else float(num > 0)
-    result = AccumulationCheck(rel, tolerance, [engine.cutter.units(c) for c in chunks], size, rel <= tolerance)
+    result = AccumulationCheck(rel, tolerance, [engine.cutter.units(c) for c in chunks], size, rel <= tolerance,
+                               cause=_mismatch_cause(trainer, engine.cutter.unit, engine.mode))
     (logger.info if result.passed else logger.warning)(str(result))
     return result
+
+
+def _mismatch_cause(trainer, unit: str, mode: str) -> str:
+    """What a mismatch means, from what the check assumed: the batch was cut into whole ``unit``s and each chunk
+    weighted by its count under ``mode``, so the loss is not a mean of per-unit terms over those counts."""
+    if mode not in ("tokens", "samples"):
+        return (f"loss_normalization={mode!r} leaves the loss as transformers scales it: a compute_loss returning its "
+                "micro-batch's mean (most tutorials' override) is then k times too large. Set "
+                "loss_normalization='tokens' (or 'samples'), which makes it exact")
+    counted = {"tokens": "counted labels", "samples": UNIT_NAME[unit] + "s"}[mode]
+    cause = (f"the batch was cut into whole {UNIT_NAME[unit]}s and each forward weighted by its {counted} "
+             f"(loss_normalization={mode!r}), so the loss is not a mean of per-{UNIT_NAME[unit]} terms over them")
+    if unit == "rows":
+        cause += ("; if one loss term spans several rows (a preference pair's chosen and rejected rows, a group of "
+                  "completions, in-batch negatives), declare the trainer's batch_unit or use hf_accum.trl's trainers")
+    if trainer.compute_loss_func is not None or type(trainer).compute_loss is not Trainer.compute_loss:
+        cause += (f"; {type(trainer).__name__} computes its own loss: it must return the mean over its batch's "
+                  f"{counted} (hf_accum passes that count as num_items_in_batch)")
+    return cause
 
 
 def _window_gradient(trainer, engine, model, params, batches) -> list[torch.Tensor]:

@@ -12,6 +12,8 @@ from transformers import TrainingArguments
 
 from .loss import NORMALIZATIONS
 
+DEFAULT_MAX_NONFINITE_STEPS = 3  # max_nonfinite_steps="auto" where hf_accum takes the optimizer step
+
 
 @dataclass
 class AccumTrainingArguments(TrainingArguments):
@@ -145,15 +147,18 @@ class AccumTrainingArguments(TrainingArguments):
             )
         },
     )
-    max_nonfinite_steps: int | None = field(
-        default=3,
+    max_nonfinite_steps: int | str | None = field(
+        default="auto",
         metadata={
             "help": (
                 "A window whose loss is NaN/inf on any rank is never stepped: its gradients are dropped (set to None, "
                 "so AdamW does not move either) with a warning naming the step; the step counter and the LR "
                 "scheduler still advance (the window's samples are consumed). More than this many such steps in a "
                 "row: training stops with a checkpoint and an error. 0: stop at the first. None: no check (every step "
-                "is taken, as transformers does; required under DeepSpeed, whose engine steps inside backward)."
+                "is taken, as transformers does). 'auto' (default): the engine's default, logged in one line: "
+                f"{DEFAULT_MAX_NONFINITE_STEPS} where hf_accum takes the optimizer step (one process, DDP, FSDP); off "
+                "under DeepSpeed, whose engine steps inside backward (non-finite losses are then DeepSpeed's to "
+                "handle). A number set under DeepSpeed is refused."
             )
         },
     )
@@ -180,11 +185,7 @@ class AccumTrainingArguments(TrainingArguments):
                 "(e.g. 1e-4 for float32); leave it unset to choose it from the precision."
             )
         self._check_tuner_fields()
-        if self.max_nonfinite_steps is not None and (
-                not isinstance(self.max_nonfinite_steps, int) or isinstance(self.max_nonfinite_steps, bool)
-                or self.max_nonfinite_steps < 0):
-            raise ValueError(f"max_nonfinite_steps={self.max_nonfinite_steps!r} must be an integer >= 0 "
-                             "(0: stop at the first non-finite loss).")
+        self.max_nonfinite_steps = _parse_nonfinite_limit(self.max_nonfinite_steps)
         if self.micro_batching not in ("samples", "tokens"):
             raise ValueError(f"micro_batching={self.micro_batching!r} must be 'samples' or 'tokens'.")
         if self.max_tokens_per_forward is not None:
@@ -293,6 +294,41 @@ class AccumTrainingArguments(TrainingArguments):
     def effective_batch_size(self) -> int:
         """Samples per optimizer step over all ranks, as configured now."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+
+def _parse_nonfinite_limit(value):
+    """``max_nonfinite_steps`` as given in Python, YAML or on the command line (where HfArgumentParser passes a
+    string): "auto", None or an integer >= 0."""
+    if isinstance(value, str) and value.strip().lower() in ("none", "null"):
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise ValueError(f"max_nonfinite_steps={value!r} must be 'auto' (the engine's default), an integer >= 0 (0: stop "
+                     "at the first non-finite loss) or None (no check).")
+
+
+def resolve_nonfinite_limit(value, engine_steps_in_backward: bool) -> tuple[int | None, str | None]:
+    """The limit a run uses and, for "auto", the one line saying what non-finite losses do on this engine. A number
+    set explicitly where the engine steps inside backward (DeepSpeed) is refused: hf_accum could not drop the
+    window's gradients before the step."""
+    if value == "auto" and engine_steps_in_backward:
+        return None, ("hf_accum: max_nonfinite_steps is off under DeepSpeed (its engine steps the optimizer inside "
+                      "backward, before hf_accum could drop a window's gradients): a non-finite loss is left to "
+                      "DeepSpeed's optimizer, whose overflow check skips the step or not depending on its precision "
+                      "and config; watch the logged loss.")
+    if value == "auto":
+        return DEFAULT_MAX_NONFINITE_STEPS, (
+            f"hf_accum: a window with a non-finite loss is skipped (its gradients dropped); more than "
+            f"{DEFAULT_MAX_NONFINITE_STEPS} in a row stop training with a checkpoint (max_nonfinite_steps).")
+    if value is not None and engine_steps_in_backward:
+        raise ValueError(
+            f"max_nonfinite_steps={value} is set, but DeepSpeed steps the optimizer inside backward, before hf_accum "
+            "could drop a non-finite window's gradients. Leave max_nonfinite_steps unset ('auto': off under "
+            "DeepSpeed) or set it to None."
+        )
+    return value, None
 
 
 def _is_number(value) -> bool:

@@ -23,7 +23,14 @@ from . import _compat
 from .meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes
 from .oom import is_oom
 from .plan import Plan, forward_breakpoints
-from .probe import MakeBatch, ProbeResult, modes_and_rng_preserved, plan_from_result, probe_micro_batches
+from .probe import (
+    MakeBatch,
+    NothingFitsError,
+    ProbeResult,
+    modes_and_rng_preserved,
+    plan_from_result,
+    probe_micro_batches,
+)
 from .protocol import Collective, StopTraining
 
 SCRATCH = ".hf_accum_probe_state"  # under output_dir: the engine's state while the probe runs, removed after
@@ -33,8 +40,9 @@ class AgreedMeter(Meter):
     """``inner``'s measurements, the largest over the ranks, so that every rank's search takes the same path. An
     out-of-memory error stops every rank (announced in the store for the ranks left waiting)."""
 
-    def __init__(self, inner: Meter, collective: Collective, engine: str, names: str):
+    def __init__(self, inner: Meter, collective: Collective, engine: str, names: str, fit_one: str | None = None):
         self.inner, self.collective, self.engine, self.names = inner, collective, engine, names
+        self.fit_one = fit_one  # what to do when micro-batch 1 runs out of memory, where known better than the default
         self.name = inner.name
         self.catches_oom = False  # no rank may skip a size the others run: sizes over the limit are never tried
 
@@ -55,8 +63,8 @@ class AgreedMeter(Meter):
             if not is_oom(exc):
                 raise
         fix = (f"lower {self.names} or set probe_max_micro_batch below {micro}" if micro and micro > 1 else
-               "to fit micro-batch 1, enable gradient_checkpointing, train LoRA adapters or offload to CPU in the "
-               "DeepSpeed config")
+               self.fit_one or "to fit micro-batch 1, enable gradient_checkpointing, train LoRA adapters or offload to "
+               "CPU in the DeepSpeed config")
         reason = (f"out of memory while the probe ran micro-batch {micro} through {self.engine}, where no rank can "
                   f"skip a size the others run; {fix}")
         self.collective.announce_stop(reason)
@@ -99,8 +107,14 @@ def probe_through_engine(
     engine = _compat.engine_label(trainer)
     if isinstance(meter, CpuMeter) and meter.resident is None:
         meter = CpuMeter(resident=all_live_tensor_bytes)  # the profiler sees no tensor allocated before a step
-    agreed = AgreedMeter(meter, collective, engine, budget_names)
     budget, limit = smallest(collective, budget_bytes, meter.capacity_bytes() - meter.unavailable_bytes())
+    state, buckets, element = _model_and_buffers(trainer)
+    fit_one = None
+    if buffers_dominate(limit, state, buckets, element):  # an OOM at micro-batch 1 is then most likely theirs
+        fit_one = (f"DeepSpeed's own communication buffers ({_sizes(buckets)} elements of {element} bytes) could "
+                   f"take half of the memory this process can use, the model's weights, gradients and optimizer "
+                   f"state far less: set smaller ones in the DeepSpeed config's \"zero_optimization\"")
+    agreed = AgreedMeter(meter, collective, engine, budget_names, fit_one)
     log(f"probing through {engine} at length {seq_len} (budget {budget / 2**20:.1f} MiB on every rank)")
 
     def step_fn(micro: int) -> None:  # a window of one micro-batch, as the engine is told
@@ -120,4 +134,58 @@ def probe_through_engine(
             raise
         raise StopTraining(f"{reason} on another rank (this rank's pending collective failed as that rank left)") from exc
     result.extra.update({"seq_len": seq_len, "engine": engine})
-    return result, plan_from_result(result, args.target_batch_size, world)
+    try:
+        return result, plan_from_result(result, args.target_batch_size, world)
+    except NothingFitsError as exc:
+        first = next((t for t in result.trials if t.micro_batch_size == 1 and t.peak_bytes is not None), None)
+        need = None if first is None else (first.reserved_bytes or first.peak_bytes)
+        if need is None or not buffers_dominate(need, state, buckets, element):
+            raise
+        raise NothingFitsError(buffers_message(engine, need, result.budget_bytes, state, buckets, element),
+                               result) from exc
+
+
+# --- when DeepSpeed's own buffers, not the model, are what does not fit -----------------------------------------
+def _model_and_buffers(trainer) -> tuple[int, dict[str, int], int]:
+    """The model's state bytes, the engine's bucket sizes (elements) and the element size its gradients use."""
+    params = list(trainer.model.parameters())
+    element = max((p.element_size() for p in params if p.requires_grad), default=4)
+    return model_state_bytes(params), _compat.deepspeed_buckets(trainer), element
+
+
+def _sizes(buckets: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in buckets.items())
+
+
+def model_state_bytes(params) -> int:
+    """What the model itself holds through a step, unpartitioned: its weights, a gradient of every trainable
+    weight and AdamW's two float32 moments (the most ZeRO's partitions of them can add up to on one rank)."""
+    total = 0
+    for p in params:
+        numel = getattr(p, "ds_numel", None) or p.numel()  # ZeRO-3 leaves an empty tensor in the module
+        total += numel * p.element_size() + (numel * (p.element_size() + 8) if p.requires_grad else 0)
+    return total
+
+
+def buffers_dominate(need_bytes: int, state_bytes: int, buckets: dict[str, int], element_size: int) -> bool:
+    """Whether micro-batch 1 fails to fit because of DeepSpeed's communication buffers rather than the model: the
+    largest configured bucket could hold at least half of the measured step, and the model's weights, gradients and
+    optimizer state are less than half of it (so checkpointing or LoRA, which shrink the rest, cannot help much)."""
+    largest = max(buckets.values(), default=0) * element_size
+    return need_bytes > 0 and largest >= need_bytes / 2 and state_bytes < need_bytes / 2
+
+
+def buffers_message(engine: str, need_bytes: int, budget_bytes: int, state_bytes: int, buckets: dict[str, int],
+                    element_size: int) -> str:
+    from .probe import _gib
+
+    sizes = _sizes(buckets)
+    smaller = max(10 ** max(0, len(str(budget_bytes // 10 // element_size)) - 1), 1)  # a tenth of the budget
+    return (
+        f"even micro-batch 1 does not fit: one training step through {engine} needs {_gib(need_bytes)} against a "
+        f"budget of {_gib(budget_bytes)}, and the model's weights, gradients and optimizer state are only "
+        f"{_gib(state_bytes)}: the rest is mostly DeepSpeed's own communication buffers ({sizes} elements of "
+        f"{element_size} bytes; DeepSpeed's defaults where not set). Set them in the DeepSpeed config's "
+        f'"zero_optimization" (e.g. ' + ", ".join(f'"{k}": {smaller}' for k in buckets) + "), or raise the "
+        "memory budget; gradient checkpointing or LoRA would not shrink them."
+    )

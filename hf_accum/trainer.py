@@ -28,7 +28,7 @@ from transformers import Trainer, TrainerCallback
 
 from . import _compat, tuning
 from .accumulation_check import AccumulationCheck, run_accumulation_check
-from .args import AccumTrainingArguments
+from .args import AccumTrainingArguments, resolve_nonfinite_limit
 from .checkpoints import check_resume
 from .deepspeed_batch import batch_contradiction
 from .engine_probe import probe_through_engine
@@ -52,8 +52,11 @@ class AccumulationMixin:
     `class AccumSFTTrainer(AccumulationMixin, SFTTrainer)`). Must come before the Trainer class in the bases.
 
     Subclasses declare what one unit of their batches is (`batch_unit`: None detects rows or padding-free
-    sequences from the batch; "pairs" for TRL's [chosen; rejected] preference batches) and whether their
+    sequences from the batch; "pairs" for [chosen; rejected] preference batches) and whether their
     `compute_loss` runs collectives (TRL gathers metrics there), which rules out skipping forwards on one rank.
+    Mixed into a TRL trainer, both come from the TRL class (`hf_accum.trl.TRL_TRAINERS`: DPOTrainer's batches are
+    pairs, ...), and a TRL trainer whose batches hf_accum cannot cut exactly (GRPO's generation groups, ...) is
+    refused at construction.
     """
 
     batch_unit: str | None = None
@@ -64,6 +67,10 @@ class AccumulationMixin:
         bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
         if bound.arguments.get("args") is not None:
             bound.arguments["args"] = copy.copy(bound.arguments["args"])
+        self._trl = _trl_base(type(self), bound.arguments.get("args"))  # before TRL tokenizes the data
+        if self._trl is not None:
+            self.batch_unit = self.batch_unit or self._trl[1].unit
+            self.collectives_in_compute_loss = True  # every TRL trainer gathers metrics in compute_loss
         super().__init__(*bound.args, **bound.kwargs)
         self.plan: Plan | None = None
         self.probe_result = None
@@ -76,8 +83,8 @@ class AccumulationMixin:
         self._forwarded_tokens = 0  # by the current loaded batch's forwards (see floating_point_ops)
         self._nonfinite_streak = 0
         self._stop_request = StopRequest()
-        self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
         self._refuse_unsupported_setups()
+        self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
         if _compat.sharded_at_load(self.model) and not self.args.save_only_model:
             # transformers cannot checkpoint this model's optimizer state (see `_compat.sharded_at_load`); the
             # checkpoints hf_accum itself writes when it stops (a signal, non-finite losses) then hold the weights
@@ -98,12 +105,16 @@ class AccumulationMixin:
     def _refuse_unsupported_setups(self) -> None:
         """Every setup hf_accum cannot run exactly fails here, at construction, naming what to set."""
         _compat.refuse_silent_engine_fallback(self)
-        if self._skips_nonfinite and _compat.engine_steps_in_backward(self):
-            raise ValueError(
-                "max_nonfinite_steps is set, but DeepSpeed steps the optimizer inside backward, before hf_accum could "
-                "drop a non-finite window's gradients. Set max_nonfinite_steps=None (steps are then taken as "
-                "transformers takes them)."
-            )
+        if self._trl is not None and self._normalization != "model":
+            base, mixed = self._trl
+            problem = mixed.check(self) if mixed.check else None
+            if problem:
+                raise ValueError(f"{type(self).__name__} (hf_accum over {base}): {problem}")
+        if hasattr(self.args, "max_nonfinite_steps"):
+            limit, line = resolve_nonfinite_limit(self.args.max_nonfinite_steps, _compat.engine_steps_in_backward(self))
+            self.args.max_nonfinite_steps = limit  # our copy: "auto" resolved for this engine
+            if line and self._normalization != "model":
+                (logger.warning if limit is None else logger.info)(line)  # DeepSpeed's: nothing is skipped for you
         if self._normalization != "model" and self.args.n_gpu > 1:
             raise ValueError(
                 f"loss_normalization={self._normalization!r} does not support torch.nn.DataParallel "
@@ -113,7 +124,9 @@ class AccumulationMixin:
 
     @property
     def _normalization(self) -> str:
-        return getattr(self.args, "loss_normalization", "tokens")  # plain TrainingArguments: "tokens"
+        # plain TrainingArguments: "tokens"; a plain TRL config: what its trainer's loss is a mean over
+        trl = getattr(self, "_trl", None)
+        return getattr(self.args, "loss_normalization", trl[1].normalization if trl else "tokens")
 
     # --- the window ---------------------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -394,6 +407,7 @@ class AccumulationMixin:
         if problem:
             raise ValueError(problem)
 
+    @_compat.trl_metrics_kept
     @with_fused_loss
     def tune(self) -> Plan:
         """Measure (or reuse the stored plan), plan micro x accumulation x world = target, apply it."""
@@ -423,6 +437,7 @@ class AccumulationMixin:
         self.plan = None  # the loading plan is not a plan: the probe has not run
         self._pending_probe = prepared
 
+    @_compat.trl_metrics_kept
     def _probe_through_engine(self, batch) -> None:
         prepared, self._pending_probe = self._pending_probe, None
         world = self.accelerator.num_processes
@@ -543,6 +558,7 @@ class AccumulationMixin:
         return check_resume(self.args, resume_from_checkpoint, deepspeed=_compat.deepspeed_enabled(self))
 
     # --- self-check -------------------------------------------------------------------------------------------
+    @_compat.trl_metrics_kept
     def check_accumulation(self, num_micro_batches: int | None = None, tolerance: float | None = None) -> AccumulationCheck:
         """Compare the gradient of k micro-batches with one pass over the same samples on the real model and data.
 
@@ -566,6 +582,22 @@ class AccumulationMixin:
             self.args.per_device_eval_batch_size = max(1, old // 2)
             logger.warning("hf_accum: out of memory in evaluation; per_device_eval_batch_size %d -> %d",
                            old, self.args.per_device_eval_batch_size)
+
+
+def _trl_base(cls: type, args) -> tuple[str, object] | None:
+    """The TRL trainer ``cls`` mixes into and what hf_accum does over it (`hf_accum.trl.mixed_into`); raises, naming
+    what to use, where hf_accum cannot cut its batches exactly."""
+    if not any(c.__module__.split(".")[0] == "trl" and issubclass(c, Trainer) for c in cls.__mro__):
+        return None
+    from .trl import mixed_into
+
+    base, mixed = mixed_into(cls)
+    if mixed.refusal and getattr(args, "loss_normalization", None) != "model":
+        raise ValueError(f"{cls.__name__} mixes AccumulationMixin into {base}: {mixed.refusal}.")
+    if cls.batch_unit is not None and mixed.unit is not None and cls.batch_unit != mixed.unit:
+        raise ValueError(f"{cls.__name__} declares batch_unit={cls.batch_unit!r}, but {base} collates "
+                         f"{mixed.unit}: set batch_unit={mixed.unit!r} (or leave it unset).")
+    return base, mixed
 
 
 class _StepControl(TrainerCallback):

@@ -9,9 +9,9 @@
 `AccumSFTConfig` is `SFTConfig` + `AccumTrainingArguments` (one dataclass: every field of both is a keyword, a
 CLI flag for `HfArgumentParser` and a YAML key; both `__post_init__` checks run). `AccumSFTTrainer` is
 `SFTTrainer` with `AccumulationMixin` in front: `SFTTrainer.training_step` (activation offloading context) and
-`compute_loss` (TRL's fused LM head, its metrics) run unchanged inside hf_accum's window scaling. The same
-composition works for other TRL trainers whose loss is a mean over counted tokens:
-`class MyTrainer(AccumulationMixin, trl.SomeTrainer)`.
+`compute_loss` (TRL's fused LM head, its metrics) run unchanged inside hf_accum's window scaling. A user's own
+`class MyTrainer(AccumulationMixin, trl.SomeTrainer)` gets what `TRL_TRAINERS` says of that trainer: its batch unit
+(DPOTrainer and RewardTrainer: whole pairs) and checks, or a refusal at construction naming what to use instead.
 
 `AccumDPOTrainer` / `AccumDPOConfig` do the same for `DPOTrainer`: batches are cut into whole preference pairs
 (row i with row B+i), the loss is normalized over the window's pairs ("samples"), and loss types that are not a
@@ -24,7 +24,9 @@ says (it is turned off, logged, because hf_accum counts across ranks itself).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import Trainer
 
@@ -46,22 +48,10 @@ class AccumSFTConfig(SFTConfig, AccumTrainingArguments):
 
 
 class _TRLAccumulation(AccumulationMixin):
-    """What every TRL trainer needs on top of the mixin: TRL gathers metrics inside `compute_loss` (so no rank
-    may skip a forward), and the probe's / accumulation check's steps must not show up in those metrics."""
-
-    collectives_in_compute_loss = True
-
-    def tune(self):
-        with _compat.trl_metrics_untouched(self):
-            return super().tune()
-
-    def _probe_through_engine(self, batch):
-        with _compat.trl_metrics_untouched(self):
-            return super()._probe_through_engine(batch)
-
-    def check_accumulation(self, *args, **kwargs):
-        with _compat.trl_metrics_untouched(self):
-            return super().check_accumulation(*args, **kwargs)
+    """The mixin as hf_accum's TRL trainers use it. What every TRL trainer needs on top of the plain mixin comes with
+    the mixin itself, for a user's own `class MyX(AccumulationMixin, trl.XTrainer)` too: the batch unit and the
+    refusals (`TRL_TRAINERS`), no skipped forward on one rank (TRL gathers metrics inside `compute_loss`), and the
+    probe's / accumulation check's steps kept out of TRL's metrics (`_compat.trl_metrics_kept`)."""
 
 
 class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
@@ -116,43 +106,112 @@ class AccumDPOConfig(DPOConfig, AccumTrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.loss_normalization == "tokens":
-            raise ValueError(
-                "loss_normalization='tokens' does not fit DPO: its loss is a mean over preference pairs, not over "
-                "tokens. Set loss_normalization='samples' (one pair = one sample), or 'model' for TRL's own."
-            )
-        if self.loss_normalization == "samples":
-            refused = sorted(set(self.loss_type) - PER_PAIR_DPO_LOSSES)
-            if refused:
-                raise ValueError(
-                    f"loss_type={refused} is not a mean of per-pair terms, so hf_accum cannot make its accumulation "
-                    f"exact. Use one of {sorted(PER_PAIR_DPO_LOSSES)} (e.g. loss_type=['sigmoid']), or set "
-                    "loss_normalization='model' to train with TRL's own accumulation."
-                )
-            if self.padding_free:
-                raise ValueError(
-                    "padding_free=True flattens preference pairs into one row, which hf_accum cannot cut into whole "
-                    "pairs yet. Set padding_free=False, or loss_normalization='model'."
-                )
+        problem = dpo_refusal(self, self.loss_normalization)
+        if problem:
+            raise ValueError(problem)
+
+
+def dpo_refusal(args, normalization: str) -> str | None:
+    """Why a DPO config cannot be accumulated exactly under ``normalization`` (None: it can). Run by
+    `AccumDPOConfig` when it is built and, for a plain `DPOConfig`, when a class mixing `AccumulationMixin` into
+    `DPOTrainer` is constructed."""
+    if normalization == "tokens":
+        return ("loss_normalization='tokens' does not fit DPO: its loss is a mean over preference pairs, not over "
+                "tokens. Set loss_normalization='samples' (one pair = one sample), or 'model' for TRL's own.")
+    if normalization != "samples":
+        return None
+    refused = sorted(set(args.loss_type) - PER_PAIR_DPO_LOSSES)
+    if refused:
+        return (f"loss_type={refused} is not a mean of per-pair terms, so hf_accum cannot make its accumulation "
+                f"exact. Use one of {sorted(PER_PAIR_DPO_LOSSES)} (e.g. loss_type=['sigmoid']), or set "
+                "loss_normalization='model' to train with TRL's own accumulation.")
+    if args.padding_free:
+        return ("padding_free=True flattens preference pairs into one row, which hf_accum cannot cut into whole "
+                "pairs yet. Set padding_free=False, or loss_normalization='model'.")
+    return None
 
 
 class AccumDPOTrainer(_TRLAccumulation, DPOTrainer):
     """`trl.DPOTrainer` + hf_accum: exact accumulation over the window's preference pairs (DPOTrainer alone
-    weights a shorter last window's pairs differently), OOM recovery that cuts whole pairs, the tuner."""
+    weights a shorter last window's pairs differently), OOM recovery that cuts whole pairs, the tuner. The batch
+    unit (pairs) and the checks come from `TRL_TRAINERS`, as for any class mixing `AccumulationMixin` into
+    `DPOTrainer`."""
 
-    batch_unit = "pairs"  # TRL collates [chosen_0..chosen_B-1; rejected_0..rejected_B-1]
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self._normalization != "model" and self.aux_loss_enabled:
-            raise ValueError(
-                "This model adds a router auxiliary loss (a token mean) to DPO's per-pair loss, which hf_accum cannot "
-                "normalize exactly. Set router_aux_loss_coef=0.0, or loss_normalization='model'."
-            )
+def _dpo_trainer_refusal(trainer) -> str | None:
+    normalization = trainer._normalization
+    problem = dpo_refusal(trainer.args, normalization)
+    if problem is None and normalization != "model" and trainer.aux_loss_enabled:
+        problem = ("This model adds a router auxiliary loss (a token mean) to DPO's per-pair loss, which hf_accum "
+                   "cannot normalize exactly. Set router_aux_loss_coef=0.0, or loss_normalization='model'.")
+    return problem
+
+
+def _reward_trainer_refusal(trainer) -> str | None:
+    if trainer._normalization == "tokens":
+        return ("loss_normalization='tokens' does not fit RewardTrainer: its loss is a mean over preference pairs. "
+                "Set loss_normalization='samples' (one pair = one sample), or 'model' for TRL's own.")
+    return None
+
+
+@dataclass(frozen=True)
+class MixedInto:
+    """What `AccumulationMixin` does over one TRL trainer: ``unit`` of its batches (None: rows, or padding-free
+    sequences, detected from each batch), the loss normalization where the config has no ``loss_normalization``
+    field (a plain TRL config), the check of the constructed trainer (a message when it cannot be exact), or
+    ``refusal``: why hf_accum cannot cut its batches exactly, and what to use instead."""
+
+    unit: str | None = None
+    normalization: str = "tokens"
+    check: Callable[[Any], str | None] | None = None
+    refusal: str | None = None
+
+
+_GENERATION_GROUPS = (
+    "its rows are groups of num_generations completions of one prompt, generated inside the training loop, and its "
+    "advantages and loss normalization span the whole generation batch, so a window cannot be cut into smaller "
+    "forwards exactly ({name} accumulates over its generation batch itself: steps_per_generation). Use {name} "
+    "without AccumulationMixin"
+)
+
+# The TRL trainers (as `trl` exports them; tests/test_trl_mixins.py pins that these are exactly the Trainer
+# classes in trl's namespace) and what the mixin does over each. A TRL class missing here is refused.
+TRL_TRAINERS: dict[str, MixedInto] = {
+    "SFTTrainer": MixedInto(),  # a token mean (or a sample mean with loss_normalization="samples")
+    "DPOTrainer": MixedInto("pairs", "samples", check=_dpo_trainer_refusal),  # [chosen; rejected], per-pair terms
+    "RewardTrainer": MixedInto("pairs", "samples", check=_reward_trainer_refusal),  # per-pair logsigmoid (+ centering)
+    "KTOTrainer": MixedInto(refusal=(
+        "its loss compares each sample with a KL estimate averaged over the whole batch (mismatched prompt/completion "
+        "rows, gathered over ranks), so cutting a batch into smaller forwards changes every sample's term. Use "
+        "KTOTrainer without AccumulationMixin")),
+    "GRPOTrainer": MixedInto(refusal=_GENERATION_GROUPS.format(name="GRPOTrainer")),
+    "RLOOTrainer": MixedInto(refusal=_GENERATION_GROUPS.format(name="RLOOTrainer")),
+    "DistillationTrainer": MixedInto(refusal=(
+        "it generates its completions inside the training loop for a whole accumulation window at once (as GRPO "
+        "does), which hf_accum's window cannot re-cut. Use DistillationTrainer without AccumulationMixin")),
+}
+
+
+def mixed_into(cls: type) -> tuple[str, MixedInto] | None:
+    """The TRL trainer ``cls`` derives from (its most derived TRL class) and what the mixin does over it; None when
+    ``cls`` derives from no TRL class. A TRL class not in `TRL_TRAINERS` (an experimental or newer trainer) is
+    refused: hf_accum does not know the unit of its batches."""
+    import trl
+
+    base = next((c for c in cls.__mro__ if c.__module__.split(".")[0] == "trl" and issubclass(c, Trainer)), None)
+    if base is None:
+        return None
+    name = base.__name__
+    known = TRL_TRAINERS.get(name) if getattr(trl, name, None) is base else None
+    if known is None:
+        return f"{base.__module__}.{name}", MixedInto(refusal=(
+            "hf_accum does not know the unit of its batches (rows, pairs, groups), so it cannot cut them exactly. "
+            f"Use {name} without AccumulationMixin, or a trainer hf_accum supports ({', '.join(TRL_TRAINERS)})"))
+    return f"trl.{name}", known
 
 
 # With TRL's fused head, SFTTrainer.compute_loss reads no logits: resolve_fused_loss must not count it (or ours) as a
 # user override. Older TRL reads the logits for its token accuracy: hf_accum's fused loss stays off there.
 AccumSFTTrainer._fused_compute_loss_classes = (SFTTrainer, AccumSFTTrainer) if _compat.trl_fuses_lm_head() else ()
 
-__all__ = ["AccumDPOConfig", "AccumDPOTrainer", "AccumSFTConfig", "AccumSFTTrainer"]
+__all__ = ["TRL_TRAINERS", "AccumDPOConfig", "AccumDPOTrainer", "AccumSFTConfig", "AccumSFTTrainer", "mixed_into"]

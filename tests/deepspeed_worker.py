@@ -35,8 +35,8 @@ def skip_shm_comm_op():
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def ds_config(stage: int) -> dict:
-    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+def ds_config(stage: int, **zero) -> dict:
+    return {"zero_optimization": {"stage": stage, **zero}, "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto"}
 
 
@@ -51,7 +51,7 @@ class CountForwards:
 
 
 def trainer_for(out, stage=None, max_steps=3, save_steps=None, callbacks=(), micro=2, accumulation=2, tuned=False,
-                **kw):
+                zero=None, **kw):
     from accelerate.state import AcceleratorState
     from transformers.trainer_callback import PrinterCallback
 
@@ -67,8 +67,7 @@ def trainer_for(out, stage=None, max_steps=3, save_steps=None, callbacks=(), mic
         auto_tune=tuned, max_steps=max_steps, learning_rate=1e-2, max_grad_norm=0.0, report_to=[],
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, use_cpu=True, seed=0,
         disable_tqdm=True, remove_unused_columns=False, ddp_backend="gloo", logging_steps=1,
-        deepspeed=ds_config(stage) if stage is not None else None,
-        max_nonfinite_steps=None if stage is not None else 3, **kw,
+        deepspeed=ds_config(stage, **(zero or {})) if stage is not None else None, **kw,  # max_nonfinite_steps: default
     )
     trainer = AccumTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_examples(40, seed=3),
                            data_collator=pad_collate, callbacks=list(callbacks))
@@ -186,7 +185,7 @@ def oom_mode(out, rank):
 
     try:
         args = AccumTrainingArguments(output_dir=os.path.join(out, "world_one"), report_to=[], use_cpu=False,
-                                      deepspeed=ds_config(2), max_nonfinite_steps=None)
+                                      deepspeed=ds_config(2))
         AccumTrainer(model=tiny_gpt2(), args=args)
         message = None
     except ValueError as exc:
@@ -281,11 +280,53 @@ def single_mode(out, rank):
         json.dump(result, f)
 
 
+def defaults_mode(out, rank):
+    """One process, ZeRO-2, default arguments: max_nonfinite_steps left unset trains (one line says what non-finite
+    losses do); an explicit one is refused; auto_tune under a 64 MiB budget with DeepSpeed's default buckets is refused
+    with a message naming the bucket keys."""
+    import logging
+
+    from hf_accum.probe import NothingFitsError
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("hf_accum").addHandler(handler)
+    logging.getLogger("hf_accum").setLevel(logging.INFO)
+    result = {}
+    trainer = trainer_for(os.path.join(out, "plain"), stage=2, max_steps=2)
+    trainer.train()
+    result["steps"] = trainer.state.global_step
+    result["limit"] = trainer.args.max_nonfinite_steps
+    result["lines"] = [r for r in records if "max_nonfinite_steps" in r]
+    try:
+        trainer_for(os.path.join(out, "explicit"), stage=2, max_nonfinite_steps=3)
+        result["explicit"] = None
+    except ValueError as exc:
+        result["explicit"] = str(exc)
+    tuned = trainer_for(os.path.join(out, "tuned"), stage=2, tuned=True, memory_budget_bytes=64 * 2**20)
+    try:
+        tuned.train()
+        result["nothing_fits"] = None
+    except NothingFitsError as exc:
+        result["nothing_fits"] = str(exc)
+    # the advice taken: the buckets the message suggests, the same budget
+    small = {"reduce_bucket_size": 100000, "allgather_bucket_size": 100000}
+    advised = trainer_for(os.path.join(out, "advised"), stage=2, tuned=True, memory_budget_bytes=64 * 2**20,
+                          zero=small, max_steps=1)
+    advised.train()
+    result["advised_plan"] = advised.plan.describe()
+    result["advised_peak"] = advised.probe_result.trials[0].peak_bytes
+    with open(os.path.join(out, "defaults.json"), "w") as f:
+        json.dump(result, f)
+
+
 def main():
     mode, out = sys.argv[1], sys.argv[2]
     skip_shm_comm_op()
     rank = int(os.environ.get("RANK", 0))
-    {"train": train_mode, "oom": oom_mode, "probe_oom": probe_oom_mode, "single": single_mode}[mode](out, rank)
+    {"train": train_mode, "oom": oom_mode, "probe_oom": probe_oom_mode, "single": single_mode,
+     "defaults": defaults_mode}[mode](out, rank)
 
 
 if __name__ == "__main__":

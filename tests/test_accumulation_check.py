@@ -53,6 +53,29 @@ def test_check_flags_a_loss_that_is_k_times_too_large(tmp_path, caplog):
         result = trainer.check_accumulation(num_micro_batches=3)
     assert not result.passed and result.relative_error > 0.5
     assert "MISMATCH" in caplog.text
+    assert "Why: loss_normalization='model' leaves the loss as transformers scales it" in caplog.text
+
+
+class PairedLoss:
+    """A loss one term of which spans two rows (row i with row B/2 + i), declared as nothing: cut by rows."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        score = logits[:, -1].logsumexp(-1)
+        first, second = score.chunk(2)
+        return torch.nn.functional.logsigmoid(first - second).neg().mean()
+
+
+def test_a_mismatch_says_why(tmp_path, caplog):
+    trainer = make_trainer(tmp_path, cls=type("Paired", (PairedLoss, AccumTrainer), {}),
+                           loss_normalization="samples")
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        result = trainer.check_accumulation(num_micro_batches=3)
+    assert not result.passed and result.relative_error > 1e-3
+    assert ("Why: the batch was cut into whole samples and each forward weighted by its samples "
+            "(loss_normalization='samples'), so the loss is not a mean of per-sample terms over them; if one loss "
+            "term spans several rows") in caplog.text
+    assert "Paired computes its own loss: it must return the mean over its batch's samples" in caplog.text
 
 
 def test_same_user_code_is_exact_with_tokens_mode(tmp_path):

@@ -334,3 +334,16 @@ def test_the_trainer_says_whether_deepspeed_loads_its_checkpoints(tmp_path):
     assert trainer.is_deepspeed_enabled is False and _compat.deepspeed_enabled(trainer) is False
     trainer.is_deepspeed_enabled = True
     assert _compat.deepspeed_enabled(trainer) is True
+
+
+def test_deepspeed_bucket_fields_and_their_defaults():
+    """`_compat.deepspeed_buckets` reads these from the live engine's `_config.zero_config` (that attribute is pinned on a
+    real engine in tests/test_deepspeed.py::test_deepspeed_with_default_arguments); the "nothing fits" advice names
+    the config keys."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = DeepSpeedZeroConfig(stage=2)
+    assert (zero.reduce_bucket_size, zero.allgather_bucket_size) == (5 * 10**8, 5 * 10**8)
+    assert DeepSpeedZeroConfig(stage=3, stage3_prefetch_bucket_size=123).prefetch_bucket_size == 123
+    assert DeepSpeedZeroConfig(stage=2, reduce_bucket_size=7, allgather_bucket_size=9).allgather_bucket_size == 9

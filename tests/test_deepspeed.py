@@ -56,7 +56,7 @@ def test_per_rank_fields_are_checked_before_the_world_size_is_known():
 def _args(**kw):
     from hf_accum import AccumTrainingArguments
 
-    return AccumTrainingArguments(output_dir="unused", report_to=[], use_cpu=True, max_nonfinite_steps=None, **kw)
+    return AccumTrainingArguments(output_dir="unused", report_to=[], use_cpu=True, **kw)
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -297,3 +297,26 @@ def test_one_process_pieces_and_oom_stop(tmp_path):
     assert "per_device_train_batch_size=2 and gradient_accumulation_steps=4" in res["oom"]
     # tune() before train() has no engine to probe through
     assert res["tune_before_train"].startswith("tune() cannot probe a DeepSpeed run before train()")
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_deepspeed_with_default_arguments(tmp_path):
+    """One process, ZeRO-2, no hf_accum argument set beyond the target: it trains; an explicit max_nonfinite_steps is
+    refused; nothing fitting because of DeepSpeed's default buckets says so, naming their keys."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
+           os.path.join(ROOT, "tests", "deepspeed_worker.py"), "defaults", str(tmp_path)]
+    proc = run_two_ranks(cmd, child_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads((tmp_path / "defaults.json").read_text())
+    assert res["steps"] == 2 and res["limit"] is None
+    assert len(res["lines"]) == 1 and res["lines"][0].startswith("hf_accum: max_nonfinite_steps is off under DeepSpeed")
+    assert res["explicit"].startswith("max_nonfinite_steps=3 is set, but DeepSpeed steps the optimizer inside backward")
+    message = res["nothing_fits"]
+    assert message.startswith("even micro-batch 1 does not fit: one training step through DeepSpeed ZeRO-2 needs ")
+    assert "reduce_bucket_size=500000000, allgather_bucket_size=500000000 elements" in message
+    assert "checkpointing or LoRA would not shrink them" in message
+    assert '"reduce_bucket_size": 100000, "allgather_bucket_size": 100000' in message
+    # the advice works: with those buckets the same 64 MiB budget fits the whole per-rank target
+    assert res["advised_plan"] == "micro 4 × accumulation 1 × world 1 = 4 on DeepSpeed ZeRO-2"
+    assert res["advised_peak"] < 64 * 2**20

@@ -96,3 +96,52 @@ def test_smallest_is_one_exchange():
 
     ranks = Ranks()
     assert smallest(ranks, 100, 5) == (70, 5) and ranks.calls == 1
+
+
+# --- "nothing fits" under DeepSpeed: its buffers or the model? -------------------------------------------------
+GiB = 2**30
+DEFAULT_BUCKETS = {"reduce_bucket_size": 5 * 10**8, "allgather_bucket_size": 5 * 10**8}
+
+
+@pytest.mark.parametrize("need, state, buckets, dominate", [
+    (int(1.86 * GiB), 3 * MiB, DEFAULT_BUCKETS, True),           # a tiny model under ZeRO-2's default buckets
+    (int(1.86 * GiB), 3 * MiB, {"reduce_bucket_size": 10**6, "allgather_bucket_size": 10**6}, False),  # small buckets
+    (int(20 * GiB), 2 * GiB, DEFAULT_BUCKETS, False),            # activations: the buckets are a tenth of the step
+    (int(3 * GiB), int(2 * GiB), DEFAULT_BUCKETS, False),       # the model's states are most of the step
+    (int(1.86 * GiB), 3 * MiB, {}, False),                        # ZeRO-0: no buckets
+])
+def test_buffers_dominate_is_decided_from_the_measured_step(need, state, buckets, dominate):
+    from hf_accum.engine_probe import buffers_dominate
+
+    assert buffers_dominate(need, state, buckets, 4) is dominate
+
+
+def test_the_buffer_message_names_the_keys_and_not_checkpointing():
+    from hf_accum.engine_probe import buffers_message
+
+    message = buffers_message("DeepSpeed ZeRO-2", int(1.86 * GiB), 64 * MiB, 3 * MiB, DEFAULT_BUCKETS, 4)
+    assert message.startswith("even micro-batch 1 does not fit: one training step through DeepSpeed ZeRO-2 needs "
+                              "1.860 GiB against a budget of 64.0 MiB, and the model's weights, gradients and "
+                              "optimizer state are only 3.0 MiB: the rest is mostly DeepSpeed's own communication "
+                              "buffers (reduce_bucket_size=500000000, allgather_bucket_size=500000000 elements")
+    assert '"reduce_bucket_size": 1000000, "allgather_bucket_size": 1000000' in message  # under a tenth of 64 MiB
+    assert "gradient checkpointing or LoRA would not shrink them" in message
+
+
+def test_model_state_bytes_counts_weights_gradients_and_adam_moments():
+    import torch
+
+    from hf_accum.engine_probe import model_state_bytes
+
+    trained, frozen = torch.nn.Parameter(torch.zeros(10)), torch.nn.Parameter(torch.zeros(5), requires_grad=False)
+    assert model_state_bytes([trained, frozen]) == 10 * (4 + 4 + 8) + 5 * 4
+
+
+def test_an_out_of_memory_error_at_micro_batch_one_names_the_buffers_where_they_dominate():
+    meter = FakeMeter(lambda m: 10 * MiB * m, 5 * MiB)  # micro-batch 1 itself runs out of memory
+    advice = 'DeepSpeed\'s own communication buffers (...): set smaller ones in the DeepSpeed config\'s "zero_optimization"'
+    collective = PeerCollective(meter, lambda m: 0)
+    agreed = AgreedMeter(meter, collective, "DeepSpeed ZeRO-2", "memory_budget", fit_one=advice)
+    with pytest.raises(StopTraining, match=r"micro-batch 1 through DeepSpeed ZeRO-2.*; DeepSpeed's own communication"):
+        probe_micro_batches(lambda micro: None, agreed, 100 * MiB, 16, must_resolve=[1, 2, 4, 8, 16])
+    assert collective.announced and "zero_optimization" in collective.announced[0]

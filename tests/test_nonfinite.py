@@ -87,13 +87,74 @@ def test_nan_on_one_rank_makes_both_skip(tmp_path):
     assert all(torch.equal(w0[k], w1[k]) and not math.isnan(float(w0[k].sum())) for k in w0)
 
 
-def test_under_deepspeed_skipping_is_refused_unless_turned_off(tmp_path, monkeypatch):
+def test_under_deepspeed_the_default_is_off_with_one_line_and_only_an_explicit_limit_is_refused(tmp_path, monkeypatch,
+                                                                                                   caplog):
     from hf_accum import _compat
 
     monkeypatch.setattr(_compat, "engine_steps_in_backward", lambda trainer: True)
-    with pytest.raises(ValueError, match="max_nonfinite_steps is set, but DeepSpeed steps the optimizer inside "
-                                         "backward.*Set max_nonfinite_steps=None"):
-        run(tmp_path, nan_calls=[])
-    trainer = run(tmp_path, nan_calls=[5], max_nonfinite_steps=None)  # off: transformers' behaviour
+    with caplog.at_level(logging.INFO, logger="hf_accum"):
+        trainer = run(tmp_path, nan_calls=[5])  # max_nonfinite_steps left at its default
+    assert trainer.args.max_nonfinite_steps is None and not trainer._skips_nonfinite
+    lines = [r for r in caplog.records if "max_nonfinite_steps" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "max_nonfinite_steps is off under DeepSpeed" in lines[0].getMessage()
     trainer.train()
-    assert trainer.state.global_step == 6
+    assert trainer.state.global_step == 6  # not skipped: transformers' behaviour
+    with pytest.raises(ValueError, match=r"max_nonfinite_steps=3 is set, but DeepSpeed steps the optimizer inside "
+                                         r"backward.*Leave max_nonfinite_steps unset \('auto'"):
+        run(tmp_path, nan_calls=[], max_nonfinite_steps=3)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_accum"):
+        run(tmp_path, nan_calls=[], max_nonfinite_steps=None)  # an explicit None: no line
+    assert "max_nonfinite_steps" not in caplog.text
+
+
+def test_the_default_elsewhere_is_three_and_the_callers_arguments_keep_auto(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="hf_accum"):
+        trainer = run(tmp_path, nan_calls=[])
+    assert trainer.args.max_nonfinite_steps == 3 and trainer._skips_nonfinite
+    assert "more than 3 in a row stop training with a checkpoint (max_nonfinite_steps)" in caplog.text
+    assert AccumTrainingArguments(output_dir=str(tmp_path), use_cpu=True).max_nonfinite_steps == "auto"
+
+
+@pytest.mark.parametrize("given, engine_steps_in_backward, limit", [
+    ("auto", False, 3), ("auto", True, None), (None, False, None), (None, True, None), (0, False, 0), (5, False, 5),
+])
+def test_resolve_nonfinite_limit(given, engine_steps_in_backward, limit):
+    from hf_accum.args import resolve_nonfinite_limit
+
+    got, line = resolve_nonfinite_limit(given, engine_steps_in_backward)
+    assert got == limit and (line is not None) == (given == "auto")
+
+
+@pytest.mark.parametrize("given", [0, 4])
+def test_an_explicit_limit_under_deepspeed_is_refused(given):
+    from hf_accum.args import resolve_nonfinite_limit
+
+    with pytest.raises(ValueError, match=f"max_nonfinite_steps={given} is set, but DeepSpeed"):
+        resolve_nonfinite_limit(given, True)
+
+
+@pytest.mark.parametrize("flag, value", [("auto", "auto"), ("4", 4), ("0", 0), ("None", None)])
+def test_max_nonfinite_steps_from_the_command_line(tmp_path, flag, value):
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(AccumTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "true", "--max_nonfinite_steps", flag])
+    assert args.max_nonfinite_steps == value
+    (default,) = HfArgumentParser(AccumTrainingArguments).parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+    assert default.max_nonfinite_steps == "auto"
+
+
+@pytest.mark.parametrize("value", [-1, "three", True, 2.5])
+def test_a_bad_max_nonfinite_steps_is_refused(tmp_path, value):
+    with pytest.raises(ValueError, match=r"max_nonfinite_steps=.* must be 'auto' \(the engine's default\)"):
+        AccumTrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_nonfinite_steps=value)
+
+
+@pytest.mark.parametrize("overrides, value", [([], "auto"), (["training.max_nonfinite_steps=4"], 4),
+                                              (["training.max_nonfinite_steps=null"], None)])
+def test_max_nonfinite_steps_from_a_recipe(overrides, value):
+    from hf_accum.recipes.config import load_recipe
+
+    assert load_recipe("lora_sft", overrides).training_args().max_nonfinite_steps == value
