@@ -73,7 +73,8 @@ class Settings:
     model: dict[str, Any]
     seqs: tuple[int, ...]
     budgets: tuple[tuple[str, float], ...]  # ("fraction", f): of the usable memory; ("x_peak1", k): k x peak at micro 1
-    target: int  # sections 2-3
+    target: int  # section 2
+    target3: int
     steps3: int
     target4: int
     steps4: int
@@ -86,20 +87,26 @@ class Settings:
     steps6: int
     micro6: int
     minutes: float | None
+    grid2: tuple[tuple[str, bool, int, int], ...] | None = None  # (method, checkpointing, seq, budget index); None: all
+    plans3: int | None = None  # how many of section 2's configurations section 3 trains (None: as time allows)
+    warm5: int = 2  # steps not timed at the start of each run
+    sweep5: int | None = None  # how many divisors section 5 times (None: every one up to the plan's)
 
 
 GPU = Settings(
     model=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=True,
                rope_theta=500000.0),
-    seqs=(2048, 512), budgets=(("fraction", 0.35), ("fraction", 0.9)), target=64, steps3=50, target4=16, steps4=6,
+    seqs=(2048, 512), budgets=(("fraction", 0.35), ("fraction", 0.9)), target=64, target3=16, steps3=50, target4=16,
+    steps4=6,
     seq5=512, target5=32, timed5=4, rounds5=5, seq6=2048, target6=32, steps6=6, micro6=4, minutes=8.0,
 )
 QUICK = Settings(
     model=dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=4, max_position_embeddings=256),
-    seqs=(64,), budgets=(("x_peak1", 2.0), ("x_peak1", 5.0)), target=16, steps3=8, target4=8, steps4=4,
-    seq5=32, target5=8, timed5=2, rounds5=2, seq6=64, target6=16, steps6=2, micro6=4, minutes=None,
+    seqs=(64,), budgets=(("x_peak1", 2.0), ("x_peak1", 5.0)), target=16, target3=16, steps3=3, target4=8, steps4=3,
+    seq5=32, target5=8, timed5=1, rounds5=1, seq6=64, target6=16, steps6=2, micro6=4, minutes=None,
+    grid2=(("full", False, 64, 0), ("full", False, 64, 1), ("lora", True, 64, 0)), plans3=2, warm5=1, sweep5=1,
 )
 
 
@@ -611,6 +618,8 @@ def methods(ctx: Ctx) -> tuple[list[str], dict[str, str]]:
 
 def section_probe(ctx: Ctx) -> dict[str, Any]:
     names, skipped = methods(ctx)
+    if ctx.s.grid2 is not None:
+        names = [m for m in names if any(g[0] == m for g in ctx.s.grid2)]
     for reason in skipped.values():
         print(f"  [2] {reason}", flush=True)
     rows, skipped_rows = [], []
@@ -619,6 +628,8 @@ def section_probe(ctx: Ctx) -> dict[str, Any]:
         model = ctx.method_model(method)
         try:
             configs = [(ckpt, seq, budget) for seq in ctx.s.seqs for ckpt in (False, True) for budget in ctx.s.budgets]
+            if ctx.s.grid2 is not None:
+                configs = [(c, q, ctx.s.budgets[b]) for m, c, q, b in ctx.s.grid2 if m == method]
             for j, (ckpt, seq, budget) in enumerate(configs):
                 name = f"{method}{'+ckpt' if ckpt else ''}"
                 if ctx.clock.out() or (method_end is not None and time.monotonic() > method_end):
@@ -704,6 +715,10 @@ def section_train(ctx: Ctx) -> dict[str, Any]:
     # the most informative plans first: the tight budget, the long sequence; every method gets its turn
     order = [(method, ckpt, seq, budget) for budget in ctx.s.budgets for seq in ctx.s.seqs
              for ckpt in (False, True) for method in names]
+    if ctx.s.grid2 is not None:
+        order = [(m, c, q, ctx.s.budgets[b]) for m, c, q, b in ctx.s.grid2]
+    if ctx.s.plans3 is not None:
+        order = order[:ctx.s.plans3]
     rows, not_run = [], []
     models: dict[str, Any] = {}
     try:
@@ -721,7 +736,7 @@ def section_train(ctx: Ctx) -> dict[str, Any]:
                 model = models[method]
                 row = {"config": name, "seq_len": seq, "budget": budget_label(budget)}
                 try:
-                    row.update(train_at_plan(ctx, model, ckpt, seq, budget, ctx.s.steps3, ctx.s.target,
+                    row.update(train_at_plan(ctx, model, ckpt, seq, budget, ctx.s.steps3, ctx.s.target3,
                                              os.path.join(tmp, str(k))))
                 except Exception as exc:  # a failed plan is a finding: record it, go on
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -790,8 +805,13 @@ class Grab:
                 else:
                     mid = line[0] + line[1] * (m + smaller) / 2
                 free, _ = torch.cuda.mem_get_info(ctx.device)
-                self.grabbed_bytes = max(0, int(free + torch.cuda.memory_reserved(ctx.device) - mid))
-                self.held = torch.empty(self.grabbed_bytes, dtype=torch.uint8, device=ctx.device)
+                want = max(0, int(free + torch.cuda.memory_reserved(ctx.device) - mid))
+                while want > 0 and self.held is None:  # what the allocator can hand out may be a little less
+                    try:
+                        self.held = torch.empty(want, dtype=torch.uint8, device=ctx.device)
+                        self.grabbed_bytes = want
+                    except torch.OutOfMemoryError:
+                        want = int(want * 0.97) - 64 * MiB
 
             def on_train_end(self, args, state, control, **kwargs):
                 self.held = None
@@ -813,6 +833,7 @@ def section_oom(ctx: Ctx) -> dict[str, Any]:
             trainer = make_trainer(ctx, model, rows, tmp, collator=collator, target_batch_size=s.target4,
                                    max_steps=s.steps4, **kw)
             before = plan_facts(trainer.tune())
+            collator.seen.clear()  # the probe collates the longest example; count only what training loads
             grab = Grab(ctx, trainer, at=2)
             trainer.add_callback(grab)
             ooms_before = ctx.num_ooms()
@@ -844,11 +865,11 @@ def section_oom(ctx: Ctx) -> dict[str, Any]:
 def timed_run(ctx: Ctx, model, rows, out: str, *, accum_trainer: bool = True, **kwargs) -> tuple[float | None, Any]:
     timer = StepTimes(ctx)
     trainer = make_trainer(ctx, model, rows, out, accum_trainer=accum_trainer, callbacks=[timer],
-                           max_steps=2 + ctx.s.timed5, **kwargs)
+                           max_steps=ctx.s.warm5 + ctx.s.timed5, **kwargs)
     try:
         trainer.train()
         plan = getattr(trainer, "plan", None)
-        return timer.steady(), plan
+        return timer.steady(skip=ctx.s.warm5), plan
     finally:
         release(trainer)
         model.zero_grad(set_to_none=True)
@@ -858,7 +879,7 @@ def section_throughput(ctx: Ctx) -> dict[str, Any]:
     s = ctx.s
     seq, target = s.seq5, s.target5
     model = ctx.llama()
-    rows = lm_rows([seq] * ((2 + s.timed5) * target), s.model["vocab_size"], seed=5)
+    rows = lm_rows([seq] * ((s.warm5 + s.timed5) * target), s.model["vocab_size"], seed=5)
     tokens_per_step = seq * target
     per_token = flops.training_flops_per_token(model, seq)
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.cuda else "cpu"
@@ -881,6 +902,8 @@ def section_throughput(ctx: Ctx) -> dict[str, Any]:
             figures["plan_tokens_per_second"] = tokens_per_step / secs if secs else None
             # the sweep of divisors: micro 1 and the plan's neighbours first, the rest while time is left
             order = [1, *sorted((d for d in divisors(target) if 1 < d <= chosen), key=lambda d: -d)]
+            if s.sweep5 is not None:
+                order = order[:s.sweep5]
             for micro in order:
                 if ctx.clock.out(need=10.0 if ctx.cuda else 0.0):
                     figures["sweep_cut_short"] = True
@@ -1031,12 +1054,15 @@ def section_tokens(ctx: Ctx) -> dict[str, Any]:
         release(model)
     modes = figures.get("modes", {})
     worst = [m["peak_over_budget"] for m in modes.values() if m.get("peak_over_budget") is not None]
-    fewer = (modes["tokens"]["forwards_per_step"] / modes["samples"]["forwards_per_step"]
-             if "tokens" in modes and "samples" in modes else None)
+    both = "tokens" in modes and "samples" in modes
+    fewer = modes["tokens"]["forwards_per_step"] / modes["samples"]["forwards_per_step"] if both else None
+    padding = (modes["tokens"]["padded_over_real_tokens"] / modes["samples"]["padded_over_real_tokens"]
+               if both else None)
     ratio = figures.get("fused_loss", {}).get("peak_ratio")
     goals = [goal("peak / budget in both modes (worst)", max(worst) if worst else None, "<= 1",
                   max(worst) <= 1 if worst else None),
-             goal("tokens-mode forwards per step over samples-mode", fewer, "< 1", fewer < 1 if fewer else None),
+             goal("tokens-mode padded tokens over samples-mode", padding, "<= 1", padding <= 1 if padding else None),
+             goal("tokens-mode forwards per step over samples-mode", fewer, "info", None),
              goal("fused-loss peak over unfused at equal micro", ratio, "< 1", ratio < 1 if ratio else None)]
     return {"figures": figures, "goals": goals}
 
