@@ -37,6 +37,7 @@ import math
 import os
 import platform
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -105,10 +106,10 @@ QUICK = Settings(
     model=dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=4, max_position_embeddings=256),
     seqs=(64, 32), budgets=(("x_peak1", 2.0), ("x_peak1", 5.0)), target=16, target3=16, steps3=3, target4=8,
-    steps4=4, seq5=32, target5=8, timed5=2, rounds5=2, seq6=64, target6=16, steps6=3, micro6=4, minutes=None,
+    steps4=4, seq5=32, target5=8, timed5=2, rounds5=2, seq6=64, target6=16, steps6=2, micro6=4, minutes=None,
     # every method, checkpointing off and on, both lengths and both budgets, in four configurations (not all 16)
     grid2=(("full", False, 64, 0), ("full", True, 32, 1), ("lora", False, 32, 0), ("lora", True, 64, 1)),
-    plans3=2, warm5=1,
+    plans3=2, warm5=1, sweep5=2,
 )
 
 
@@ -626,22 +627,33 @@ def section_probe(ctx: Ctx) -> dict[str, Any]:
         print(f"  [2] {reason}", flush=True)
     rows, skipped_rows = [], []
     for i, method in enumerate(names):
+        configs = [(ckpt, seq, budget) for seq in ctx.s.seqs for ckpt in (False, True) for budget in ctx.s.budgets]
+        if ctx.s.grid2 is not None:
+            configs = [(c, q, ctx.s.budgets[b]) for m, c, q, b in ctx.s.grid2 if m == method]
+        labels = [(f"{method}{'+ckpt' if ckpt else ''}", seq, budget_label(budget)) for ckpt, seq, budget in configs]
+        if ctx.clock.out():  # not even built
+            skipped_rows += [{"config": n, "seq_len": q, "budget": b, "reason": "time limit"} for n, q, b in labels]
+            continue
         method_end = ctx.clock.slice(len(names) - i)
-        model = ctx.method_model(method)
         try:
-            configs = [(ckpt, seq, budget) for seq in ctx.s.seqs for ckpt in (False, True) for budget in ctx.s.budgets]
-            if ctx.s.grid2 is not None:
-                configs = [(c, q, ctx.s.budgets[b]) for m, c, q, b in ctx.s.grid2 if m == method]
-            for j, (ckpt, seq, budget) in enumerate(configs):
-                name = f"{method}{'+ckpt' if ckpt else ''}"
+            model = ctx.method_model(method)
+        except Exception as exc:  # e.g. a bitsandbytes that imports but cannot quantize here: a finding, go on
+            rows += [{"config": n, "seq_len": q, "budget": b, "error": f"building the model: {_error(exc)}"}
+                     for n, q, b in labels]
+            continue
+        try:
+            for j, ((ckpt, seq, budget), (name, _, label)) in enumerate(zip(configs, labels)):
                 if ctx.clock.out() or (method_end is not None and time.monotonic() > method_end):
-                    skipped_rows.append({"config": name, "seq_len": seq, "budget": budget_label(budget),
-                                         "reason": "time limit"})
+                    skipped_rows.append({"config": name, "seq_len": seq, "budget": label, "reason": "time limit"})
                     continue
-                set_checkpointing(model, ckpt)
                 left = None if method_end is None else (method_end - time.monotonic()) / (len(configs) - j)
                 end = None if left is None else time.monotonic() + left
-                row = probe_and_sweep(ctx, model, name, seq, budget, end)
+                try:
+                    set_checkpointing(model, ckpt)
+                    row = probe_and_sweep(ctx, model, name, seq, budget, end)
+                except Exception as exc:  # one configuration's failure is its row's finding
+                    row = {"config": name, "seq_len": seq, "budget": label, "error": _error(exc)}
+                    free_memory()
                 rows.append(row)
                 print(f"  [2] {_row_line(row)}", flush=True)
         finally:
@@ -661,6 +673,11 @@ def section_probe(ctx: Ctx) -> dict[str, Any]:
         goals.append(goal("mean probe trials", statistics.fmean(r["probe_trials"] for r in done), "info", None))
     return {"figures": {"rows": rows, "not_run": skipped_rows, "skipped": skipped}, "goals": goals,
             "partial": bool(skipped_rows)}
+
+
+def _error(exc: BaseException) -> str:
+    text = str(exc).splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _row_line(row: dict) -> str:
@@ -741,7 +758,7 @@ def section_train(ctx: Ctx) -> dict[str, Any]:
                     row.update(train_at_plan(ctx, model, ckpt, seq, budget, ctx.s.steps3, ctx.s.target3,
                                              os.path.join(tmp, str(k))))
                 except Exception as exc:  # a failed plan is a finding: record it, go on
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    row["error"] = _error(exc)
                     free_memory()
                 finally:
                     set_checkpointing(model, False)
@@ -1181,8 +1198,7 @@ def environment(ctx: Ctx, argv: list[str]) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(), "git_commit": commit,
         "versions": {n: version(n) for n in ("torch", "transformers", "accelerate", "peft", "bitsandbytes",
                                              "nvidia-ml-py", "matplotlib", "hf-accum")},
-        "command": " ".join(["python", *([sys.argv[0]] if not argv or argv is sys.argv[1:] else
-                                         ["benchmarks/bench_gpu.py"]), *argv]),
+        "command": shlex.join(["python", "benchmarks/bench_gpu.py", *argv]),  # as run from the repo root
         "argv": argv, "quick": ctx.quick, "minutes": ctx.s.minutes,
     }
     if ctx.cuda:
@@ -1197,7 +1213,8 @@ def parse_sections(text: str) -> list[int]:
         raise SystemExit(f"--sections={text!r}: give section numbers 1-6 separated by commas, e.g. 2,5") from None
     bad = [n for n in chosen if n not in SECTIONS]
     if bad or not chosen:
-        raise SystemExit(f"--sections={text!r}: sections are 1-6 ({', '.join(f'{k} {v}' for k, v in SECTION_NAMES.items())})")
+        names = ", ".join(f"{k} {v}" for k, v in SECTION_NAMES.items())
+        raise SystemExit(f"--sections={text!r}: sections are 1-6 ({names})")
     return chosen
 
 
@@ -1238,10 +1255,8 @@ def run(argv: list[str] | None = None) -> int:
     clock = Clock(settings.minutes)
     # Imported once up front, then frozen out of the garbage collector: every free_memory() (the library calls it
     # after each probe trial) runs gc.collect, which would otherwise walk transformers' whole object graph each time.
-    import transformers.trainer  # noqa: F401
-
-    import hf_accum.trainer  # noqa: F401
-
+    if any(n >= 3 for n in chosen):  # the sections that train through a Trainer
+        import hf_accum.trainer  # noqa: F401
     gc.freeze()
     ctx = Ctx(settings, opts.quick, clock, opts.out)
     started = time.time()
