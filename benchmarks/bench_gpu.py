@@ -98,9 +98,8 @@ GPU = Settings(
     model=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=True,
                rope_theta=500000.0),
-    seqs=(2048, 512), budgets=(("fraction", 0.35), ("fraction", 0.9)), target=64, target3=16, steps3=50, target4=16,
-    steps4=6,
-    seq5=512, target5=32, timed5=4, rounds5=5, seq6=2048, target6=32, steps6=6, micro6=4, minutes=8.0,
+    seqs=(2048, 512), budgets=(("fraction", 0.35), ("fraction", 0.9)), target=64, target3=8, steps3=50, target4=16,
+    steps4=6, seq5=512, target5=32, timed5=4, rounds5=5, seq6=2048, target6=32, steps6=6, micro6=4, minutes=7.5,
 )
 QUICK = Settings(
     model=dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -127,7 +126,13 @@ class Clock:
         return math.inf if not ends else min(ends) - time.monotonic()
 
     def out(self, need: float = 0.0) -> bool:
+        """True when less than ``need`` seconds are left: a unit of work that took ``need`` last time would overrun."""
         return self.left() <= need
+
+
+def typical(seconds: list[float]) -> float:
+    """What the next unit of work will likely take: the median of those done (0 before the first)."""
+    return statistics.median(seconds) if seconds else 0.0
 
     def open_section(self, number: int, remaining: list[int]) -> None:
         if self.end is None:
@@ -140,10 +145,6 @@ class Clock:
         """An absolute end for one of ``parts`` equal parts of what is left (None: no limit)."""
         left = self.left()
         return None if math.isinf(left) else time.monotonic() + max(0.0, left) / max(1, parts)
-
-
-class TimeUp(Exception):
-    """A section's time ran out: it keeps what it measured."""
 
 
 # --- the run's context ---------------------------------------------------------------------------------------------
@@ -625,7 +626,7 @@ def section_probe(ctx: Ctx) -> dict[str, Any]:
         names = [m for m in names if any(g[0] == m for g in ctx.s.grid2)]
     for reason in skipped.values():
         print(f"  [2] {reason}", flush=True)
-    rows, skipped_rows = [], []
+    rows, skipped_rows, durations = [], [], []
     for i, method in enumerate(names):
         configs = [(ckpt, seq, budget) for seq in ctx.s.seqs for ckpt in (False, True) for budget in ctx.s.budgets]
         if ctx.s.grid2 is not None:
@@ -643,17 +644,20 @@ def section_probe(ctx: Ctx) -> dict[str, Any]:
             continue
         try:
             for j, ((ckpt, seq, budget), (name, _, label)) in enumerate(zip(configs, labels)):
-                if ctx.clock.out() or (method_end is not None and time.monotonic() > method_end):
+                need = typical(durations)
+                if ctx.clock.out(need) or (method_end is not None and time.monotonic() + need > method_end):
                     skipped_rows.append({"config": name, "seq_len": seq, "budget": label, "reason": "time limit"})
                     continue
                 left = None if method_end is None else (method_end - time.monotonic()) / (len(configs) - j)
                 end = None if left is None else time.monotonic() + left
+                started = time.monotonic()
                 try:
                     set_checkpointing(model, ckpt)
                     row = probe_and_sweep(ctx, model, name, seq, budget, end)
                 except Exception as exc:  # one configuration's failure is its row's finding
                     row = {"config": name, "seq_len": seq, "budget": label, "error": _error(exc)}
                     free_memory()
+                durations.append(time.monotonic() - started)
                 rows.append(row)
                 print(f"  [2] {_row_line(row)}", flush=True)
         finally:
@@ -733,21 +737,22 @@ def section_train(ctx: Ctx) -> dict[str, Any]:
     names, skipped = methods(ctx)
     # the most informative plans first: the tight budget, the long sequence; every method gets its turn
     order = [(method, ckpt, seq, budget) for budget in ctx.s.budgets for seq in ctx.s.seqs
-             for ckpt in (False, True) for method in names]
+             for method in names for ckpt in (False, True)]
     if ctx.s.grid2 is not None:
         order = [(m, c, q, ctx.s.budgets[b]) for m, c, q, b in ctx.s.grid2]
     if ctx.s.plans3 is not None:
         order = order[:ctx.s.plans3]
-    rows, not_run = [], []
+    rows, not_run, durations = [], [], []
     models: dict[str, Any] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="bench_gpu3_") as tmp:
             for k, (method, ckpt, seq, budget) in enumerate(order):
                 name = f"{method}{'+ckpt' if ckpt else ''}"
-                if ctx.clock.out():
+                if ctx.clock.out(typical(durations)):
                     not_run.append({"config": name, "seq_len": seq, "budget": budget_label(budget),
                                     "reason": "time limit"})
                     continue
+                started = time.monotonic()
                 if method not in models:
                     for other in list(models):  # one model on the device at a time
                         release(models.pop(other))
@@ -762,6 +767,7 @@ def section_train(ctx: Ctx) -> dict[str, Any]:
                     free_memory()
                 finally:
                     set_checkpointing(model, False)
+                durations.append(time.monotonic() - started)
                 rows.append(row)
                 print(f"  [3] {name} s{seq} {row['budget']}: " + (row.get("error") or (
                     f"{row['plan'].get('describe')}, {row['steps']} steps, OOMs {row['oom_warnings']}, peak "
@@ -817,12 +823,13 @@ class Grab:
                 m = int(facts["rows_per_forward_effective"])
                 line = trainer.probe_result.fitted if trainer.probe_result is not None else None
                 smaller = max([d for d in divisors(m) if d < m] or [1])
-                if line is None:
-                    points = {t.micro_batch_size: (t.reserved_bytes or t.peak_bytes)
-                              for t in trainer.probe_result.trials if t.peak_bytes}
-                    mid = points.get(m, max(points.values()))
-                else:
+                if line is not None:
                     mid = line[0] + line[1] * (m + smaller) / 2
+                else:  # one measured size: a step's memory above what it starts with grows with its rows
+                    trial = max((t for t in trainer.probe_result.trials if t.fits and t.peak_bytes),
+                                key=lambda t: t.micro_batch_size)
+                    top, base = trial.reserved_bytes or trial.peak_bytes, trial.baseline_bytes or 0
+                    mid = base + (top - base) * (m + smaller) / 2 / trial.micro_batch_size
                 free, _ = torch.cuda.mem_get_info(ctx.device)
                 want = max(0, int(free + torch.cuda.memory_reserved(ctx.device) - mid))
                 while want > 0 and self.held is None:  # what the allocator can hand out may be a little less
@@ -1029,9 +1036,10 @@ def section_tokens(ctx: Ctx) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="bench_gpu6_") as tmp:
             budget = ("fraction", 0.9) if ctx.cuda else ("x_peak1", 4.0)
             kw = budget_kwargs(ctx, budget, lambda: peak_at_one(ctx, model, seq))
-            modes = {}
+            modes, durations = {}, []
             for mode in ("samples", "tokens"):
-                if ctx.clock.out() and modes:
+                started = time.monotonic()
+                if ctx.clock.out(typical(durations)) and modes:
                     figures["modes_cut_short"] = True
                     break
                 timer = StepTimes(ctx)
@@ -1063,6 +1071,7 @@ def section_tokens(ctx: Ctx) -> dict[str, Any]:
                 finally:
                     release(trainer)
                     model.zero_grad(set_to_none=True)
+                    durations.append(time.monotonic() - started)
             figures["modes"] = modes
             # the fused loss on vs off at one micro-batch: a step's peak and its time
             micro = s.micro6
