@@ -129,11 +129,6 @@ class Clock:
         """True when less than ``need`` seconds are left: a unit of work that took ``need`` last time would overrun."""
         return self.left() <= need
 
-
-def typical(seconds: list[float]) -> float:
-    """What the next unit of work will likely take: the median of those done (0 before the first)."""
-    return statistics.median(seconds) if seconds else 0.0
-
     def open_section(self, number: int, remaining: list[int]) -> None:
         if self.end is None:
             self.section_end = None
@@ -145,6 +140,11 @@ def typical(seconds: list[float]) -> float:
         """An absolute end for one of ``parts`` equal parts of what is left (None: no limit)."""
         left = self.left()
         return None if math.isinf(left) else time.monotonic() + max(0.0, left) / max(1, parts)
+
+
+def typical(seconds: list[float]) -> float:
+    """What the next unit of work will likely take: the median of those done (0 before the first)."""
+    return statistics.median(seconds) if seconds else 0.0
 
 
 # --- the run's context ---------------------------------------------------------------------------------------------
