@@ -789,6 +789,17 @@ def section_train(ctx: Ctx) -> dict[str, Any]:
 
 
 # --- section 4: a real OOM mid-run ----------------------------------------------------------------------------------
+def memory_between(result, micro: int, smaller: int) -> float:
+    """Memory (charged bytes) halfway between a step of ``smaller`` rows and one of ``micro`` rows, from the probe:
+    its fitted line, or, with one measured size, a step's growth above what it starts with, proportional to rows."""
+    if result.fitted is not None:
+        a, b = result.fitted
+        return a + b * (micro + smaller) / 2
+    trial = max((t for t in result.trials if t.fits and t.peak_bytes), key=lambda t: t.micro_batch_size)
+    top, base = trial.reserved_bytes or trial.peak_bytes, trial.baseline_bytes or 0
+    return base + (top - base) * (micro + smaller) / 2 / trial.micro_batch_size
+
+
 class Grab:
     """Before the window of step ``at``, takes device memory so the plan's micro-batch no longer fits but the next
     smaller one does (from the probe's memory line); keeps it to the end, as another process would. On CPU a real
@@ -821,15 +832,9 @@ class Grab:
                     return
                 facts = plan_facts(trainer.plan)
                 m = int(facts["rows_per_forward_effective"])
-                line = trainer.probe_result.fitted if trainer.probe_result is not None else None
-                smaller = max([d for d in divisors(m) if d < m] or [1])
-                if line is not None:
-                    mid = line[0] + line[1] * (m + smaller) / 2
-                else:  # one measured size: a step's memory above what it starts with grows with its rows
-                    trial = max((t for t in trainer.probe_result.trials if t.fits and t.peak_bytes),
-                                key=lambda t: t.micro_batch_size)
-                    top, base = trial.reserved_bytes or trial.peak_bytes, trial.baseline_bytes or 0
-                    mid = base + (top - base) * (m + smaller) / 2 / trial.micro_batch_size
+                target = int(facts["target_batch_size"]) // int(facts["world_size"])
+                smaller = max([d for d in divisors(target) if d < m] or [1])
+                mid = memory_between(trainer.probe_result, m, smaller)
                 free, _ = torch.cuda.mem_get_info(ctx.device)
                 want = max(0, int(free + torch.cuda.memory_reserved(ctx.device) - mid))
                 while want > 0 and self.held is None:  # what the allocator can hand out may be a little less

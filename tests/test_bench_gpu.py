@@ -135,6 +135,18 @@ def test_a_section_whose_time_runs_out_keeps_what_it_measured(tmp_path, monkeypa
     assert all(r["reason"] == "time limit" for r in out["figures"]["not_run"])
 
 
+def test_the_grab_leaves_room_between_the_plan_and_the_next_smaller_micro_batch():
+    from hf_accum.probe import ProbeResult, Trial
+
+    bench = load_script()
+    GiB = 1 << 30
+    line = ProbeResult([], 16, (10 * GiB, 1 * GiB), 80 * GiB, 80 * GiB, 16)
+    assert bench.memory_between(line, 16, 8) == 22 * GiB  # between 18 GiB (8 rows) and 26 GiB (16 rows)
+    one = ProbeResult([Trial(16, 20 * GiB, 26 * GiB, 1.0, True, "fits", baseline_bytes=10 * GiB)], 16, None,
+                      80 * GiB, 80 * GiB, 16)
+    assert bench.memory_between(one, 16, 8) == 22 * GiB  # 10 GiB + 16 GiB x 12 / 16
+
+
 @pytest.mark.parametrize("name, tflops", [
     ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
     ("NVIDIA H200", 989.4), ("NVIDIA GH200 480GB", 989.4), ("NVIDIA A100-SXM4-80GB", 312.0),
