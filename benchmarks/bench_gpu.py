@@ -514,9 +514,14 @@ class Sweep:
 
     def largest(self, start: int, cap: int) -> tuple[int | None, bool]:
         """The largest size that fits (gallop up from ``start``, then bisect), and whether it is the cap."""
-        lo = 0
-        hi = cap + 1
+        # what is already measured bounds the search: the largest fitting size and the smallest failing one
+        lo = max((m for m, r in self.rows.items() if r["fits"]), default=0)
+        hi = min((m for m, r in self.rows.items() if not r["fits"] and m > lo), default=cap + 1)
+        if hi <= 1:
+            return 0, False
         probe = max(1, min(start, cap))
+        if probe <= lo or probe >= hi:
+            probe = lo if lo else min(probe, hi - 1)
         ok = self.fits(probe)
         if ok is None:
             return None, False
@@ -531,7 +536,7 @@ class Sweep:
                     break
                 lo, step = lo + step, step * 2
             else:
-                if lo < cap:
+                if hi == cap + 1 and lo < cap:  # nothing above is known not to fit: try the cap itself
                     ok = self.fits(cap)
                     if ok is None:
                         return None, False
@@ -744,6 +749,7 @@ def section_train(ctx: Ctx) -> dict[str, Any]:
         order = order[:ctx.s.plans3]
     rows, not_run, durations = [], [], []
     models: dict[str, Any] = {}
+    failed: dict[str, str] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="bench_gpu3_") as tmp:
             for k, (method, ckpt, seq, budget) in enumerate(order):
@@ -753,12 +759,21 @@ def section_train(ctx: Ctx) -> dict[str, Any]:
                                     "reason": "time limit"})
                     continue
                 started = time.monotonic()
+                row = {"config": name, "seq_len": seq, "budget": budget_label(budget)}
+                if method in failed:
+                    rows.append({**row, "error": failed[method]})
+                    continue
                 if method not in models:
                     for other in list(models):  # one model on the device at a time
                         release(models.pop(other))
-                    models[method] = ctx.method_model(method)
+                    try:
+                        models[method] = ctx.method_model(method)
+                    except Exception as exc:  # e.g. a bitsandbytes that imports but cannot quantize here
+                        failed[method] = f"building the model: {_error(exc)}"
+                        rows.append({**row, "error": failed[method]})
+                        free_memory()
+                        continue
                 model = models[method]
-                row = {"config": name, "seq_len": seq, "budget": budget_label(budget)}
                 try:
                     row.update(train_at_plan(ctx, model, ckpt, seq, budget, ctx.s.steps3, ctx.s.target3,
                                              os.path.join(tmp, str(k))))

@@ -135,6 +135,31 @@ def test_a_section_whose_time_runs_out_keeps_what_it_measured(tmp_path, monkeypa
     assert all(r["reason"] == "time limit" for r in out["figures"]["not_run"])
 
 
+@pytest.mark.parametrize("start", [1, 3, 7, 16])
+@pytest.mark.parametrize("true_max", [0, 1, 2, 5, 7, 8, 15, 16])
+def test_the_sweep_finds_the_largest_size_that_fits(true_max, start):
+    """Sweep.largest against a size limit it does not know, from any starting guess, with sizes already measured."""
+    bench = load_script()
+
+    class Fake(bench.Sweep):
+        def __init__(self, measured):
+            self.rows, self.end, self.cut_short, self.ran = {}, None, False, []
+            for m in measured:
+                self.fits(m)
+
+        def fits(self, micro):
+            assert 1 <= micro <= 16
+            if micro not in self.rows:
+                self.ran.append(micro)
+                self.rows[micro] = {"micro": micro, "fits": micro <= true_max}
+            return self.rows[micro]["fits"]
+
+    for measured in ([], [start], [1, start]):
+        sweep = Fake(measured)
+        assert sweep.largest(start, 16) == (true_max, true_max == 16)
+        assert len(sweep.ran) == len(set(sweep.ran)) <= 12  # each size once, far fewer than a scan of 16
+
+
 def test_the_grab_leaves_room_between_the_plan_and_the_next_smaller_micro_batch():
     from hf_accum.probe import ProbeResult, Trial
 
