@@ -206,3 +206,16 @@ def test_gpu_sections_model_and_oom_on_cuda(tmp_path):
     data = json.loads((tmp_path / "bench_gpu.json").read_text())
     assert all(s["status"] == "ok" for s in data["sections"].values())
     assert all(g["pass"] for g in data["sections"]["4_oom"]["goals"])
+
+
+def test_the_gpu_model_is_a_1b_llama_and_its_sizes_fit_it():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    gpu = load_script().GPU
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**gpu.model))
+    params = sum(p.numel() for p in model.parameters())
+    assert 1.1e9 < params < 1.4e9 and model.config.vocab_size == 128256 and model.config.hidden_size == 2048
+    assert model.config.num_hidden_layers == 16
+    assert max(gpu.seqs + (gpu.seq5, gpu.seq6)) <= model.config.max_position_embeddings
+    assert gpu.minutes is not None and gpu.minutes < 9
