@@ -1202,6 +1202,39 @@ def print_table(ctx: Ctx) -> None:
                   f"{r['probe_seconds']:.1f} | {r['probe_trials']} |")
 
 
+def print_details(ctx: Ctx) -> None:
+    """Sections 3, 5 and 6 in a few lines each (the JSON has everything)."""
+    sections = ctx.results["sections"]
+    train = sections.get("3_train", {}).get("figures", {}).get("rows", [])
+    if train:
+        print("\n| plan trained (section 3) | seq | budget | plan | steps | OOMs | peak / budget |")
+        print("|---|---|---|---|---|---|---|")
+        for r in train:
+            if "steps" not in r:
+                print(f"| {r['config']} | {r['seq_len']} | {r['budget']} | {r.get('error', '')} | | | |")
+                continue
+            ratio = r.get("peak_over_budget")
+            print(f"| {r['config']} | {r['seq_len']} | {r['budget']} | {r['plan'].get('describe')} | {r['steps']} | "
+                  f"{r['oom_warnings'] + (r['allocator_ooms'] or 0)} | {'-' if ratio is None else f'{ratio:.3f}'} |")
+    tp = sections.get("5_throughput", {}).get("figures", {})
+    if tp.get("tokens_per_second_by_micro") is not None:
+        by = ", ".join(f"micro {m}: {v:.0f}" for m, v in sorted(tp["tokens_per_second_by_micro"].items()))
+        mfu = tp.get("mfu_plan")
+        print(f"\nthroughput (section 5, seq {tp['seq_len']}, target {tp['target']}): plan "
+              f"{tp['plan'].get('describe')} {tp.get('plan_tokens_per_second') or 0:.0f} tokens/s; {by}; MFU at the "
+              f"plan {'-' if mfu is None else f'{mfu:.3f}'}; AccumTrainer / Trainer "
+              f"{', '.join(f'{r:.3f}' for r in tp.get('overhead', {}).get('ratios', []))} (rounds)")
+    tok = sections.get("6_tokens", {}).get("figures", {})
+    for mode, m in tok.get("modes", {}).items():
+        print(f"tokens vs samples (section 6): {mode}: {m['forwards_per_step']:.2f} forwards/step, padded/real "
+              f"{m['padded_over_real_tokens']:.2f}, {m['seconds_per_step'] or 0:.3f} s/step, peak/budget "
+              f"{m['peak_over_budget'] or 0:.3f}")
+    fused = tok.get("fused_loss", {})
+    if "peak_ratio" in fused:
+        print(f"fused loss on/off (section 6, micro {fused['micro']} x {fused['seq_len']}, vocab {fused['vocab']}): "
+              f"peak {fused['peak_ratio']:.3f}x, time {fused['time_ratio']:.3f}x ({fused['implementation']})")
+
+
 def _mib(n) -> str:
     return "-" if n is None else f"{n / MiB:.0f} MiB"
 
@@ -1291,6 +1324,8 @@ def run(argv: list[str] | None = None) -> int:
     ctx = Ctx(settings, opts.quick, clock, opts.out)
     started = time.time()
     ctx.results = {"benchmark": "hf_accum bench_gpu", "environment": environment(ctx, argv),
+                   **({"note": "quick mode: CPU and a tiny Llama; these figures check the script, they are no GPU "
+                               "claim (timing goals on a shared CPU are noise)"} if ctx.quick else {}),
                    "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "sections": {}}
     print(f"bench_gpu on {ctx.results['environment']['device']} ({'quick, CPU' if ctx.quick else 'bf16'}), "
           f"sections {chosen}, limit {settings.minutes} min", flush=True)
@@ -1331,6 +1366,7 @@ def run(argv: list[str] | None = None) -> int:
     ctx.results["wall_seconds"] = time.time() - started
     ctx.results["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     path = ctx.write()
+    print_details(ctx)
     print_table(ctx)
     print(f"\nwrote {path}" + (f" and {png}" if png else "") + f" in {ctx.results['wall_seconds']:.0f} s")
     return 0
