@@ -1305,7 +1305,8 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default="1,2,3,4,5,6", help="which sections, e.g. 2,5 (default: all)")
     parser.add_argument("--minutes", type=float, default=None,
                         help="stop cleanly after this many minutes, writing what was measured (GPU default 8)")
-    parser.add_argument("--out", default=os.environ.get("OUT") or "bench_gpu_out", help="folder for the JSON and PNG")
+    parser.add_argument("--out", default=os.environ.get("OUT") or os.path.join("runs", "bench_gpu"),
+                        help="folder for the JSON and PNG (default: $OUT where set, else runs/bench_gpu)")
     opts = parser.parse_args(argv)
     chosen = parse_sections(opts.sections)
     if not opts.quick and not torch.cuda.is_available():
