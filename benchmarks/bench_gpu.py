@@ -1346,6 +1346,10 @@ def run(argv: list[str] | None = None) -> int:
         try:
             out = SECTIONS[number](ctx)
             status = "partial (time limit)" if out.pop("partial", False) else "ok"
+            if not ctx.cuda:
+                out["figures"]["null_reason"] = (
+                    "CPU run (--quick): CUDA-only figures (torch.cuda.max_memory_reserved, NVML, allocator OOM counts, "
+                    "MFU) are null; memory figures are the CpuMeter's tensor peaks")
             entry = {"status": status, **out}
         except Exception as exc:  # one broken section must not cost the others their figures
             entry = {"status": "error", "reason": f"{type(exc).__name__}: {exc}",

@@ -48,6 +48,7 @@ def test_quick_run_writes_every_section_with_its_figures(quick_run):
     for key, section in data["sections"].items():
         assert section["status"] == "ok", (key, section.get("reason"), section.get("traceback"))
         assert section["figures"] and section["goals"], key
+        assert "CUDA-only figures" in section["figures"]["null_reason"]
         for g in section["goals"]:
             assert set(g) >= {"name", "value", "goal", "pass"} and g["pass"] in (True, False, None)
     env = data["environment"]
