@@ -1,6 +1,6 @@
 """One command that checks hf_accum's plan on a GPU; writes one JSON (every figure) and one PNG, prints a table.
 
-    python benchmarks/bench_gpu.py --out DIR            # CUDA: a ~1B Llama from config in bf16; < 9 min on one H100
+    python benchmarks/bench_gpu.py --out DIR            # CUDA: a ~1B Llama from config in bf16 (built for < 9 min)
     python benchmarks/bench_gpu.py --quick --out DIR    # CPU, a tiny Llama: every section, well under a minute
     python benchmarks/bench_gpu.py --sections 2,5 --minutes 4 --out DIR
 
@@ -11,8 +11,9 @@ Sections (each writes its figures and its goals with pass/fail flags into DIR/be
                 two sequence lengths, two budgets: hf_accum.probe.probe_model's chosen micro-batch, reported maximum,
                 seconds and trials, then an exhaustive sweep of real steps around the choice (the largest size that
                 really fits, peak allocated, torch.cuda.max_memory_reserved, NVML's used memory per size);
-  3 train       AccumTrainer (auto_tune) trains each plan for 50 steps on long-tailed data whose longest example is
-                the probe's worst case: OOMs seen (goal 0), peak reserved vs the budget;
+  3 train       AccumTrainer (auto_tune) trains each plan (tight budget and long sequences first, as many as the time
+                allows) for 50 steps on long-tailed data whose longest example is the probe's worst case: OOMs seen
+                (goal 0), peak reserved vs the budget;
   4 oom         a callback grabs device memory before a window (on CPU: an injected torch.OutOfMemoryError, since
                 a real one kills the process): the run recovers with the same effective batch, every sample once;
   5 throughput  tokens/s at the plan vs the best divisor vs micro 1 (steady-state AccumTrainer steps), MFU against
