@@ -588,6 +588,7 @@ def probe_and_sweep(ctx: Ctx, model, name: str, seq: int, budget: tuple[str, flo
                    probe_points=[(t.micro_batch_size, t.reserved_bytes or t.peak_bytes, t.fits)
                                  for t in result.trials if t.peak_bytes is not None])
         # the sweep: the choice, then the largest that really fits, then the divisors around the choice and micro 1
+        sweep_start = time.perf_counter()
         sweep = Sweep(ctx, model, seq, budget_bytes, end)
         try:
             sweep.fits(chosen)
@@ -600,6 +601,7 @@ def probe_and_sweep(ctx: Ctx, model, name: str, seq: int, budget: tuple[str, flo
     at_chosen = sweep.rows.get(chosen, {})
     row.update(
         largest_really_fitting=true_max, largest_is_cap=capped, sweep_cut_short=sweep.cut_short,
+        sweep_seconds=time.perf_counter() - sweep_start, sweep_steps=len(sweep.rows),
         sweep=[sweep.rows[m] for m in sorted(sweep.rows)],
         chosen_reserved_bytes=at_chosen.get("max_memory_reserved_bytes"),
         chosen_charged_bytes=at_chosen.get("charged_bytes"), chosen_nvml_used_bytes=at_chosen.get("nvml_used_bytes"),
