@@ -1361,6 +1361,11 @@ def run(argv: list[str] | None = None) -> int:
             free_memory()
         entry["seconds"] = time.perf_counter() - start
         ctx.results["sections"][key] = entry
+        if number == 2:  # the PNG too is on disk before the later sections, should the command be killed
+            try:
+                write_png(ctx)
+            except Exception as exc:  # noqa: BLE001 - the final write reports it
+                print(f"PNG after section 2 failed: {_error(exc)}", flush=True)
         ctx.write()
         print(f"[{number}] {SECTION_NAMES[number]}: {entry['status']} in {entry['seconds']:.1f} s", flush=True)
     clock.section_end = None
