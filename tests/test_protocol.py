@@ -29,6 +29,10 @@ class FakeCollective:
         other = self.other_flags.pop(0) if self.other_flags else False
         return flag or other
 
+    def max_of(self, values):
+        self.calls.append(("max_of", values))
+        return values  # the other rank needs as many forwards
+
     def any_of(self, flags):
         self.calls.append(("any_of", flags))
         other = self.other_flags.pop(0) if self.other_flags else (False,) * len(flags)
@@ -101,8 +105,10 @@ def test_oom_mid_window_skips_then_reruns_together():
     eng = engine(c)
     rank = FakeRank(eng, fail={"fwd:1"})
     run_window(eng, rank, batches())
-    # count; before-final says "I ran out" -> all restart; the re-run: before/after final again
-    assert c.calls == [("sum",), ("any", True), ("any", False), ("any", False), ("any_of", (False, False))]
+    # count; before-final says "I ran out" -> all restart; the re-run agrees on its forwards per loaded batch, then
+    # before/after final again
+    assert c.calls == [("sum",), ("any", True), ("max_of", (2, 2)), ("any", False), ("any", False),
+                       ("any_of", (False, False))]
     assert rank.sizes == [2, 2, 2, 2] and eng.cut_units == 2  # the whole window again, cut at 2 rows
 
 
@@ -111,7 +117,8 @@ def test_other_ranks_oom_mid_window_restarts_this_one_too():
     eng = engine(c)
     rank = FakeRank(eng)
     run_window(eng, rank, batches())
-    assert c.calls == [("sum",), ("any", False), ("any", False), ("any", False), ("any_of", (False, False))]
+    assert c.calls == [("sum",), ("any", False), ("max_of", (2, 2)), ("any", False), ("any", False),
+                       ("any_of", (False, False))]
     assert rank.sizes == [4, 2, 2, 2, 2]  # its first forward ran, then the window again at the smaller cut
 
 
@@ -121,7 +128,8 @@ def test_oom_in_the_final_forward_drains_then_reruns():
     rank = FakeRank(eng, fail={"fwd:2"})
     run_window(eng, rank, batches())
     # before-final (no OOM yet), after-final (mine) -> a drain iteration on a sliver, then re-run
-    assert c.calls == [("sum",), ("any", False), ("any", True), ("any", False), ("any", False), ("any_of", (False, False))]
+    assert c.calls == [("sum",), ("any", False), ("any", True), ("max_of", (2, 2)), ("any", False), ("any", False),
+                       ("any_of", (False, False))]
     assert rank.sizes[:2] == [4, 1]  # the drain forward ran one row (a sliver)
     assert rank.sizes[2:] == [2, 2, 2, 2]
 

@@ -108,8 +108,9 @@ def reward_exact(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_accum"):
         trainer.train()
     assert "out of memory at step 0" in caplog.text
-    # after the OOM each loaded batch of 3 pairs runs as 2 + 1 whole pairs; the last window is one batch of 2 pairs
-    assert seen == [6, 6] + [4, 2] * 6 + [4]
+    # after the OOM each loaded batch of 3 pairs runs as 1 + 2 whole pairs (the longest pair in the smaller forward);
+    # the last window is one batch of 2 pairs
+    assert seen == [6, 6] + [2, 4] * 6 + [4]
     assert [sum(b["input_ids"].shape[0] // 2 for b in w) for w in trainer.windows] == [6, 6, 6, 2]
     ref = []
     for weights, window in zip(recorder.weights, trainer.windows):
