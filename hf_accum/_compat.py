@@ -495,3 +495,44 @@ def set_deepspeed_batch(trainer, micro: int, accumulation: int) -> None:
     for config in {id(c): c for c in (deepspeed_batch_config(trainer), trainer.args.hf_deepspeed_config.config)}.values():
         config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
                       train_batch_size=engine.train_batch_size())
+
+
+# --- evaluation (hf_accum/evaluation.py) ----------------------------------------------------------------------
+@contextlib.contextmanager
+def prediction_loss_counted(trainer, num_items):
+    """Inside, `Trainer.prediction_step`'s call ``self.compute_loss(model, inputs, return_outputs=True,
+    num_items_in_batch=...)`` (the same in 5.17 and 5.24) gets ``num_items`` instead of transformers' own count,
+    which `_get_num_items_in_batch` gathers over ranks when `average_tokens_across_devices` is on. Yields the list
+    of what each call returned as its loss; None is appended for a call made without that keyword (a subclass's
+    own `prediction_step`), whose loss hf_accum then cannot drive. ``num_items`` None: only records."""
+    original = trainer.compute_loss
+    seen: list = []
+
+    def compute_loss(model, inputs, *args, **kwargs):
+        driven = "num_items_in_batch" in kwargs and not args
+        if driven and num_items is not None:
+            kwargs["num_items_in_batch"] = num_items
+        out = original(model, inputs, *args, **kwargs)
+        seen.append((out[0] if isinstance(out, tuple) else out) if driven else None)
+        return out
+
+    trainer.compute_loss = compute_loss
+    try:
+        yield seen
+    finally:
+        del trainer.compute_loss
+
+
+def eval_rows_kept(trainer, rows: int) -> int:
+    """How many of this rank's ``rows`` (the eval batch being run) `Accelerator.gather_for_metrics` keeps. With
+    several ranks and `even_batches`, accelerate completes the last batches with samples from the start of the data
+    set and, at the end of the dataloader, keeps the first ``gradient_state.remainder`` gathered rows (rank 0's
+    batch, then rank 1's, ...; every rank's last batch has the same size). transformers' eval_loss and predictions
+    drop the same rows."""
+    accelerator = trainer.accelerator
+    state = accelerator.gradient_state
+    if accelerator.num_processes == 1 or not getattr(accelerator, "even_batches", True):
+        return rows
+    if not state.end_of_dataloader or state.remainder is None or state.remainder <= 0:
+        return rows
+    return max(0, min(rows, state.remainder - accelerator.process_index * rows))

@@ -9,7 +9,9 @@ pieces, each calling `super()`:
 - `training_step` runs one loaded batch through the engine, which calls back `_chunk_step` per chunk;
 - `_chunk_step` is the Trainer's own `training_step` on one chunk, its loss scaled by the chunk's exact share
   (the one place the user's `compute_loss` is wrapped: `_loss_scaled`);
-- `train` plans (probe or stored plan), optionally checks accumulation, then calls `super().train()`.
+- `train` plans (probe or stored plan), optionally checks accumulation, then calls `super().train()`;
+- `evaluation_loop` / `prediction_step` hand each evaluation batch to `evaluation.EvalLoss` (an exact eval_loss in
+  training's unit, and OOM re-runs of the failed batch alone).
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from .args import AccumTrainingArguments
 from .checkpoints import check_resume
 from .deepspeed_batch import batch_contradiction
 from .engine_probe import probe_through_engine
+from .evaluation import EvalLoss
 from .fused_loss import with_fused_loss
 from .loss import LabelSpec, label_spec
-from .oom import free_memory, is_oom
 from .plan import Plan, divisors
 from .plan_store import PLAN_FILE, save_plan
 from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted, StopRequest
@@ -74,6 +76,9 @@ class AccumulationMixin:
         self._post_checked = False
         self._forwarded_tokens = 0  # by the current loaded batch's forwards (see floating_point_ops)
         self._nonfinite_streak = 0
+        self._eval_loss: EvalLoss | None = None  # the evaluation being run (evaluation_loop)
+        self._eval_cap: int | None = None  # the most units per evaluation forward known to fit, after an OOM
+        self._eval_said: set[str] = set()
         self._stop_request = StopRequest()
         self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
         self._refuse_unsupported_setups()
@@ -520,20 +525,35 @@ class AccumulationMixin:
             tolerance = getattr(self.args, "check_accumulation_tolerance", None)
         return run_accumulation_check(self, num_micro_batches=num_micro_batches, tolerance=tolerance)
 
-    # --- evaluation ---------------------------------------------------------------------------------------------
-    def evaluate(self, *args, **kwargs):
-        """An OOM in evaluation lowers the eval batch size only; the training plan is never touched."""
-        while True:
-            try:
-                return super().evaluate(*args, **kwargs)
-            except Exception as exc:
-                if not is_oom(exc) or self.args.per_device_eval_batch_size <= 1:
-                    raise
-            free_memory()
-            old = self.args.per_device_eval_batch_size
-            self.args.per_device_eval_batch_size = max(1, old // 2)
-            logger.warning("hf_accum: out of memory in evaluation; per_device_eval_batch_size %d -> %d",
-                           old, self.args.per_device_eval_batch_size)
+    # --- evaluation: an exact eval_loss, OOM re-runs of the failed batch alone (evaluation.py) ---------------------
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        self._eval_loss = self._new_eval_loss()
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+        finally:
+            tally, self._eval_loss = self._eval_loss, None
+        self._eval_cap = tally.cap
+        world = self.accelerator.num_processes
+        tally.finish(output.metrics, metric_key_prefix, TorchDistributed(world, self.args.device) if world > 1 else Local())
+        return output
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        step = super().prediction_step
+        if self._eval_loss is None:  # called outside evaluation_loop
+            return step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        return self._eval_loss.step(lambda batch, loss_only: step(model, batch, loss_only, ignore_keys=ignore_keys),
+                                    inputs, prediction_loss_only)
+
+    def _new_eval_loss(self) -> EvalLoss:
+        try:
+            labels = self._label_spec() if self._normalization != "model" else LabelSpec()
+        except ValueError as exc:  # a model whose loss hf_accum cannot count: transformers' value, said once
+            labels = str(exc)
+        can_split = not (self.collectives_in_compute_loss and self.accelerator.num_processes > 1)
+        return EvalLoss(self, self._normalization, self.batch_unit, labels, can_split=can_split, cap=self._eval_cap,
+                        said=self._eval_said)
 
 
 class _StepControl(TrainerCallback):

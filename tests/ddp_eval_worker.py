@@ -1,0 +1,41 @@
+"""Run under `torchrun --nproc_per_node 2`: evaluates one float64 GPT-2 on the same data at several eval batch
+sizes with two gloo ranks, through AccumTrainer and through transformers' Trainer, and saves the eval_loss each
+gave (rank 0) for tests/test_evaluation.py to check against its single-process reference."""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.test_evaluation import N_EVAL, eval_data, eval_model  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("batches", nargs="+", type=int)
+    opts = parser.parse_args()
+    from transformers import Trainer, TrainingArguments
+
+    from hf_accum import AccumTrainer, AccumTrainingArguments
+    from tests.exactness import pad_collate, sum_over_items_loss
+
+    results = {}
+    for name, cls, args_cls in (("accum", AccumTrainer, AccumTrainingArguments), ("transformers", Trainer,
+                                                                                  TrainingArguments)):
+        for b in opts.batches:
+            args = args_cls(output_dir=os.path.join(opts.out, f"{name}{b}"), per_device_eval_batch_size=b,
+                            report_to=[], use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
+                            ddp_backend="gloo")
+            trainer = cls(model=eval_model(), args=args, eval_dataset=eval_data(), data_collator=pad_collate,
+                          compute_loss_func=sum_over_items_loss)
+            results[f"{name}:{b}"] = trainer.evaluate()["eval_loss"]
+    if int(os.environ["RANK"]) == 0:
+        with open(os.path.join(opts.out, "eval_loss.json"), "w") as f:
+            json.dump({"n": N_EVAL, **results}, f)
+
+
+if __name__ == "__main__":
+    main()
