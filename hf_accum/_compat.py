@@ -500,16 +500,16 @@ def set_deepspeed_batch(trainer, micro: int, accumulation: int) -> None:
 # --- evaluation (hf_accum/evaluation.py) ----------------------------------------------------------------------
 @contextlib.contextmanager
 def prediction_loss_counted(trainer, num_items):
-    """Inside, `Trainer.prediction_step`'s call ``self.compute_loss(model, inputs, return_outputs=True,
-    num_items_in_batch=...)`` (the same in 5.17 and 5.24) gets ``num_items`` instead of transformers' own count,
-    which `_get_num_items_in_batch` gathers over ranks when `average_tokens_across_devices` is on. Yields the list
-    of what each call returned as its loss; None is appended for a call made without that keyword (a subclass's
-    own `prediction_step`), whose loss hf_accum then cannot drive. ``num_items`` None: only records."""
+    """Inside, the `compute_loss` calls of a `prediction_step` get ``num_items`` as `num_items_in_batch`:
+    transformers' (5.17 to 5.24) passes its own count there (`_get_num_items_in_batch`, gathered over ranks when
+    `average_tokens_across_devices` is on); TRL's passes none, and `Trainer.training_step` always passes it, so
+    every `compute_loss` accepts it. Yields what each call returned as its loss; None is appended for a call that
+    gave the count positionally, whose loss hf_accum then cannot drive. ``num_items`` None: only records."""
     original = trainer.compute_loss
     seen: list = []
 
     def compute_loss(model, inputs, *args, **kwargs):
-        driven = "num_items_in_batch" in kwargs and not args
+        driven = len(args) < 2  # (return_outputs, num_items_in_batch) positionally: not ours to replace
         if driven and num_items is not None:
             kwargs["num_items_in_batch"] = num_items
         out = original(model, inputs, *args, **kwargs)

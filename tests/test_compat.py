@@ -349,7 +349,8 @@ def test_prediction_step_computes_its_loss_through_compute_loss_with_num_items(t
     batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}
     with _compat.prediction_loss_counted(trainer, torch.tensor(7)) as seen:
         loss, logits, labels = trainer.prediction_step(trainer.model, batch, prediction_loss_only=False)
-    assert given == [torch.tensor(7)] and len(seen) == 1 and float(seen[0]) == float(loss) == 3.0
+        trainer.compute_loss(trainer.model, batch, return_outputs=False)  # TRL's prediction_step passes no count
+    assert given == [torch.tensor(7)] * 2 and len(seen) == 2 and float(seen[0]) == float(loss) == 3.0
     assert logits.shape == (2, 3, trainer.model.config.vocab_size) and labels.shape == (2, 3)
     assert "compute_loss" not in trainer.__dict__  # the class's own method again
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
@@ -150,6 +151,39 @@ def test_loss_normalization_model_keeps_transformers_value(tmp_path):
     ours = trainer_for(model, 3, out=str(tmp_path), loss_normalization="model").evaluate()["eval_loss"]
     theirs = trainer_for(model, 3, plain=True, out=str(tmp_path)).evaluate()["eval_loss"]
     assert ours == pytest.approx(theirs, rel=1e-12, abs=0)
+
+
+def test_trl_sft_trainer(tmp_path):
+    """TRL's prediction_step passes no count to compute_loss; hf_accum gives it one. TRL computes its loss in
+    float32 here, so the bound is float32 rounding; TRL's own value moves by 1e-3 with the eval batch."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_accum import tiny
+    from hf_accum.trl import AccumSFTConfig, AccumSFTTrainer
+
+    tok = tiny.build_tokenizer()
+    rows = tiny.generate_instruction_data(21, seed=3)
+    data = Dataset.from_list([{"prompt": r["prompt"], "completion": r["response"]} for r in rows])
+    model = tiny.build_model("causal_lm", tokenizer=tok, dtype=torch.float64, hidden_size=32)
+    got = {}
+    for name, cls, args_cls in (("ours", AccumSFTTrainer, AccumSFTConfig), ("trl", SFTTrainer, SFTConfig)):
+        for b in (1, 3, 8):
+            args = args_cls(output_dir=str(tmp_path), per_device_eval_batch_size=b, report_to=[], use_cpu=True,
+                            bf16=False, max_length=64, disable_tqdm=True)
+            trainer = cls(model=model, args=args, train_dataset=data, eval_dataset=data, processing_class=tok)
+            got[name, b] = trainer.evaluate()["eval_loss"]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in trainer.eval_dataset:  # TRL's own tokenization and labels; each row forwarded alone
+            logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0, :-1].double()
+            labels = torch.tensor(row["labels"][1:])
+            keep = labels.ne(-100)
+            total += float(F.cross_entropy(logits[keep], labels[keep], reduction="sum"))
+            count += int(keep.sum())
+    want = total / count
+    assert max(abs(got["ours", b] - want) for b in (1, 3, 8)) <= 1e-7 * want
+    assert max(got["trl", b] for b in (1, 3, 8)) - min(got["trl", b] for b in (1, 3, 8)) > 1e-3
 
 
 @pytest.mark.slow
