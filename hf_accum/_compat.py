@@ -523,16 +523,19 @@ def prediction_loss_counted(trainer, num_items):
         del trainer.compute_loss
 
 
-def eval_rows_kept(trainer, rows: int) -> int:
-    """How many of this rank's ``rows`` (the eval batch being run) `Accelerator.gather_for_metrics` keeps. With
-    several ranks and `even_batches`, accelerate completes the last batches with samples from the start of the data
-    set and, at the end of the dataloader, keeps the first ``gradient_state.remainder`` gathered rows (rank 0's
-    batch, then rank 1's, ...; every rank's last batch has the same size). transformers' eval_loss and predictions
-    drop the same rows."""
+def eval_rows_kept(trainer, rows: int) -> tuple[int, int | None]:
+    """(how many of this rank's ``rows``, the eval batch being run, `Accelerator.gather_for_metrics` keeps; the row
+    at which every rank cuts its last batch when some rank keeps only part of its own, else None).
+
+    With several ranks and `even_batches`, accelerate completes the ranks' last batches with samples from the start
+    of the data set, all of one size, and at the end of the dataloader keeps the first `gradient_state.remainder`
+    gathered rows (rank 0's batch, then rank 1's, ...); transformers' eval_loss and predictions drop the rest. The
+    cut is the same on every rank (the remainder modulo the batch), so every rank runs as many forwards."""
     accelerator = trainer.accelerator
     state = accelerator.gradient_state
     if accelerator.num_processes == 1 or not getattr(accelerator, "even_batches", True):
-        return rows
-    if not state.end_of_dataloader or state.remainder is None or state.remainder <= 0:
-        return rows
-    return max(0, min(rows, state.remainder - accelerator.process_index * rows))
+        return rows, None
+    if not state.end_of_dataloader or state.remainder is None or state.remainder <= 0 or rows == 0:
+        return rows, None
+    kept = max(0, min(rows, state.remainder - accelerator.process_index * rows))
+    return kept, (state.remainder % rows or None)

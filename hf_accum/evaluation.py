@@ -18,7 +18,12 @@ two are never mixed.
 
 An out-of-memory error in an evaluation forward re-runs that batch alone, in halves (again for a half that fails);
 the halves' outputs are put back together, so the Trainer gathers what a clean run gathers, and since sums and
-counts add, ``eval_loss`` is unchanged. Later batches are cut beforehand to the size that fitted.
+counts add, ``eval_loss`` is unchanged. Later batches are cut beforehand to the size that fitted. Where forwards
+run collectives over several ranks (FSDP, DeepSpeed, TRL's metric gathering) no rank may run more of them than the
+others, so the OOM is raised as is.
+
+A non-finite batch loss makes ``eval_loss`` non-finite (transformers' `logging_nan_inf_filter` drops such samples:
+an exact mean has nothing to drop them from).
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ class EvalLoss:
     """One evaluation on one rank: drives each forward's loss (`step`) and keeps its sum and count; `finish` adds
     the ranks' and writes ``eval_loss``. ``mode`` "model" keeps transformers' value and only re-runs OOMs.
 
-    ``can_split``: whether a batch may be run as several forwards on this rank alone (not when `compute_loss`
-    runs collectives over several ranks, as TRL's trainers do). ``cap``: the most units per forward known to fit
+    ``can_split``: whether a batch may be re-run as more forwards on this rank alone after an OOM (not where
+    forwards run collectives over several ranks: FSDP, DeepSpeed, TRL's metric gathering; the OOM is then raised).
+    ``cap``: the most units per forward known to fit
     (from an earlier OOM); ``said``: the reasons already logged, shared across a trainer's evaluations."""
 
     def __init__(self, trainer, mode: str, unit: str | None, labels: LabelSpec | str, *, can_split: bool,
@@ -60,17 +66,15 @@ class EvalLoss:
     def step(self, run: Run, batch: Mapping, loss_only: bool) -> tuple:
         """prediction_step's result for ``batch``, recording its exact loss share."""
         cutter = self._cutter(batch)
-        rows = _rows(batch)
-        kept = _compat.eval_rows_kept(self.trainer, rows) if rows else rows
-        if kept == rows:
-            pieces = [(batch, True)]
-        elif kept == 0:
-            pieces = [(batch, False)]
-        elif cutter is not None and cutter.unit == "rows" and self.can_split:
-            pieces = [(chunk, i == 0) for i, chunk in enumerate(cutter.cut(batch, kept, trim=False))]
+        kept, cut = _compat.eval_rows_kept(self.trainer, _rows(batch))
+        if cut is None:
+            pieces = [(batch, kept > 0)]
+        elif cutter is not None and cutter.unit == "rows":  # one of the ranks keeps part: every rank cuts there
+            head, tail = cutter.cut_at(batch, cut)
+            pieces = [(head, cut <= kept), (tail, kept > cut)]
         else:
-            self._cannot("the last evaluation batch holds rows accelerate repeats to even out the ranks, and this "
-                         "trainer cannot forward them apart")
+            self._cannot("the last evaluation batch holds rows accelerate repeats to even out the ranks, and batches "
+                         f"of {cutter.unit if cutter else 'this kind'} cannot be cut at them")
             pieces = [(batch, False)]
         parts = [self._forward(run, piece, loss_only, record, cutter) for piece, record in pieces]
         return _join(parts, cutter.unit if cutter else "rows")[0]

@@ -41,7 +41,7 @@ from .plan import Plan, divisors
 from .plan_store import PLAN_FILE, save_plan
 from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted, StopRequest
 from .preflight import check_training_data
-from .protocol import Local, StopTraining, TorchDistributed, WindowProtocol
+from .protocol import Local, Policy, StopTraining, TorchDistributed, WindowProtocol
 from .token_budget import TokenBudget
 from .units import detect_unit, make_cutter
 from .window import WindowEngine
@@ -551,7 +551,9 @@ class AccumulationMixin:
             labels = self._label_spec() if self._normalization != "model" else LabelSpec()
         except ValueError as exc:  # a model whose loss hf_accum cannot count: transformers' value, said once
             labels = str(exc)
-        can_split = not (self.collectives_in_compute_loss and self.accelerator.num_processes > 1)
+        # An OOM re-run forwards more on one rank: not where forwards run collectives (FSDP, ZeRO, TRL's metrics).
+        can_split = (self.accelerator.num_processes == 1
+                     or _compat.window_policy(self, self.collectives_in_compute_loss) is Policy.RERUN)
         return EvalLoss(self, self._normalization, self.batch_unit, labels, can_split=can_split, cap=self._eval_cap,
                         said=self._eval_said)
 

@@ -63,6 +63,10 @@ class Cutter:
         chunks = self._chunks(batch, list(range(0, total, max_units)) + [total], trim)
         return self.verified(batch, chunks, mode) if mode else chunks
 
+    def cut_at(self, batch: Mapping, unit: int) -> list[dict]:
+        """Two untrimmed chunks, units ``[0, unit)`` and ``[unit, end)`` (``0 < unit < units``)."""
+        return self._chunks(batch, [0, unit, self.units(batch)], trim=False)
+
     def cut_even(self, batch: Mapping, k: int, mode: str | None = None, trim: bool = True) -> list[dict]:
         """``k`` chunks of near-equal unit counts (verified with ``mode``; trimmed as `cut` says)."""
         total = self.units(batch)

@@ -17,14 +17,25 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("batches", nargs="+", type=int)
     opts = parser.parse_args()
+    import torch
     from transformers import Trainer, TrainingArguments
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from tests.exactness import pad_collate, sum_over_items_loss
 
+    class Gathering(AccumTrainer):
+        """Like TRL's trainers: compute_loss runs a collective, so every rank must run as many forwards."""
+
+        collectives_in_compute_loss = True
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            torch.distributed.all_reduce(torch.ones(1))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
     results = {}
     for name, cls, args_cls in (("accum", AccumTrainer, AccumTrainingArguments), ("transformers", Trainer,
-                                                                                  TrainingArguments)):
+                                                                                  TrainingArguments),
+                                ("collective", Gathering, AccumTrainingArguments)):
         for b in opts.batches:
             args = args_cls(output_dir=os.path.join(opts.out, f"{name}{b}"), per_device_eval_batch_size=b,
                             report_to=[], use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
