@@ -43,6 +43,20 @@ def main():
             trainer = cls(model=eval_model(), args=args, eval_dataset=eval_data(), data_collator=pad_collate,
                           compute_loss_func=sum_over_items_loss)
             results[f"{name}:{b}"] = trainer.evaluate()["eval_loss"]
+    # rank 1 alone runs out of memory at its first evaluation forward: it re-runs that batch in halves by itself
+    from tests.test_oom_recovery import OOMAt
+
+    args = AccumTrainingArguments(output_dir=os.path.join(opts.out, "oom"), per_device_eval_batch_size=8,
+                                  report_to=[], use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
+                                  ddp_backend="gloo")
+    model = eval_model()
+    trainer = AccumTrainer(model=model, args=args, eval_dataset=eval_data(), data_collator=pad_collate,
+                           compute_loss_func=sum_over_items_loss)
+    injector = OOMAt(model, [1] if int(os.environ["RANK"]) == 1 else [], training=False)
+    results["oom:8"] = trainer.evaluate()["eval_loss"]
+    if int(os.environ["RANK"]) == 1:
+        with open(os.path.join(opts.out, "oom_forwards_rank1.json"), "w") as f:
+            json.dump(injector.count, f)
     if int(os.environ["RANK"]) == 0:
         with open(os.path.join(opts.out, "eval_loss.json"), "w") as f:
             json.dump({"n": N_EVAL, **results}, f)

@@ -204,3 +204,7 @@ def test_two_ranks_give_the_single_process_token_mean(tmp_path):
         # a compute_loss with a collective in it (TRL): every rank cuts its last batch alike, nothing hangs
         assert abs(got[f"collective:{b}"] - want) <= 1e-12, (b, got)
     assert max(abs(got[f"transformers:{b}"] - want) for b in (1, 3, 8)) > 1e-4
+    # an OOM on rank 1 alone: 1 failed + 2 halves of its first batch, then its last batch (repeated rows) cut at
+    # the row where rank 0 cuts its own (21 - 16 = 5) and the 4 that fitted: 8 rows -> 4 + 1 + 3
+    assert abs(got["oom:8"] - want) <= 1e-12
+    assert json.loads((tmp_path / "oom_forwards_rank1.json").read_text()) == 6
