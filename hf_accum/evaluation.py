@@ -49,8 +49,8 @@ class EvalLoss:
 
     ``can_split``: whether a batch may be re-run as more forwards on this rank alone after an OOM (not where
     forwards run collectives over several ranks: FSDP, DeepSpeed, TRL's metric gathering; the OOM is then raised).
-    ``cap``: the most units per forward known to fit
-    (from an earlier OOM); ``said``: the reasons already logged, shared across a trainer's evaluations."""
+    ``cap``: the most units per forward known to fit (from an earlier OOM); ``said``: the reasons already logged,
+    shared across a trainer's evaluations."""
 
     def __init__(self, trainer, mode: str, unit: str | None, labels: LabelSpec | str, *, can_split: bool,
                  cap: int | None = None, said: set | None = None):
@@ -118,8 +118,8 @@ class EvalLoss:
             return None
         if cutter is None:
             return self._cannot("its batches cannot be cut into units")
-        if self.labels.key not in batch and "shift_labels" not in batch:
-            return None  # no labels: a loss is then computed without them (`_record` says so)
+        if self.mode == "tokens" and self.labels.key not in batch and "shift_labels" not in batch:
+            return None  # no labels to count: a loss is then computed without them (`_record` says so)
         try:
             return cutter.count(batch, self.mode).to(self.device)
         except ValueError as exc:

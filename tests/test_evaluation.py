@@ -3,6 +3,7 @@ number of ranks or an out-of-memory re-run (hf_accum/evaluation.py). The referen
 forwarded alone, float64 cross-entropy by hand; transformers' own value is shown to differ on the same data."""
 
 import logging
+import math
 import os
 import sys
 
@@ -184,6 +185,39 @@ def test_trl_sft_trainer(tmp_path):
     want = total / count
     assert max(abs(got["ours", b] - want) for b in (1, 3, 8)) <= 1e-7 * want
     assert max(got["trl", b] for b in (1, 3, 8)) - min(got["trl", b] for b in (1, 3, 8)) > 1e-3
+
+
+def test_trl_dpo_trainer_counts_pairs(tmp_path, caplog):
+    """DPO ("samples": one pair) has no labels to count; its eval_loss is the mean over every pair, which at eval
+    batch 1 is also DPOTrainer's value (its log-probabilities pass through float32)."""
+    import copy
+
+    from trl import DPOConfig, DPOTrainer
+
+    from hf_accum import tiny
+    from hf_accum.trl import AccumDPOConfig, AccumDPOTrainer
+
+    from .test_dpo import preference_data
+
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model("causal_lm", tokenizer=tok, dtype=torch.float64, hidden_size=32)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # a reference unlike the policy: losses differ from ln 2 per pair
+    data = preference_data(21)
+
+    def evaluate(cls, args_cls, b):
+        args = args_cls(output_dir=str(tmp_path), per_device_eval_batch_size=b, report_to=[], use_cpu=True,
+                        bf16=False, max_length=64, disable_tqdm=True, beta=0.1, gradient_checkpointing=False)
+        return cls(model=model, ref_model=ref, args=args, train_dataset=data, eval_dataset=data,
+                   processing_class=tok).evaluate()["eval_loss"]
+
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        ours = [evaluate(AccumDPOTrainer, AccumDPOConfig, b) for b in (1, 3, 8)]
+    per_pair_mean = evaluate(DPOTrainer, DPOConfig, 1)
+    assert max(abs(x - per_pair_mean) for x in ours) <= 1e-6 * per_pair_mean
+    assert abs(per_pair_mean - math.log(2)) > 1e-3 and "transformers' value" not in caplog.text
 
 
 @pytest.mark.slow
