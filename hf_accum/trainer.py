@@ -34,6 +34,7 @@ from .args import AccumTrainingArguments
 from .checkpoints import check_resume
 from .deepspeed_batch import batch_contradiction
 from .engine_probe import probe_through_engine
+from .eval_batch import plan_eval_batch
 from .evaluation import EvalLoss
 from .fused_loss import with_fused_loss
 from .loss import LabelSpec, label_spec
@@ -79,6 +80,8 @@ class AccumulationMixin:
         self._eval_loss: EvalLoss | None = None  # the evaluation being run (evaluation_loop)
         self._eval_cap: int | None = None  # the most units per evaluation forward known to fit, after an OOM
         self._eval_said: set[str] = set()
+        self._eval_batch_planned = False  # auto_eval_batch_size: measured (or taken from a stored plan)
+        self._budget_bytes: int | None = None  # the memory budget tune() resolved
         self._stop_request = StopRequest()
         self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
         self._refuse_unsupported_setups()
@@ -351,6 +354,9 @@ class AccumulationMixin:
             if into_deepspeed and self.args.deepspeed is not None:
                 # the engine, built in train(), gets the plan: "auto" batch fields filled from these arguments
                 _compat.fill_deepspeed_config(self)
+        if plan.eval_batch_size is not None:  # a stored plan: measured at an earlier run's first evaluation
+            self.args.per_device_eval_batch_size = plan.eval_batch_size
+            self._eval_batch_planned = True
         self.plan = plan
         if in_training_loop and self.args.should_save:  # tune() saved the plan it applies, with its probe
             save_plan(self.args.output_dir, self._plan_key or {}, plan, None)
@@ -371,6 +377,7 @@ class AccumulationMixin:
     def tune(self) -> Plan:
         """Measure (or reuse the stored plan), plan micro x accumulation x world = target, apply it."""
         prepared = tuning.prepare(self)
+        self._budget_bytes = prepared.budget
         if prepared.stored is None and _compat.deepspeed_stage(self) is not None:
             raise ValueError(
                 "tune() cannot probe a DeepSpeed run before train(): ZeRO partitions the model when train() builds "
@@ -545,6 +552,34 @@ class AccumulationMixin:
             return step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         return self._eval_loss.step(lambda batch, loss_only: step(model, batch, loss_only, ignore_keys=ignore_keys),
                                     inputs, prediction_loss_only)
+
+    def evaluate(self, eval_dataset=None, *args, **kwargs):
+        # Measured on the trainer's own eval set (a TRL trainer prepares a dataset passed here only in its evaluate).
+        if self._plans_eval_batch() and self.eval_dataset is not None and (eval_dataset is None
+                                                                            or isinstance(eval_dataset, str)):
+            self._plan_eval_batch(eval_dataset)
+        return super().evaluate(eval_dataset, *args, **kwargs)
+
+    def _plans_eval_batch(self) -> bool:
+        auto = getattr(self.args, "auto_eval_batch_size", None)
+        auto = getattr(self.args, "tunes", False) if auto is None else auto
+        return bool(auto) and not self._eval_batch_planned
+
+    def _plan_eval_batch(self, dataset) -> None:
+        """`auto_eval_batch_size`: measure evaluation steps now, with what training keeps resident (eval_batch.py)."""
+        self._eval_batch_planned = True
+        choice = plan_eval_batch(self, dataset, budget=self._budget_bytes,
+                                 run=lambda model, batch, loss_only: super(AccumulationMixin, self).prediction_step(
+                                     model, batch, loss_only))
+        if choice is None:
+            return
+        self.args.per_device_eval_batch_size = choice.batch_size
+        if self.args.eval_accumulation_steps is None and choice.accumulation_steps is not None:
+            self.args.eval_accumulation_steps = choice.accumulation_steps
+        if self.plan is not None:
+            self.plan = dataclasses.replace(self.plan, eval_batch_size=choice.batch_size)
+            if self.args.should_save and getattr(self.args, "target_batch_size", None):
+                save_plan(self.args.output_dir, self._plan_key or {}, self.plan, None)
 
     def _new_eval_loss(self) -> EvalLoss:
         try:
