@@ -57,7 +57,22 @@ def main():
     if int(os.environ["RANK"]) == 1:
         with open(os.path.join(opts.out, "oom_forwards_rank1.json"), "w") as f:
             json.dump(injector.count, f)
-    if int(os.environ["RANK"]) == 0:
+    # auto_eval_batch_size: rank 1 is made to fit at most 3 (as a rank with less free memory would); all take 3
+    from hf_accum import eval_batch
+
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        search = eval_batch.largest_fitting
+        eval_batch.largest_fitting = lambda fits, upper: search(fits, min(upper, 3))
+    args = AccumTrainingArguments(output_dir=os.path.join(opts.out, "auto"), auto_eval_batch_size=True,
+                                  memory_budget_bytes=256 * 2**20, report_to=[], use_cpu=True, disable_tqdm=True,
+                                  remove_unused_columns=False, ddp_backend="gloo")
+    trainer = AccumTrainer(model=eval_model(), args=args, eval_dataset=eval_data(), data_collator=pad_collate,
+                           compute_loss_func=sum_over_items_loss)
+    results["auto"] = trainer.evaluate()["eval_loss"]
+    with open(os.path.join(opts.out, f"auto_batch_rank{rank}.json"), "w") as f:
+        json.dump(trainer.args.per_device_eval_batch_size, f)
+    if rank == 0:
         with open(os.path.join(opts.out, "eval_loss.json"), "w") as f:
             json.dump({"n": N_EVAL, **results}, f)
 

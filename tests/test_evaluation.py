@@ -242,3 +242,6 @@ def test_two_ranks_give_the_single_process_token_mean(tmp_path):
     # the row where rank 0 cuts its own (21 - 16 = 5) and the 4 that fitted: 8 rows -> 4 + 1 + 3
     assert abs(got["oom:8"] - want) <= 1e-12
     assert json.loads((tmp_path / "oom_forwards_rank1.json").read_text()) == 6
+    # auto_eval_batch_size: rank 1 fits at most 3, so both ranks evaluate at 3 (one agreed eval batch)
+    assert [json.loads((tmp_path / f"auto_batch_rank{r}.json").read_text()) for r in (0, 1)] == [3, 3]
+    assert abs(got["auto"] - want) <= 1e-12
