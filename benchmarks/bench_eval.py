@@ -7,6 +7,10 @@ A float64 GPT-2 (so only the weighting differs, not rounding) evaluates 64 causa
 by hand: each example forwarded alone, float64 cross-entropy of its counted labels after the causal shift.
 Printed: each batch's eval_loss from both trainers, their error against the reference, the spread (max - min) over
 the 16 batch sizes, and the evaluation seconds of both (run interleaved, so machine noise hits both alike).
+
+Then `auto_eval_batch_size` (a float32 Llama, logits kept for compute_metrics, 256 examples up to 120 tokens): for
+budgets that fit 4, 16 and 64 rows of the longest example, the eval batch chosen against the largest that fits
+(every size measured the same way, one by one), and the seconds of an evaluation at the chosen batch against 1.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import torch  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
@@ -70,5 +75,49 @@ def main():
           f"(ratio {seconds[1] / seconds[0]:.2f})")
 
 
+def auto_rows():
+    from hf_accum.meters import CpuMeter, live_tensor_bytes
+    from tests.exactness import tiny_llama
+
+    data = lm_examples(256, seed=12, min_len=4, max_len=120)
+    model = tiny_llama(torch.float32, hidden_size=64, intermediate_size=128)
+    longest = max(data, key=lambda e: len(e["input_ids"]))
+    probe = Trainer(model=model, args=TrainingArguments(output_dir="unused", report_to=[], use_cpu=True))
+    meter = CpuMeter(resident=lambda: live_tensor_bytes(model))
+    model.eval()
+    peaks = {}
+    with torch.no_grad():
+        for b in range(1, 129):
+            batch, held = pad_collate([longest] * b), []
+            m = meter.measure(lambda batch=batch, held=held: held.append(Trainer.prediction_step(probe, model, batch,
+                                                                                                   False)))
+            peaks[b] = m.peak_bytes + m.rounding_bytes
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for fits in (4, 16, 64):
+            budget = (peaks[fits] + peaks[fits + 1]) // 2
+            largest = max(b for b, p in peaks.items() if p <= budget)
+            times = {}
+            for auto, size in ((True, 1), (False, 1)):
+                args = AccumTrainingArguments(output_dir=tmp, report_to=[], use_cpu=True, disable_tqdm=True,
+                                              remove_unused_columns=False, auto_eval_batch_size=auto,
+                                              memory_budget_bytes=budget, per_device_eval_batch_size=size)
+                trainer = AccumTrainer(model=model, args=args, eval_dataset=data, data_collator=pad_collate,
+                                       compute_metrics=lambda p: {"rows": float(len(p.predictions))})
+                trainer.remove_callback(PrinterCallback)
+                if auto:
+                    trainer.evaluate()  # the first evaluation measures and sets the eval batch
+                    chosen = trainer.args.per_device_eval_batch_size
+                start = time.perf_counter()
+                trainer.evaluate()
+                times[auto] = time.perf_counter() - start
+            rows.append((fits, largest, chosen, times[True], times[False]))
+    print("\n| budget fits | largest that fits | chosen | eval s at chosen | eval s at batch 1 | speed-up |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for fits, largest, chosen, t_auto, t_one in rows:
+        print(f"| {fits} rows | {largest} | {chosen} | {t_auto:.2f} | {t_one:.2f} | {t_one / t_auto:.1f}x |")
+
+
 if __name__ == "__main__":
     main()
+    auto_rows()
