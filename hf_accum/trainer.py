@@ -562,8 +562,19 @@ class AccumulationMixin:
 
     def _plans_eval_batch(self) -> bool:
         auto = getattr(self.args, "auto_eval_batch_size", None)
-        auto = getattr(self.args, "tunes", False) if auto is None else auto
-        return bool(auto) and not self._eval_batch_planned
+        asked, auto = auto, getattr(self.args, "tunes", False) if auto is None else auto
+        if not auto or self._eval_batch_planned:
+            return False
+        if _compat.deepspeed_enabled(self) or (self.accelerator.num_processes > 1 and _compat.window_policy(
+                self, self.collectives_in_compute_loss) is not Policy.RERUN):
+            # Each rank searches on its own: not where forwards run collectives (FSDP, ZeRO, TRL's metrics).
+            self._eval_batch_planned = True
+            (logger.warning if asked else logger.info)(
+                "hf_accum: auto_eval_batch_size is not measured where evaluation forwards run collectives (FSDP, "
+                "DeepSpeed, TRL's metric gathering on several ranks); per_device_eval_batch_size stays %d.",
+                self.args.per_device_eval_batch_size)
+            return False
+        return True
 
     def _plan_eval_batch(self, dataset) -> None:
         """`auto_eval_batch_size`: measure evaluation steps now, with what training keeps resident (eval_batch.py)."""
