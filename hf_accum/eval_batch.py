@@ -11,12 +11,20 @@ the CPU before the batches held add up past the budget. ``eval_loss`` does not d
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from . import tuning
+from .meters import CpuMeter, live_tensor_bytes
 from .oom import free_memory, is_oom
+from .probe import modes_and_rng_preserved, resolve_budget
+from .protocol import Local, TorchDistributed
+
+logger = logging.getLogger(__name__)
 
 
 def largest_fitting(fits: Callable[[int], bool], upper: int) -> tuple[int, list[tuple[int, bool]]]:
@@ -106,15 +114,6 @@ def plan_eval_batch(trainer, dataset, *, budget: int | None, run) -> EvalBatchCh
     its first); every rank
     measures and all take the smallest choice. ``run(model, batch, loss_only)`` is the Trainer's prediction_step.
     None (logged) when there is nothing to measure or not even one example fits."""
-    import logging
-    import math
-
-    from . import tuning
-    from .meters import CpuMeter, live_tensor_bytes
-    from .probe import modes_and_rng_preserved, resolve_budget
-    from .protocol import Local, TorchDistributed
-
-    logger = logging.getLogger(__name__)
     args = trainer.args
     dataset = trainer.eval_dataset if dataset is None else trainer.eval_dataset[dataset] if isinstance(dataset, str) \
         else dataset

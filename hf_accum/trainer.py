@@ -11,7 +11,8 @@ pieces, each calling `super()`:
   (the one place the user's `compute_loss` is wrapped: `_loss_scaled`);
 - `train` plans (probe or stored plan), optionally checks accumulation, then calls `super().train()`;
 - `evaluation_loop` / `prediction_step` hand each evaluation batch to `evaluation.EvalLoss` (an exact eval_loss in
-  training's unit, and OOM re-runs of the failed batch alone).
+  training's unit, and OOM re-runs of the failed batch alone); `evaluate` first plans the eval batch once
+  (`auto_eval_batch_size`, eval_batch.py).
 """
 
 from __future__ import annotations
