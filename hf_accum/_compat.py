@@ -519,3 +519,47 @@ def set_deepspeed_batch(trainer, micro: int, accumulation: int) -> None:
     for config in {id(c): c for c in (deepspeed_batch_config(trainer), trainer.args.hf_deepspeed_config.config)}.values():
         config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
                       train_batch_size=engine.train_batch_size())
+
+
+# --- evaluation (hf_accum/evaluation.py) ----------------------------------------------------------------------
+@contextlib.contextmanager
+def prediction_loss_counted(trainer, num_items):
+    """Inside, the `compute_loss` calls of a `prediction_step` get ``num_items`` as `num_items_in_batch`:
+    transformers' (5.17 to 5.24) passes its own count there (`_get_num_items_in_batch`, gathered over ranks when
+    `average_tokens_across_devices` is on); TRL's passes none, and `Trainer.training_step` always passes it, so
+    every `compute_loss` accepts it. Yields what each call returned as its loss; None is appended for a call that
+    gave the count positionally, whose loss hf_accum then cannot drive. ``num_items`` None: only records."""
+    original = trainer.compute_loss
+    seen: list = []
+
+    def compute_loss(model, inputs, *args, **kwargs):
+        driven = len(args) < 2  # (return_outputs, num_items_in_batch) positionally: not ours to replace
+        if driven and num_items is not None:
+            kwargs["num_items_in_batch"] = num_items
+        out = original(model, inputs, *args, **kwargs)
+        seen.append((out[0] if isinstance(out, tuple) else out) if driven else None)
+        return out
+
+    trainer.compute_loss = compute_loss
+    try:
+        yield seen
+    finally:
+        del trainer.compute_loss
+
+
+def eval_rows_kept(trainer, rows: int) -> tuple[int, int | None]:
+    """(how many of this rank's ``rows``, the eval batch being run, `Accelerator.gather_for_metrics` keeps; the row
+    at which every rank cuts its last batch when some rank keeps only part of its own, else None).
+
+    With several ranks and `even_batches`, accelerate completes the ranks' last batches with samples from the start
+    of the data set, all of one size, and at the end of the dataloader keeps the first `gradient_state.remainder`
+    gathered rows (rank 0's batch, then rank 1's, ...); transformers' eval_loss and predictions drop the rest. The
+    cut is the same on every rank (the remainder modulo the batch), so every rank runs as many forwards."""
+    accelerator = trainer.accelerator
+    state = accelerator.gradient_state
+    if accelerator.num_processes == 1 or not getattr(accelerator, "even_batches", True):
+        return rows, None
+    if not state.end_of_dataloader or state.remainder is None or state.remainder <= 0 or rows == 0:
+        return rows, None
+    kept = max(0, min(rows, state.remainder - accelerator.process_index * rows))
+    return kept, (state.remainder % rows or None)

@@ -162,6 +162,19 @@ class AccumTrainingArguments(TrainingArguments):
             )
         },
     )
+    auto_eval_batch_size: bool | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "At the first evaluation, set per_device_eval_batch_size to the largest batch of the longest eval "
+                "example whose measured evaluation step fits the memory budget beside what training keeps (and "
+                "eval_accumulation_steps so the predictions kept for compute_metrics fit too); stored with the plan "
+                "and reused; every rank takes the smallest rank's. None: on when auto-tuning (auto_tune with a "
+                "target_batch_size). False: as given (also under DeepSpeed, FSDP or TRL trainers on several ranks, "
+                "whose evaluation forwards run collectives)."
+            )
+        },
+    )
 
     def __post_init__(self):
         # Cheap, device-free checks first: a wrong value must fail before any distributed setup.

@@ -137,6 +137,7 @@ class Plan:
     token_budget: int | None = None  # micro_batching="tokens": tokens per forward; micro = the per-rank window
     token_model: dict | None = None  # the probe's cost model: more rows at lengths it measured (token_budget.py)
     engine: str | None = None  # the sharded engine that runs it ("DeepSpeed ZeRO-3"); None: DDP or one process
+    eval_batch_size: int | None = None  # per rank, measured at the first evaluation (eval_batch.py); None: as given
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "world_size", "target_batch_size"):
@@ -176,6 +177,7 @@ class Plan:
 
     def describe(self) -> str:
         on = f" on {self.engine}" if self.engine else ""
+        on += f"; eval batch {self.eval_batch_size}" if self.eval_batch_size else ""
         if self.token_budget is not None:
             return (f"window {self.micro_batch_size} × world {self.world_size} = {self.target_batch_size}, "
                     f"cut into forwards of at most {self.token_budget} tokens{on}")
@@ -189,7 +191,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, int | str]:
         out = asdict(self)
-        for optional in ("token_budget", "token_model", "engine"):
+        for optional in ("token_budget", "token_model", "engine", "eval_batch_size"):
             if out[optional] is None:
                 del out[optional]  # plan files of "samples" mode without an engine keep their four fields
         return out

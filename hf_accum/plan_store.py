@@ -112,7 +112,8 @@ def plan_from_record(record: Any, path: str) -> Plan:
         value = plan[name]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanFileError(f"{path}: {name}={value!r} is not a positive integer")
-    optional = {name: plan[name] for name in ("token_budget", "token_model", "engine") if plan.get(name) is not None}
+    optional = {name: plan[name] for name in ("token_budget", "token_model", "engine", "eval_batch_size")
+                if plan.get(name) is not None}
     try:
         return Plan(**{name: plan[name] for name in _PLAN_FIELDS}, **optional)
     except ValueError as exc:

@@ -9,7 +9,10 @@ pieces, each calling `super()`:
 - `training_step` runs one loaded batch through the engine, which calls back `_chunk_step` per chunk;
 - `_chunk_step` is the Trainer's own `training_step` on one chunk, its loss scaled by the chunk's exact share
   (the one place the user's `compute_loss` is wrapped: `_loss_scaled`);
-- `train` plans (probe or stored plan), optionally checks accumulation, then calls `super().train()`.
+- `train` plans (probe or stored plan), optionally checks accumulation, then calls `super().train()`;
+- `evaluation_loop` / `prediction_step` hand each evaluation batch to `evaluation.EvalLoss` (an exact eval_loss in
+  training's unit, and OOM re-runs of the failed batch alone); `evaluate` first plans the eval batch once
+  (`auto_eval_batch_size`, eval_batch.py).
 """
 
 from __future__ import annotations
@@ -32,14 +35,15 @@ from .args import AccumTrainingArguments, resolve_nonfinite_limit
 from .checkpoints import check_resume
 from .deepspeed_batch import batch_contradiction
 from .engine_probe import probe_through_engine
+from .eval_batch import plan_eval_batch
+from .evaluation import EvalLoss
 from .fused_loss import with_fused_loss
 from .loss import LabelSpec, label_spec
-from .oom import free_memory, is_oom
 from .plan import Plan, divisors, plan_for_micro
 from .plan_store import PLAN_FILE, save_plan
 from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted, StopRequest
 from .preflight import check_training_data
-from .protocol import Local, StopTraining, TorchDistributed, WindowProtocol
+from .protocol import Local, Policy, StopTraining, TorchDistributed, WindowProtocol
 from .token_budget import TokenBudget
 from .units import detect_unit, make_cutter
 from .window import WindowEngine
@@ -82,6 +86,11 @@ class AccumulationMixin:
         self._post_checked = False
         self._forwarded_tokens = 0  # by the current loaded batch's forwards (see floating_point_ops)
         self._nonfinite_streak = 0
+        self._eval_loss: EvalLoss | None = None  # the evaluation being run (evaluation_loop)
+        self._eval_cap: int | None = None  # the most units per evaluation forward known to fit, after an OOM
+        self._eval_said: set[str] = set()
+        self._eval_batch_planned = False  # auto_eval_batch_size: measured (or taken from a stored plan)
+        self._budget_bytes: int | None = None  # the memory budget tune() resolved
         self._stop_request = StopRequest()
         self._refuse_unsupported_setups()
         self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
@@ -391,6 +400,9 @@ class AccumulationMixin:
             if into_deepspeed and self.args.deepspeed is not None:
                 # the engine, built in train(), gets the plan: "auto" batch fields filled from these arguments
                 _compat.fill_deepspeed_config(self)
+        if plan.eval_batch_size is not None:  # a stored plan: measured at an earlier run's first evaluation
+            self.args.per_device_eval_batch_size = plan.eval_batch_size
+            self._eval_batch_planned = True
         self.plan = plan
         if in_training_loop and self.args.should_save:  # tune() saved the plan it applies, with its probe
             save_plan(self.args.output_dir, self._plan_key or {}, plan, None)
@@ -412,6 +424,7 @@ class AccumulationMixin:
     def tune(self) -> Plan:
         """Measure (or reuse the stored plan), plan micro x accumulation x world = target, apply it."""
         prepared = tuning.prepare(self)
+        self._budget_bytes = prepared.budget
         if prepared.stored is None and _compat.deepspeed_stage(self) is not None:
             raise ValueError(
                 "tune() cannot probe a DeepSpeed run before train(): ZeRO partitions the model when train() builds "
@@ -568,20 +581,76 @@ class AccumulationMixin:
             tolerance = getattr(self.args, "check_accumulation_tolerance", None)
         return run_accumulation_check(self, num_micro_batches=num_micro_batches, tolerance=tolerance)
 
-    # --- evaluation ---------------------------------------------------------------------------------------------
-    def evaluate(self, *args, **kwargs):
-        """An OOM in evaluation lowers the eval batch size only; the training plan is never touched."""
-        while True:
-            try:
-                return super().evaluate(*args, **kwargs)
-            except Exception as exc:
-                if not is_oom(exc) or self.args.per_device_eval_batch_size <= 1:
-                    raise
-            free_memory()
-            old = self.args.per_device_eval_batch_size
-            self.args.per_device_eval_batch_size = max(1, old // 2)
-            logger.warning("hf_accum: out of memory in evaluation; per_device_eval_batch_size %d -> %d",
-                           old, self.args.per_device_eval_batch_size)
+    # --- evaluation: an exact eval_loss, OOM re-runs of the failed batch alone (evaluation.py) ---------------------
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        self._eval_loss = self._new_eval_loss()
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+        finally:
+            tally, self._eval_loss = self._eval_loss, None
+        self._eval_cap = tally.cap
+        world = self.accelerator.num_processes
+        tally.finish(output.metrics, metric_key_prefix, TorchDistributed(world, self.args.device) if world > 1 else Local())
+        return output
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        step = super().prediction_step
+        if self._eval_loss is None:  # called outside evaluation_loop
+            return step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        return self._eval_loss.step(lambda batch, loss_only: step(model, batch, loss_only, ignore_keys=ignore_keys),
+                                    inputs, prediction_loss_only)
+
+    def evaluate(self, eval_dataset=None, *args, **kwargs):
+        # Measured on the trainer's own eval set (a TRL trainer prepares a dataset passed here only in its evaluate).
+        if self._plans_eval_batch() and self.eval_dataset is not None and (eval_dataset is None
+                                                                            or isinstance(eval_dataset, str)):
+            self._plan_eval_batch(eval_dataset)
+        return super().evaluate(eval_dataset, *args, **kwargs)
+
+    def _plans_eval_batch(self) -> bool:
+        auto = getattr(self.args, "auto_eval_batch_size", None)
+        asked, auto = auto, getattr(self.args, "tunes", False) if auto is None else auto
+        if not auto or self._eval_batch_planned:
+            return False
+        if _compat.deepspeed_enabled(self) or (self.accelerator.num_processes > 1 and _compat.window_policy(
+                self, self.collectives_in_compute_loss) is not Policy.RERUN):
+            # Each rank searches on its own: not where forwards run collectives (FSDP, ZeRO, TRL's metrics).
+            self._eval_batch_planned = True
+            (logger.warning if asked else logger.info)(
+                "hf_accum: auto_eval_batch_size is not measured where evaluation forwards run collectives (FSDP, "
+                "DeepSpeed, TRL's metric gathering on several ranks); per_device_eval_batch_size stays %d.",
+                self.args.per_device_eval_batch_size)
+            return False
+        return True
+
+    def _plan_eval_batch(self, dataset) -> None:
+        """`auto_eval_batch_size`: measure evaluation steps now, with what training keeps resident (eval_batch.py)."""
+        self._eval_batch_planned = True
+        choice = plan_eval_batch(self, dataset, budget=self._budget_bytes,
+                                 run=lambda model, batch, loss_only: super(AccumulationMixin, self).prediction_step(
+                                     model, batch, loss_only))
+        if choice is None:
+            return
+        self.args.per_device_eval_batch_size = choice.batch_size
+        if self.args.eval_accumulation_steps is None and choice.accumulation_steps is not None:
+            self.args.eval_accumulation_steps = choice.accumulation_steps
+        if self.plan is not None:
+            self.plan = dataclasses.replace(self.plan, eval_batch_size=choice.batch_size)
+            if self.args.should_save and getattr(self.args, "target_batch_size", None):
+                save_plan(self.args.output_dir, self._plan_key or {}, self.plan, None)
+
+    def _new_eval_loss(self) -> EvalLoss:
+        try:
+            labels = self._label_spec() if self._normalization != "model" else LabelSpec()
+        except ValueError as exc:  # a model whose loss hf_accum cannot count: transformers' value, said once
+            labels = str(exc)
+        # An OOM re-run forwards more on one rank: not where forwards run collectives (FSDP, ZeRO, TRL's metrics).
+        can_split = (self.accelerator.num_processes == 1
+                     or _compat.window_policy(self, self.collectives_in_compute_loss) is Policy.RERUN)
+        return EvalLoss(self, self._normalization, self.batch_unit, labels, can_split=can_split, cap=self._eval_cap,
+                        said=self._eval_said)
 
 
 def _trl_base(cls: type, args) -> tuple[str, object] | None:

@@ -55,18 +55,23 @@ class Cutter:
             return torch.tensor(self.units(batch), device=_device(batch))
         return self.labels.count(batch)
 
-    def cut(self, batch: Mapping, max_units: int, mode: str | None = None) -> list[dict]:
-        """Consecutive chunks of at most ``max_units`` units, each trimmed where trimming is exact. With ``mode``
+    def cut(self, batch: Mapping, max_units: int, mode: str | None = None, trim: bool = True) -> list[dict]:
+        """Consecutive chunks of at most ``max_units`` units, each trimmed where trimming is exact (unless ``trim``
+        is False: evaluation keeps the batch's width, so the logits it gathers keep their shape). With ``mode``
         the cut is verified (`verified`)."""
         total = self.units(batch)
-        chunks = self._chunks(batch, list(range(0, total, max_units)) + [total])
+        chunks = self._chunks(batch, list(range(0, total, max_units)) + [total], trim)
         return self.verified(batch, chunks, mode) if mode else chunks
 
-    def cut_even(self, batch: Mapping, k: int, mode: str | None = None) -> list[dict]:
-        """``k`` chunks of near-equal unit counts (verified with ``mode``)."""
+    def cut_at(self, batch: Mapping, unit: int) -> list[dict]:
+        """Two untrimmed chunks, units ``[0, unit)`` and ``[unit, end)`` (``0 < unit < units``)."""
+        return self._chunks(batch, [0, unit, self.units(batch)], trim=False)
+
+    def cut_even(self, batch: Mapping, k: int, mode: str | None = None, trim: bool = True) -> list[dict]:
+        """``k`` chunks of near-equal unit counts (verified with ``mode``; trimmed as `cut` says)."""
         total = self.units(batch)
         k = max(1, min(k, total))
-        chunks = self._chunks(batch, [round(i * total / k) for i in range(k + 1)])
+        chunks = self._chunks(batch, [round(i * total / k) for i in range(k + 1)], trim)
         return self.verified(batch, chunks, mode) if mode else chunks
 
     def cut_near_equal(self, batch: Mapping, max_units: int, groups: int | None = None,
@@ -143,11 +148,12 @@ class Cutter:
                 )
         return chunks
 
-    def _chunks(self, batch: Mapping, bounds: list[int]) -> list[dict]:
+    def _chunks(self, batch: Mapping, bounds: list[int], trim: bool = True) -> list[dict]:
         if len(bounds) <= 2:
             return [dict(batch)]
         take = _TAKE[self.unit]
-        return [self._trim(take(batch, lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+        chunks = [take(batch, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+        return [self._trim(c) for c in chunks] if trim else chunks
 
     def _trim(self, chunk: dict) -> dict:
         if self.unit == "sequences":

@@ -347,3 +347,39 @@ def test_deepspeed_bucket_fields_and_their_defaults():
     assert (zero.reduce_bucket_size, zero.allgather_bucket_size) == (5 * 10**8, 5 * 10**8)
     assert DeepSpeedZeroConfig(stage=3, stage3_prefetch_bucket_size=123).prefetch_bucket_size == 123
     assert DeepSpeedZeroConfig(stage=2, reduce_bucket_size=7, allgather_bucket_size=9).allgather_bucket_size == 9
+
+
+# --- evaluation (hf_accum/evaluation.py) ----------------------------------------------------------------------
+def test_prediction_step_computes_its_loss_through_compute_loss_with_num_items(tmp_path):
+    given = []
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        given.append(num_items_in_batch)
+        return outputs.logits.float().sum() * 0 + 3.0
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = Trainer(model=tiny_llama(torch.float32), args=args, compute_loss_func=loss_func)
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}
+    with _compat.prediction_loss_counted(trainer, torch.tensor(7)) as seen:
+        loss, logits, labels = trainer.prediction_step(trainer.model, batch, prediction_loss_only=False)
+        trainer.compute_loss(trainer.model, batch, return_outputs=False)  # TRL's prediction_step passes no count
+    assert given == [torch.tensor(7)] * 2 and len(seen) == 2 and float(seen[0]) == float(loss) == 3.0
+    assert logits.shape == (2, 3, trainer.model.config.vocab_size) and labels.shape == (2, 3)
+    assert "compute_loss" not in trainer.__dict__  # the class's own method again
+
+
+def test_gather_for_metrics_keeps_the_first_remainder_rows_of_the_last_batch(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_eval_batch_size=4)
+    trainer = Trainer(model=tiny_llama(torch.float32), args=args)
+    data = [{"input_ids": [i + 1, 2]} for i in range(10)]
+    loader = trainer.get_eval_dataloader(data)
+    accelerator = trainer.accelerator
+    accelerator.gather = lambda t: torch.cat([t, t + 100])  # as if a second rank had sent rows of its own
+    seen = []
+    for batch in loader:
+        state = accelerator.gradient_state
+        rows = batch["input_ids"][:, 0]
+        seen.append((state.end_of_dataloader, state.remainder, accelerator.gather_for_metrics(rows).tolist()))
+        assert _compat.eval_rows_kept(trainer, len(rows)) == (len(rows), None)  # one process: every row counts
+    assert [s[0] for s in seen] == [False, False, True] and seen[-1][1] == 10 % 4
+    assert seen[-1][2] == [9, 10]  # the first `remainder` gathered rows: this rank's, not the other's

@@ -99,7 +99,8 @@ def test_micro_batch_one_not_fitting_stops_clearly_with_checkpoints_intact(tmp_p
     assert checkpoints and (tmp_path / checkpoints[-1] / "model.safetensors").exists()
 
 
-def test_eval_oom_lowers_only_the_eval_batch(tmp_path, caplog):
+def test_eval_oom_re_runs_only_the_failed_eval_batch(tmp_path, caplog):
+    """(The metrics equal a clean run's: tests/test_evaluation.py.)"""
     model = tiny_llama()
     args = AccumTrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, target_batch_size=8,
@@ -111,8 +112,8 @@ def test_eval_oom_lowers_only_the_eval_batch(tmp_path, caplog):
     OOMAt(model, [1], training=False)
     with caplog.at_level(logging.WARNING, logger="hf_accum"):
         metrics = trainer.evaluate()
-    assert "eval_loss" in metrics and "per_device_eval_batch_size 8 -> 4" in caplog.text
-    assert trainer.args.per_device_eval_batch_size == 4
+    assert "eval_loss" in metrics and "out of memory in evaluation on a batch of 8" in caplog.text
+    assert trainer.args.per_device_eval_batch_size == 8
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 2)
 
 

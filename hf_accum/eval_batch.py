@@ -1,0 +1,158 @@
+"""The eval batch, planned: the largest evaluation batch whose measured step fits the memory budget.
+
+Measured at the first evaluation, when what training leaves resident (weights, optimizer state) is really there:
+a real `prediction_step` on copies of the longest evaluation example, holding what the Trainer holds per batch
+(the logits when `compute_metrics` needs them). The largest fitting size is found by doubling then bisection
+(peak memory grows with the batch). With logits kept, `eval_accumulation_steps` moves the gathered predictions to
+the CPU before the batches held add up past the budget. ``eval_loss`` does not depend on the size chosen
+(evaluation.py), so the size is free to follow memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import tuning
+from .meters import CpuMeter, live_tensor_bytes
+from .oom import free_memory, is_oom
+from .probe import modes_and_rng_preserved, resolve_budget
+from .protocol import Local, TorchDistributed
+
+logger = logging.getLogger(__name__)
+
+
+def largest_fitting(fits: Callable[[int], bool], upper: int) -> tuple[int, list[tuple[int, bool]]]:
+    """The largest ``b`` in ``[1, upper]`` with ``fits(b)`` (0 when 1 does not fit), for a monotone ``fits``:
+    doubling from 1, then bisection between the last fit and the first failure. Returns it and the trials."""
+    trials: list[tuple[int, bool]] = []
+
+    def check(b: int) -> bool:
+        trials.append((b, fits(b)))
+        return trials[-1][1]
+
+    if upper < 1 or not check(1):
+        return 0, trials
+    lo, hi = 1, None
+    while hi is None:
+        nxt = min(lo * 2, upper)
+        if nxt == lo:
+            return lo, trials
+        if check(nxt):
+            lo = nxt
+        else:
+            hi = nxt
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if check(mid) else (lo, mid)
+    return lo, trials
+
+
+def accumulation_steps(budget_bytes: int, step_peak_bytes: int, kept_bytes_per_batch: int) -> int | None:
+    """Batches whose kept predictions fit beside one step's peak (None: nothing kept, no limit needed)."""
+    if kept_bytes_per_batch <= 0:
+        return None
+    return max(1, (budget_bytes - step_peak_bytes) // kept_bytes_per_batch)
+
+
+@dataclasses.dataclass
+class EvalBatchChoice:
+    batch_size: int
+    accumulation_steps: int | None
+    peak_bytes: int
+    trials: list[tuple[int, bool]]
+
+
+def choose_eval_batch(run: Callable[[dict], Any], make_batch: Callable[[int], dict], meter, budget_bytes: int,
+                      upper: int) -> EvalBatchChoice:
+    """Measure ``run(make_batch(b))`` (one prediction_step, its outputs held as the loop holds them) and pick."""
+    peaks: dict[int, int] = {}
+    kept: dict[int, int] = {}
+
+    def fits(b: int) -> bool:
+        batch = make_batch(b)
+        held: list = []
+        try:
+            m = meter.measure(lambda: held.append(run(batch)), micro_batch_size=b)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            failed = True
+        else:
+            failed = False
+        if failed:
+            free_memory()
+            return False
+        peaks[b] = m.charged_bytes + m.rounding_bytes
+        kept[b] = _nbytes(held[0][1:] if held and isinstance(held[0], tuple) else None)
+        held.clear()
+        return peaks[b] <= budget_bytes
+
+    best, trials = largest_fitting(fits, upper)
+    if best == 0:
+        return EvalBatchChoice(0, None, 0, trials)
+    return EvalBatchChoice(best, accumulation_steps(budget_bytes, peaks[best], kept[best]), peaks[best], trials)
+
+
+def _nbytes(value) -> int:
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    return 0
+
+
+def plan_eval_batch(trainer, dataset, *, budget: int | None, run) -> EvalBatchChoice | None:
+    """Measure and choose for ``trainer`` on ``dataset`` (None: its eval_dataset; a name: that one of them; a dict:
+    its first); every rank
+    measures and all take the smallest choice. ``run(model, batch, loss_only)`` is the Trainer's prediction_step.
+    None (logged) when there is nothing to measure or not even one example fits."""
+    args = trainer.args
+    dataset = trainer.eval_dataset if dataset is None else trainer.eval_dataset[dataset] if isinstance(dataset, str) \
+        else dataset
+    if isinstance(dataset, dict):
+        dataset = next(iter(dataset.values()), None)
+    if dataset is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return None
+    loader = trainer.get_eval_dataloader(dataset)
+    base = loader.dataset
+    example = base[max(range(len(base)), key=lambda i: tuning._length(base[i]))]
+    collate = loader.collate_fn
+    model = trainer.model
+    meter = tuning.default_meter(model)
+    if isinstance(meter, CpuMeter):  # the profiler sees no tensor allocated before the step: count those too
+        meter = CpuMeter(resident=lambda: live_tensor_bytes(model, trainer.optimizer))
+    if budget is None:
+        fraction = None if getattr(args, "memory_budget_bytes", None) is not None else getattr(args, "memory_budget", 0.9)
+        budget = resolve_budget(meter, getattr(args, "memory_budget_bytes", None), fraction,
+                                names=tuning.BUDGET_NAMES)
+    loss_only = trainer.compute_metrics is None or args.prediction_loss_only  # what evaluate() asks for
+    world = trainer.accelerator.num_processes
+    upper = math.ceil(len(base) / world)
+    with torch.no_grad(), modes_and_rng_preserved(model):
+        model.eval()
+        choice = choose_eval_batch(lambda batch: run(model, batch, loss_only), lambda b: collate([example] * b),
+                                   meter, budget, upper)
+    collective = TorchDistributed(world, args.device) if world > 1 else Local()
+    agreed = -collective.max_of((-choice.batch_size,))[0]
+    if agreed == 0:
+        logger.warning("hf_accum: an evaluation step of one copy of the longest eval example does not fit the memory "
+                       "budget (%d bytes); per_device_eval_batch_size stays %d", budget,
+                       args.per_device_eval_batch_size)
+        return None
+    if agreed != choice.batch_size:
+        choice = dataclasses.replace(choice, batch_size=agreed)
+    logger.warning("hf_accum: eval batch %d per rank: the largest whose measured evaluation step (the longest eval "
+                   "example, %s) fits the budget of %.1f MiB (peak %.1f MiB, %d trials)%s", choice.batch_size,
+                   "loss only" if loss_only else "logits kept", budget / 2**20, choice.peak_bytes / 2**20,
+                   len(choice.trials),
+                   "" if choice.accumulation_steps is None else
+                   f"; eval_accumulation_steps {choice.accumulation_steps} unless set")
+    return choice
