@@ -115,7 +115,8 @@ def real_step_peak(trainer):
     from hf_accum.meters import CpuMeter, all_live_tensor_bytes
 
     batch = next(iter(trainer.get_train_dataloader()))
-    assert batch["input_ids"].shape[0] == trainer.plan.micro_batch_size
+    # a whole window, which the window engine cuts into the plan's forwards
+    assert batch["input_ids"].shape[0] == trainer.plan.window and trainer._engine.cut_units == trainer.plan.micro_batch_size
     meter = CpuMeter(resident=all_live_tensor_bytes)
     m = meter.measure(lambda: trainer.training_step(trainer.deepspeed, batch))
     return {"peak_bytes": m.peak_bytes, "baseline_bytes": m.baseline_bytes}
