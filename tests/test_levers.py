@@ -99,17 +99,18 @@ def test_whole_target_fits_without_checkpointing():
 
 
 def test_partial_level_chosen_and_verified_once():
-    # k=0 fits 5 rows (7 forwards); every layer: all 32 in one forward but 32% slower per sample; a partial level cuts
-    # the forwards' count at a small recompute cost: the chooser takes a partial level and asks for one verifying step
+    # no checkpointing fits 6 rows (6 forwards of 32), every layer 27 (2 forwards of 16); 7 of 8 layers also fit 16
+    # rows, one layer's recompute less: the chooser takes the partial level and asks for one verifying step
     memory, seconds = synthetic(L=8, c=2.0, s=0.1, layer_fwd=0.004)
-    budget = 500 * MIB
+    budget = 600 * MIB
     levels = [measured_level(memory, seconds, k, budget, 32) for k in (0, 8)]
-    assert levels[0].largest_fit == 5 and levels[1].largest_fit == 32
+    assert levels[0].largest_fit == 6 and levels[1].largest_fit == 27
     chooser = CheckpointChooser(32, 8, budget, levels)
     first = chooser.propose()
-    assert 0 < first.k < 8 and not first.verified
+    assert (first.k, first.micro, first.forwards, first.verified) == (7, 16, 2, False)
+    assert first.predicted_seconds == pytest.approx(2 * seconds(16, 7))
     chooser.record(first, memory(first.micro, first.k) <= budget)
-    assert chooser.accepted.k == first.k and chooser.accepted.verified
+    assert chooser.accepted.k == 7 and chooser.accepted.verified
 
 
 def test_back_off_after_a_failed_verification():
