@@ -101,6 +101,9 @@ class Plan:
     token_budget: int | None = None  # micro_batching="tokens": tokens per forward; micro = the per-rank window
     token_model: dict | None = None  # the probe's cost model: more rows at lengths it measured (token_budget.py)
     engine: str | None = None  # the sharded engine that runs it ("DeepSpeed ZeRO-3"); None: DDP or one process
+    checkpointed_layers: int | None = None  # decoder layers recomputing in the backward, chosen by the tuner (levers.py)
+    num_layers: int | None = None  # of how many (1: a model whose checkpointing is on or off only)
+    step_seconds: float | None = None  # the measured time per optimizer step the choice was made on
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "world_size", "target_batch_size"):
@@ -114,23 +117,31 @@ class Plan:
             keys = {"lengths", "rows_at", "usable_bytes", "per_token_bytes", "per_token_sq_bytes"}
             if self.token_budget is None or not isinstance(self.token_model, dict) or not keys <= set(self.token_model):
                 raise ValueError(f"inconsistent plan: token_model needs a token_budget and the keys {sorted(keys)}")
+        if self.checkpointed_layers is not None and not (
+                isinstance(self.checkpointed_layers, int) and isinstance(self.num_layers, int)
+                and 0 <= self.checkpointed_layers <= self.num_layers and self.num_layers >= 1):
+            raise ValueError(f"inconsistent plan: checkpointed_layers={self.checkpointed_layers!r} of "
+                             f"num_layers={self.num_layers!r}")
         product = self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
         if product != self.target_batch_size:
             raise ValueError(f"inconsistent plan: {self.describe()} but the product is {product}")
 
     def describe(self) -> str:
         on = f" on {self.engine}" if self.engine else ""
+        checkpointing = ""
+        if self.checkpointed_layers is not None:
+            checkpointing = f"; checkpointing {self.checkpointed_layers} of {self.num_layers} layers"
         if self.token_budget is not None:
             return (f"window {self.micro_batch_size} × world {self.world_size} = {self.target_batch_size}, "
-                    f"cut into forwards of at most {self.token_budget} tokens{on}")
+                    f"cut into forwards of at most {self.token_budget} tokens{on}{checkpointing}")
         return (
             f"micro {self.micro_batch_size} × accumulation {self.gradient_accumulation_steps} "
-            f"× world {self.world_size} = {self.target_batch_size}{on}"
+            f"× world {self.world_size} = {self.target_batch_size}{on}{checkpointing}"
         )
 
     def to_dict(self) -> dict[str, int | str]:
         out = asdict(self)
-        for optional in ("token_budget", "token_model", "engine"):
+        for optional in ("token_budget", "token_model", "engine", "checkpointed_layers", "num_layers", "step_seconds"):
             if out[optional] is None:
                 del out[optional]  # plan files of "samples" mode without an engine keep their four fields
         return out

@@ -26,7 +26,7 @@ import weakref
 import torch
 from transformers import Trainer, TrainerCallback
 
-from . import _compat, tuning
+from . import _compat, checkpointing, tuning
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments
 from .checkpoints import check_resume
@@ -97,6 +97,7 @@ class AccumulationMixin:
     def _refuse_unsupported_setups(self) -> None:
         """Every setup hf_accum cannot run exactly fails here, at construction, naming what to set."""
         _compat.refuse_silent_engine_fallback(self)
+        checkpointing.check_request(self.model, self.args)
         if self._skips_nonfinite and _compat.engine_steps_in_backward(self):
             raise ValueError(
                 "max_nonfinite_steps is set, but DeepSpeed steps the optimizer inside backward, before hf_accum could "
@@ -346,6 +347,8 @@ class AccumulationMixin:
             if into_deepspeed and self.args.deepspeed is not None:
                 # the engine, built in train(), gets the plan: "auto" batch fields filled from these arguments
                 _compat.fill_deepspeed_config(self)
+        if plan.checkpointed_layers is not None and not in_training_loop:
+            checkpointing.apply_chosen(self.model, plan.checkpointed_layers, self.args)  # a stored plan's k too
         self.plan = plan
         if in_training_loop and self.args.should_save:  # tune() saved the plan it applies, with its probe
             save_plan(self.args.output_dir, self._plan_key or {}, plan, None)
@@ -423,6 +426,7 @@ class AccumulationMixin:
             if self._normalization != "model":
                 self._label_spec()  # refuses a model whose loss hf_accum cannot drive exactly, before any work
             check_training_data(self)
+            checkpointing.apply_requested(self.model, self.args)  # an explicit k (True: Trainer.train sets it)
             resume_from_checkpoint, stored = self._check_output_dir(resume_from_checkpoint)
             if getattr(self.args, "tunes", False) and self.plan is None and _compat.deepspeed_stage(self) is not None:
                 self._tune_deepspeed()
