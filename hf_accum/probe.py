@@ -702,13 +702,23 @@ def plan_from_result(result: ProbeResult, target_batch_size: int, world_size: in
 
 
 def _nothing_fits_message(result: ProbeResult) -> str:
-    first = next((t for t in result.trials if t.micro_batch_size == 1), None)
+    levels = result.extra.get("checkpointing")
+    full = None if levels is None else levels["num_layers"]
+    first = next((t for t in result.trials if t.micro_batch_size == 1 and t.checkpointed_layers in (None, full)
+                  and t.status != "refused"), None)
     need = None if first is None else (first.reserved_bytes or first.peak_bytes)
     amount = (
         f"needs {_gib(need)}, {_gib(need - result.budget_bytes)} over the budget of {_gib(result.budget_bytes)}"
         if need
         else f"ran out of memory under the budget of {_gib(result.budget_bytes)}"
     )
+    if levels is not None:
+        return (
+            f"even micro-batch 1 with every one of the {full} layers checkpointed does not fit: one training step "
+            f"{amount}. What is left: train LoRA adapters instead of all weights, load the base model in 4-bit "
+            "(QLoRA), shorten sequences (max_length / probe_seq_len), shard the model over more ranks (FSDP or "
+            "DeepSpeed ZeRO), or raise the memory budget."
+        )
     return (
         f"even micro-batch 1 does not fit: one training step {amount}. To fit: enable gradient checkpointing, "
         "train LoRA adapters instead of all weights, load the base model in 4-bit (QLoRA), shorten the probe "
