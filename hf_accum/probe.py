@@ -629,7 +629,7 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
         "chosen_k": accepted.k if accepted is not None else num_layers,
     }
     if accepted is not None:
-        seconds = _timed_step(step_fn, meter, lever, accepted.micro, accepted.k)
+        seconds = _slowest_rank(_timed_step(step_fn, meter, lever, accepted.micro, accepted.k) or 0.0)
         record["step_seconds"] = accepted.forwards * seconds if seconds else accepted.predicted_seconds
         record["chosen"] = dataclasses.asdict(accepted)
         say(f"chosen: {accepted.micro} rows per forward, {accepted.forwards} forwards, checkpointing {accepted.k} of "
@@ -660,6 +660,17 @@ def _timed_step(step_fn: StepFn, meter: Meter, lever: Any, micro: int, k: int) -
             raise
     free_memory()
     return None
+
+
+def _slowest_rank(seconds: float) -> float:
+    """A data-parallel step lasts as long as its slowest rank: the MAX over ranks."""
+    if not _distributed():
+        return seconds
+    import torch.distributed as dist
+
+    t = torch.tensor([float(seconds)], dtype=torch.float64, device=_dist_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def _agree_levels(levels: list[Level]) -> list[Level]:
