@@ -674,7 +674,8 @@ def _slowest_rank(seconds: float) -> float:
 
 
 def _agree_levels(levels: list[Level]) -> list[Level]:
-    """Every rank's levels replaced by the most constrained: the smallest fits and failures, the largest lines."""
+    """Every rank's levels replaced by the most constrained: the smallest fits and failures, the largest lines, a line
+    only where every rank has one (so the chooser's inputs, and with them its proposals, are equal on all ranks)."""
     if not _distributed():
         return levels
     import torch.distributed as dist
@@ -682,15 +683,15 @@ def _agree_levels(levels: list[Level]) -> list[Level]:
     big = float(2**62)
     rows = []
     for lv in levels:
-        memory, time = lv.memory or (-1.0, -1.0), lv.time or (-1.0, -1.0)
-        rows.append([-lv.largest_fit, -(lv.smallest_failure or big), *memory, *time])
+        rows.append([-lv.largest_fit, -(lv.smallest_failure or big), -float(lv.memory is not None),
+                     -float(lv.time is not None), *(lv.memory or (0.0, 0.0)), *(lv.time or (0.0, 0.0))])
     t = torch.tensor(rows, dtype=torch.float64, device=_dist_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     out = []
     for lv, row in zip(levels, t.tolist()):
         failure = None if -row[1] >= big else int(-row[1])
-        memory = None if lv.memory is None or row[3] < 0 else (row[2], row[3])
-        time = None if lv.time is None or row[5] < 0 else (row[4], row[5])
+        memory = (row[4], row[5]) if row[2] == -1.0 else None
+        time = (row[6], row[7]) if row[3] == -1.0 else None
         out.append(Level(lv.k, int(-row[0]), failure, memory, time))
     return out
 

@@ -299,7 +299,11 @@ class AccumulationMixin:
         smaller = [d for d in divisors(per_rank) if d < current]
         if not smaller:
             return None
-        return self._on_engine(Plan(smaller[-1], per_rank // smaller[-1], world, target))
+        plan = Plan(smaller[-1], per_rank // smaller[-1], world, target)
+        if self.plan is not None and self.plan.checkpointed_layers is not None:  # the model keeps its k
+            plan = dataclasses.replace(plan, checkpointed_layers=self.plan.checkpointed_layers,
+                                       num_layers=self.plan.num_layers)
+        return self._on_engine(plan)
 
     def _on_engine(self, plan: Plan) -> Plan:
         """The plan, naming the sharded engine that runs it (DeepSpeed and its ZeRO stage)."""

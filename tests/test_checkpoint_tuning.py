@@ -137,3 +137,13 @@ def test_apply_plan_sets_k():
                                                  "target_batch_size"}
     with pytest.raises(ValueError, match="checkpointed_layers=4 of num_layers=3"):
         Plan(2, 4, 1, 8, checkpointed_layers=4, num_layers=3)
+
+
+def test_tokens_mode_measures_its_budget_at_the_chosen_level(tmp_path, tok):
+    trainer = make(tmp_path, tok, micro_batching="tokens", probe_seq_len=None)
+    plan = trainer.tune()
+    assert plan.token_budget is not None and plan.num_layers == LAYERS and plan.checkpointed_layers is not None
+    assert _compat.checkpointed_count(trainer.model) == plan.checkpointed_layers
+    shorter = trainer.probe_result.extra["token_budget"]["short_trials"]
+    assert shorter and all(t["checkpointed_layers"] is None for t in shorter)  # probed at k, no second choice
+    assert "checkpointing" in trainer.probe_result.extra
