@@ -601,7 +601,9 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
             t.checkpointed_layers = k
             trials.append(t)
     levels = _agree_levels([_level(k, r, step_fn, meter, lever) for k, r in results.items()])
-    chooser = CheckpointChooser(per_rank, num_layers, budget_bytes, levels, cap=cap)
+    # every input of the chooser equal on all ranks, so all make the same proposals (and verifying steps, each one
+    # collective): the tightest rank's budget with the agreed levels
+    chooser = CheckpointChooser(per_rank, num_layers, _tightest_budget(budget_bytes), levels, cap=cap)
     limit = None if meter.catches_oom else meter.capacity_bytes() - meter.unavailable_bytes()
     verify = MicroBatchSearch(budget_bytes, cap)
     steps = 0
@@ -660,6 +662,17 @@ def _timed_step(step_fn: StepFn, meter: Meter, lever: Any, micro: int, k: int) -
             raise
     free_memory()
     return None
+
+
+def _tightest_budget(budget_bytes: float) -> float:
+    """The smallest budget of all ranks (a rank sharing its device has less)."""
+    if not _distributed():
+        return budget_bytes
+    import torch.distributed as dist
+
+    t = torch.tensor([float(budget_bytes)], dtype=torch.float64, device=_dist_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
 
 
 def _slowest_rank(seconds: float) -> float:
