@@ -7,7 +7,7 @@ The budget is the peak of one step holding the whole target with every layer che
 checkpointing fits only a small micro-batch and full checkpointing the whole window. The sweep, for k in
 {0, L/4, L/2, 3L/4, L}: the largest fitting micro-batch by bisection on measured peaks (CpuMeter, the probe's meter;
 not the probe's search), then the real time of one optimizer step at it: ceil(target / micro) near-equal forwards
-and backwards, then one AdamW step, the faster of two runs. The tuner (`probe_model` with the checkpointing lever)
+and backwards, then one AdamW step, the fastest of three runs. The tuner (`probe_model` with the checkpointing lever)
 is timed the same way at its choice. Printed: the sweep table, the tuner's choice, its time over the sweep's best
 (goal <= 1.05), its peak against the budget, and the probe's seconds over the sweep's (goal <= 0.10).
 """
@@ -40,7 +40,7 @@ def window_seconds(model, opt, make_batch, target: int, micro: int) -> float:
         opt.zero_grad(set_to_none=False)
 
     best = math.inf
-    for _ in range(2):
+    for _ in range(3):
         start = time.perf_counter()
         window()
         best = min(best, time.perf_counter() - start)
@@ -104,6 +104,9 @@ def main() -> None:
         forwards = math.ceil(a.target / micro) if micro else "-"
         print(f"| {k} | {micro} | {forwards} | {'-' if peak is None else f'{peak / mib:.1f}'} | {seconds:.3f} |")
     best = min(rows, key=lambda r: r[3])
+    same = [r for r in rows if (r[0], r[1]) == (chosen["k"], chosen["micro"])]
+    print(f"the sweep's best: k={best[0]}, micro {best[1]}; the tuner's choice is "
+          + (f"the sweep's row k={same[0][0]} ({same[0][3]:.3f} s there)" if same else "not a sweep row"))
     print(f"tuner: k={chosen['k']}, {chosen['forwards']} forwards of <= {chosen['micro']} rows, {tuned:.3f} s per "
           f"optimizer step = {tuned / best[3]:.3f} x the sweep's best (k={best[0]}, goal <= 1.05); peak "
           f"{tuned_peak / mib:.1f} MiB of {budget / mib:.1f} ({'within' if tuned_peak <= budget else 'OVER'} budget); "
