@@ -7,7 +7,8 @@ The budget is the peak of one step holding the whole target with every layer che
 checkpointing fits only a small micro-batch and full checkpointing the whole window. The sweep, for k in
 {0, L/4, L/2, 3L/4, L}: the largest fitting micro-batch by bisection on measured peaks (CpuMeter, the probe's meter;
 not the probe's search), then the real time of one optimizer step at it: ceil(target / micro) near-equal forwards
-and backwards, then one AdamW step, the fastest of three runs. The tuner (`probe_model` with the checkpointing lever)
+and backwards, then one AdamW step, the fastest of three runs in process CPU seconds (OMP_NUM_THREADS=1;
+wall time on a shared 2-core machine varied 2x between runs; the probe itself times wall seconds). The tuner (`probe_model` with the checkpointing lever)
 is timed the same way at its choice. Printed: the sweep table, the tuner's choice, its time over the sweep's best
 (goal <= 1.05), its peak against the budget, and the probe's seconds over the sweep's (goal <= 0.10).
 """
@@ -41,9 +42,9 @@ def window_seconds(model, opt, make_batch, target: int, micro: int) -> float:
 
     best = math.inf
     for _ in range(3):
-        start = time.perf_counter()
+        start = time.process_time()  # CPU seconds of this (single-threaded) process: steadier on a shared machine
         window()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.process_time() - start)
     return best
 
 
