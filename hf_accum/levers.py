@@ -92,7 +92,8 @@ class CheckpointChooser:
     """The fastest (rows, k) for ``per_rank`` samples per optimizer step within ``budget_bytes``.
 
     ``levels``: the measured levels (k in 0..num_layers); ``cap``: the most rows one forward may hold;
-    ``margin_bytes``: kept free under the budget when predicting an unmeasured level."""
+    ``margin_bytes``: kept free under the budget when predicting an unmeasured level; ``tie_fraction``: predicted
+    times this close to the fastest count as equal, and the fewest checkpointed layers is chosen among them."""
 
     per_rank: int
     num_layers: int
@@ -100,6 +101,7 @@ class CheckpointChooser:
     levels: list[Level]
     cap: int | None = None
     margin_bytes: float = 0.0
+    tie_fraction: float = 0.03
     failed: dict[int, int] = field(default_factory=dict)  # k -> smallest rows a verify step found not to fit
     verified: dict[int, int] = field(default_factory=dict)  # k -> largest rows a verify step found to fit
     accepted: Choice | None = None
@@ -198,10 +200,17 @@ class CheckpointChooser:
                                                 self.predict_seconds(rows, k), self.is_verified(rows, k))
         choices = list(best_by_forwards.values())
         timed = all(c.predicted_seconds is not None for c in choices)
-        if timed:
-            choices.sort(key=lambda c: (c.predicted_seconds, c.k, c.forwards))
-        else:
-            choices.sort(key=lambda c: (c.forwards, c.k))
+        if not timed:
+            return sorted(choices, key=lambda c: (c.forwards, c.k))
+        choices.sort(key=lambda c: (c.predicted_seconds, c.k, c.forwards))
+        if choices:
+            # predictions within `tie_fraction` of the fastest are a tie (step times are measured, noise included):
+            # the fewest recomputed layers wins it, so noise does not flip the choice to checkpointing
+            fastest = choices[0].predicted_seconds
+            tied = [c for c in choices if c.predicted_seconds <= fastest * (1 + self.tie_fraction)]
+            first = min(tied, key=lambda c: (c.k, c.forwards))
+            choices.remove(first)
+            choices.insert(0, first)
         return choices
 
     def propose(self) -> Choice | None:
