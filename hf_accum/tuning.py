@@ -84,6 +84,8 @@ def tune(trainer, prepared: Prepared | None = None,
         _log_in_trainer(trainer, figures, in_loop)
         return plan, None, prepared.key
 
+    if in_loop:
+        checkpointing.lever_for(trainer)  # through the engine k is not chosen: its one log line says so
     probe = probe or _model_probe(trainer, prepared)
     result, plan = probe(prepared.make_batch, prepared.seq_len)
     if args.micro_batching == "tokens":
