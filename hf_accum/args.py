@@ -6,6 +6,7 @@ every check runs in `__post_init__`, before a model is loaded, and its message n
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -15,8 +16,25 @@ from .loss import NORMALIZATIONS
 DEFAULT_MAX_NONFINITE_STEPS = 3  # max_nonfinite_steps="auto" where hf_accum takes the optimizer step
 
 
+# transformers 5.17 declares `gradient_checkpointing: bool = False`, so an explicit False cannot be told from the default;
+# 5.24 declares `activation_checkpointing: bool | None = None` (and the old name as its alias, also None). Where the
+# default is not None it is overridden to None: "unset" lets the tuner choose (checkpoint_layers="auto").
+_FLAG_DEFAULT_IS_NONE = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}.get(
+    "gradient_checkpointing") is None
+
+
 @dataclass
 class AccumTrainingArguments(TrainingArguments):
+    if not _FLAG_DEFAULT_IS_NONE:  # pragma: no cover - transformers < 5.23 (ci/oldest-constraints.txt)
+        gradient_checkpointing: bool | None = field(
+            default=None,
+            metadata={
+                "help": "Gradient checkpointing on every layer (True) or none (False). Unset: with the auto-tuner, "
+                        "checkpoint_layers='auto' chooses; without it, off.",
+                "nargs": "?",
+                "const": True,
+            },
+        )
     target_batch_size: int | None = field(
         default=None,
         metadata={
@@ -137,6 +155,20 @@ class AccumTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "micro_batching='tokens' with auto_tune off: the token budget of one forward."},
     )
+    checkpoint_layers: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "How many decoder layers recompute their activations in the backward (gradient checkpointing per "
+                "layer). 'auto' (the default whenever gradient_checkpointing / activation_checkpointing is unset): "
+                "with the auto-tuner, the probe measures steps without and with checkpointing, and picks the number "
+                "of layers k and the micro-batch that reach the target in the least time within the memory budget "
+                "(verified by a real step); without the tuner, off. An integer k: exactly the first k layers (0: "
+                "off; a model without per-layer support takes 0 or 1). An explicit gradient_checkpointing=True/False "
+                "is obeyed as given (every layer / none)."
+            )
+        },
+    )
     handle_preemption: bool = field(
         default=True,
         metadata={
@@ -178,6 +210,7 @@ class AccumTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         # Cheap, device-free checks first: a wrong value must fail before any distributed setup.
+        self._resolve_checkpoint_layers()
         for name in ("check_accumulation", "auto_tune"):
             _require_bool(name, getattr(self, name))
         if not isinstance(self.loss_normalization, str) or self.loss_normalization not in NORMALIZATIONS:
@@ -219,6 +252,46 @@ class AccumTrainingArguments(TrainingArguments):
         self._check_target_batch_size()
         if self.deepspeed:
             self._check_deepspeed_batch(world=self.world_size)
+
+    def _resolve_checkpoint_layers(self) -> None:
+        """checkpoint_layers: "auto", an int k >= 0, or None (the boolean flag decides), from what the user set; read
+        before `TrainingArguments.__post_init__` resolves an unset flag to False. A copy of resolved arguments
+        (`dataclasses.replace`) resolves to the same setting: "auto" with the flag False stays "auto"."""
+        flag = checkpointing_flag(self)
+        setting = self.checkpoint_layers
+        if isinstance(setting, str):
+            text = setting.strip().lower()
+            if text == "auto":
+                setting = "auto"
+            elif text.isdigit():
+                setting = int(text)
+            elif text in ("", "none", "null"):
+                setting = None
+            else:
+                setting = False  # refused below
+        if setting is not None and setting != "auto" and (
+                not isinstance(setting, int) or isinstance(setting, bool) or setting < 0):
+            raise ValueError(
+                f"checkpoint_layers={self.checkpoint_layers!r} must be 'auto' or an integer >= 0 (the number of "
+                "decoder layers that recompute). For every layer or none use gradient_checkpointing=True/False."
+            )
+        if setting is None and flag is None:
+            setting = "auto"
+        if setting is not None and flag is True:
+            raise ValueError(
+                f"checkpoint_layers={setting!r} and gradient_checkpointing=True (every layer) contradict each other. "
+                "Leave gradient_checkpointing unset to have checkpoint_layers decide, or drop checkpoint_layers."
+            )
+        self.checkpoint_layers = setting
+        if flag is None and not _FLAG_DEFAULT_IS_NONE:
+            self.gradient_checkpointing = False  # transformers < 5.23 reads it as a bool
+
+    @property
+    def checkpointing_choice(self) -> str | int | bool:
+        """What the user asked for: "auto" (the tuner chooses k), an int k, or True/False (every layer / none)."""
+        if self.checkpoint_layers is not None:
+            return self.checkpoint_layers
+        return bool(checkpointing_flag(self))
 
     @property
     def tunes(self) -> bool:
@@ -342,6 +415,13 @@ def resolve_nonfinite_limit(value, engine_steps_in_backward: bool) -> tuple[int 
             "DeepSpeed) or set it to None."
         )
     return value, None
+
+
+def checkpointing_flag(args) -> bool | None:
+    """The boolean checkpointing flag as given: activation_checkpointing (transformers >= 5.23) or its deprecated alias
+    gradient_checkpointing; None when neither is set."""
+    new = getattr(args, "activation_checkpointing", None)
+    return new if new is not None else getattr(args, "gradient_checkpointing", None)
 
 
 def _is_number(value) -> bool:

@@ -60,6 +60,9 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
                    help="quantized base: 'light' (as the recipes: no upcast) or 'peft' (prepare_model_for_kbit_"
                         "training, which upcasts the non-quantized weights to float32)")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--checkpoint-layers", default=None, metavar="auto|K",
+                   help="'auto': also choose how many decoder layers recompute (measured without and with every "
+                        "layer checkpointed, the fastest fitting pair verified); K: exactly the first K layers")
     p.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=None,
                    help="causal-LM loss without the full logits, as training will use it (default: on where "
                         "supported; --fused-loss: required, --no-fused-loss: off)")
@@ -170,6 +173,7 @@ def _run_probe(args: argparse.Namespace) -> int:
         # Switched on as training switches it on (the one helper the tuner uses too), LoRA-safe kind.
         enable_checkpointing(model, SimpleNamespace(gradient_checkpointing=True,
                                                     gradient_checkpointing_kwargs={"use_reentrant": False}))
+    lever = _checkpoint_lever(args, model)
     from .fused_loss import patch_model, resolve_for_model
 
     try:
@@ -187,7 +191,7 @@ def _run_probe(args: argparse.Namespace) -> int:
             model, seq_len=args.seq_len, target_batch_size=args.target_batch, world_size=args.world_size,
             budget_bytes=budget_bytes, budget_fraction=args.budget, budget_names=("--budget-bytes", "--budget"),
             autocast_dtype=torch.bfloat16 if args.bf16 else None, max_micro_batch=args.max_micro_batch,
-            optimize=args.optimize, log=lambda msg: print(f"  {msg}", flush=True),
+            optimize=args.optimize, log=lambda msg: print(f"  {msg}", flush=True), lever=lever,
         )
     except NothingFitsError as exc:
         print(table(exc.result, args.seq_len))
@@ -217,6 +221,27 @@ def _probe_recipe(args: argparse.Namespace) -> int:
     else:
         print("(plan not stored: add output_dir=DIR to store it where `hf-accum train` reuses it)")
     return 0
+
+
+def _checkpoint_lever(args: argparse.Namespace, model):
+    """--checkpoint-layers: the lever the probe chooses k with ("auto"), or exactly K layers set now."""
+    from . import _compat
+    from .checkpointing import Lever
+
+    if args.checkpoint_layers is None:
+        return None
+    if args.gradient_checkpointing:
+        raise UsageError("--checkpoint-layers and --gradient-checkpointing (every layer) contradict each other: "
+                         "give one")
+    levels = _compat.checkpoint_levels(model)
+    kwargs = {"use_reentrant": False}  # the LoRA-safe kind, as --gradient-checkpointing
+    if args.checkpoint_layers == "auto":
+        return Lever(model, levels, kwargs) if levels else None
+    if not args.checkpoint_layers.isdigit() or int(args.checkpoint_layers) > levels:
+        raise UsageError(f"--checkpoint-layers {args.checkpoint_layers}: give 'auto' or an integer 0..{levels} "
+                         f"({type(model).__name__} has {levels} checkpointable layers)")
+    _compat.set_checkpointed_layers(model, int(args.checkpoint_layers), kwargs)
+    return None
 
 
 def _report_probe(args: argparse.Namespace, result, plan, seq_len: int) -> None:

@@ -137,6 +137,9 @@ class Plan:
     token_budget: int | None = None  # micro_batching="tokens": tokens per forward; micro = the per-rank window
     token_model: dict | None = None  # the probe's cost model: more rows at lengths it measured (token_budget.py)
     engine: str | None = None  # the sharded engine that runs it ("DeepSpeed ZeRO-3"); None: DDP or one process
+    checkpointed_layers: int | None = None  # decoder layers recomputing in the backward, chosen by the tuner (levers.py)
+    num_layers: int | None = None  # of how many (1: a model whose checkpointing is on or off only)
+    step_seconds: float | None = None  # the measured time per optimizer step the choice was made on
     eval_batch_size: int | None = None  # per rank, measured at the first evaluation (eval_batch.py); None: as given
 
     def __post_init__(self) -> None:
@@ -151,6 +154,11 @@ class Plan:
             keys = {"lengths", "rows_at", "usable_bytes", "per_token_bytes", "per_token_sq_bytes"}
             if self.token_budget is None or not isinstance(self.token_model, dict) or not keys <= set(self.token_model):
                 raise ValueError(f"inconsistent plan: token_model needs a token_budget and the keys {sorted(keys)}")
+        if self.checkpointed_layers is not None and not (
+                isinstance(self.checkpointed_layers, int) and isinstance(self.num_layers, int)
+                and 0 <= self.checkpointed_layers <= self.num_layers and self.num_layers >= 1):
+            raise ValueError(f"inconsistent plan: checkpointed_layers={self.checkpointed_layers!r} of "
+                             f"num_layers={self.num_layers!r}")
         if self.target_batch_size % self.world_size:
             raise ValueError(f"inconsistent plan: target_batch_size={self.target_batch_size} is not a multiple of "
                              f"world_size={self.world_size}")
@@ -177,6 +185,8 @@ class Plan:
 
     def describe(self) -> str:
         on = f" on {self.engine}" if self.engine else ""
+        if self.checkpointed_layers is not None:
+            on += f"; checkpointing {self.checkpointed_layers} of {self.num_layers} layers"
         on += f"; eval batch {self.eval_batch_size}" if self.eval_batch_size else ""
         if self.token_budget is not None:
             return (f"window {self.micro_batch_size} × world {self.world_size} = {self.target_batch_size}, "
@@ -191,7 +201,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, int | str]:
         out = asdict(self)
-        for optional in ("token_budget", "token_model", "engine", "eval_batch_size"):
+        for optional in ("token_budget", "token_model", "engine", "checkpointed_layers", "num_layers", "step_seconds",
+                         "eval_batch_size"):
             if out[optional] is None:
                 del out[optional]  # plan files of "samples" mode without an engine keep their four fields
         return out

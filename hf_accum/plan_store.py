@@ -55,6 +55,7 @@ def key_fields(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> di
         "bf16": bool(args.bf16),
         "fp16": bool(args.fp16),
         "gradient_checkpointing": _compat.checkpointing_enabled(args),
+        "checkpoint_layers": getattr(args, "checkpoint_layers", None),  # the request ("auto", k); the plan holds k
         "fused_loss": bool(getattr(trainer, "fused_loss_active", False)),
         "optim": str(args.optim),
         "optim_args": args.optim_args,
@@ -112,7 +113,8 @@ def plan_from_record(record: Any, path: str) -> Plan:
         value = plan[name]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanFileError(f"{path}: {name}={value!r} is not a positive integer")
-    optional = {name: plan[name] for name in ("token_budget", "token_model", "engine", "eval_batch_size")
+    optional = {name: plan[name] for name in ("token_budget", "token_model", "engine", "checkpointed_layers",
+                                              "num_layers", "step_seconds", "eval_batch_size")
                 if plan.get(name) is not None}
     try:
         return Plan(**{name: plan[name] for name in _PLAN_FIELDS}, **optional)

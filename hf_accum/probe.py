@@ -14,6 +14,7 @@ The pieces, from the inside out:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .levers import CheckpointChooser, Level, fit_time_line, scale_line
 from .meters import CpuMeter, CudaMeter, Meter, live_tensor_bytes
 from .oom import free_memory, is_oom
 from .plan import (
@@ -54,6 +56,7 @@ class Trial:
     status: str
     predicted_bytes: float | None = None
     baseline_bytes: int | None = None  # held before the step (weights, gradients, optimizer state): its base
+    checkpointed_layers: int | None = None  # the checkpointing level it ran at, when the probe tried levels
 
     @property
     def samples_per_second(self) -> float | None:
@@ -494,8 +497,12 @@ def probe_model(
     max_micro_batch: int | None = None,
     optimize: str = "memory",
     log: Log | None = None,
+    lever: Any = None,
 ) -> tuple[ProbeResult, Plan]:
     """Probe ``model`` and plan ``target_batch_size``: returns what was measured and the exact plan.
+
+    ``lever`` (`checkpointing.Lever`: ``num_layers`` and ``at(k)``, a context setting k checkpointed layers): also
+    choose how many layers recompute (:func:`probe_levels`); the plan then records k, and the caller applies it.
 
     The probe steps a fresh optimizer (``optimizer_cls(trainable params, **optimizer_kwargs)``, or one
     like ``optimizer`` if given, whose own state is never touched) and leaves the model, its gradients
@@ -549,13 +556,166 @@ def probe_model(
             max_grad_norm=max_grad_norm,
         )
         try:
-            result = probe_micro_batches(
-                step_fn, meter, budget, cap, must_resolve=forward_breakpoints(per_rank), optimize=optimize, log=log
-            )
+            if lever is None:
+                result = probe_micro_batches(
+                    step_fn, meter, budget, cap, must_resolve=forward_breakpoints(per_rank), optimize=optimize, log=log
+                )
+            else:
+                result = probe_levels(step_fn, meter, budget, cap, per_rank, lever,
+                                      must_resolve=forward_breakpoints(per_rank), log=log)
         finally:
             opt.state.clear()  # the probe's optimizer state goes now, not whenever the closures die
     result.extra["seq_len"] = seq_len
-    return result, plan_from_result(result, target_batch_size, world_size)
+    plan = plan_from_result(result, target_batch_size, world_size)
+    chosen = result.extra.get("checkpointing")
+    if chosen is not None:
+        plan = dataclasses.replace(plan, checkpointed_layers=chosen["chosen_k"], num_layers=chosen["num_layers"],
+                                   step_seconds=chosen.get("step_seconds"))
+    return result, plan
+
+
+# --- checkpointing levels ---------------------------------------------------------------------------------------
+MAX_VERIFY_STEPS = 3  # verifying steps before the chooser falls back to a measured point
+
+
+def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per_rank: int, lever: Any, *,
+                 must_resolve: Sequence[int] = (), log: Log | None = None) -> ProbeResult:
+    """Choose the micro-batch and how many of the ``lever.num_layers`` layers recompute, by measurement.
+
+    1. the micro-batch search without checkpointing (k = 0); when the whole per-rank window (or the cap) fits, that
+       is the answer: recompute only adds time;
+    2. otherwise the same search with every layer checkpointed (k = L), reusing the optimizer state;
+    3. each level's step time at its largest fit, without the meter's instrumentation (the search's own timings
+       give the line's shape);
+    4. `levers.CheckpointChooser` proposes the fastest predicted (rows, k); a proposal no measurement covers is
+       verified by a real step (at most `MAX_VERIFY_STEPS`, then the best measured point).
+    Ranks agree on every measured figure (the most constrained rank's), so all make the same choice. The result's
+    ``max_micro_batch_size`` is the chosen rows per forward (0: nothing fits even with every layer checkpointed);
+    ``extra["checkpointing"]`` records the levels, the choice and its predicted seconds per optimizer step."""
+    say = log or (lambda _msg: None)
+    num_layers = lever.num_layers
+    results: dict[int, ProbeResult] = {}
+    say(f"checkpointing level 0 of {num_layers} layers (none)")
+    with lever.at(0):
+        results[0] = probe_micro_batches(step_fn, meter, budget_bytes, cap, must_resolve=must_resolve, log=log)
+    if agree_max_micro_batch(results[0].max_micro_batch_size) < cap:
+        say(f"checkpointing level {num_layers} of {num_layers} layers (all)")
+        with lever.at(num_layers):
+            results[num_layers] = probe_micro_batches(
+                step_fn, meter, budget_bytes, cap, must_resolve=must_resolve, log=log,
+                warmup=results[0].warmup_seconds is None)
+    trials: list[Trial] = []
+    for k, r in results.items():
+        for t in r.trials:
+            t.checkpointed_layers = k
+            trials.append(t)
+    levels = _agree_levels([_level(k, r, step_fn, meter, lever) for k, r in results.items()])
+    # every input of the chooser equal on all ranks, so all make the same proposals (and verifying steps, each one
+    # collective): the tightest rank's budget with the agreed levels
+    chooser = CheckpointChooser(per_rank, num_layers, _tightest_budget(budget_bytes), levels, cap=cap)
+    limit = None if meter.catches_oom else meter.capacity_bytes() - meter.unavailable_bytes()
+    verify = MicroBatchSearch(budget_bytes, cap)
+    steps = 0
+    choice = chooser.propose()
+    while choice is not None and chooser.accepted is None:
+        if steps == MAX_VERIFY_STEPS:
+            chooser.accepted = chooser.best_verified()
+            break
+        steps += 1
+        with lever.at(choice.k):
+            trial = _run_trial(step_fn, meter, verify, choice.micro, limit, say)
+        trial.checkpointed_layers = choice.k
+        trials.append(trial)
+        chooser.record(choice, agree_max_micro_batch(int(trial.fits)) == 1)
+        choice = chooser.propose()
+    accepted = chooser.accepted
+    base = results[accepted.k] if accepted is not None and accepted.k in results else results[max(results)]
+    result = dataclasses.replace(base, trials=trials, extra=dict(base.extra))
+    result.max_micro_batch_size = accepted.micro if accepted is not None else 0
+    result.chosen_micro_batch_size = None
+    record: dict[str, Any] = {
+        "num_layers": num_layers,
+        "levels": [dataclasses.asdict(lv) for lv in levels],
+        "verify_steps": steps,
+        "chosen_k": accepted.k if accepted is not None else num_layers,
+    }
+    if accepted is not None:
+        seconds = _slowest_rank(_timed_step(step_fn, meter, lever, accepted.micro, accepted.k) or 0.0)
+        record["step_seconds"] = accepted.forwards * seconds if seconds else accepted.predicted_seconds
+        record["chosen"] = dataclasses.asdict(accepted)
+        say(f"chosen: {accepted.micro} rows per forward, {accepted.forwards} forwards, checkpointing {accepted.k} of "
+            f"{num_layers} layers, ~{record['step_seconds'] or 0.0:.3f} s per optimizer step")
+    result.extra["checkpointing"] = record
+    return result
+
+
+def _level(k: int, result: ProbeResult, step_fn: StepFn, meter: Meter, lever: Any) -> Level:
+    """What the chooser needs of one measured level: the memory line, and the step-time line shaped by the search's
+    timings and levelled by one plain timed step at the largest fit."""
+    largest = result.max_micro_batch_size
+    failure = min((t.micro_batch_size for t in result.trials if not t.fits), default=None)
+    time = fit_time_line([(t.micro_batch_size, t.seconds) for t in result.trials if t.fits and t.seconds])
+    if largest >= 1 and time is not None:
+        seconds = _timed_step(step_fn, meter, lever, largest, k)
+        if seconds:
+            time = scale_line(time, largest, seconds)
+    return Level(k, largest, failure, result.fitted, time)
+
+
+def _timed_step(step_fn: StepFn, meter: Meter, lever: Any, micro: int, k: int) -> float | None:
+    try:
+        with lever.at(k):
+            return meter.time(lambda: step_fn(micro), micro_batch_size=micro)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+    free_memory()
+    return None
+
+
+def _tightest_budget(budget_bytes: float) -> float:
+    """The smallest budget of all ranks (a rank sharing its device has less)."""
+    if not _distributed():
+        return budget_bytes
+    import torch.distributed as dist
+
+    t = torch.tensor([float(budget_bytes)], dtype=torch.float64, device=_dist_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
+
+
+def _slowest_rank(seconds: float) -> float:
+    """A data-parallel step lasts as long as its slowest rank: the MAX over ranks."""
+    if not _distributed():
+        return seconds
+    import torch.distributed as dist
+
+    t = torch.tensor([float(seconds)], dtype=torch.float64, device=_dist_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _agree_levels(levels: list[Level]) -> list[Level]:
+    """Every rank's levels replaced by the most constrained: the smallest fits and failures, the largest lines, a line
+    only where every rank has one (so the chooser's inputs, and with them its proposals, are equal on all ranks)."""
+    if not _distributed():
+        return levels
+    import torch.distributed as dist
+
+    big = float(2**62)
+    rows = []
+    for lv in levels:
+        rows.append([-lv.largest_fit, -(lv.smallest_failure or big), -float(lv.memory is not None),
+                     -float(lv.time is not None), *(lv.memory or (0.0, 0.0)), *(lv.time or (0.0, 0.0))])
+    t = torch.tensor(rows, dtype=torch.float64, device=_dist_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    out = []
+    for lv, row in zip(levels, t.tolist()):
+        failure = None if -row[1] >= big else int(-row[1])
+        memory = (row[4], row[5]) if row[2] == -1.0 else None
+        time = (row[6], row[7]) if row[3] == -1.0 else None
+        out.append(Level(lv.k, int(-row[0]), failure, memory, time))
+    return out
 
 
 def plan_from_result(result: ProbeResult, target_batch_size: int, world_size: int) -> Plan:
@@ -575,13 +735,23 @@ def plan_from_result(result: ProbeResult, target_batch_size: int, world_size: in
 
 
 def _nothing_fits_message(result: ProbeResult) -> str:
-    first = next((t for t in result.trials if t.micro_batch_size == 1), None)
+    levels = result.extra.get("checkpointing")
+    full = None if levels is None else levels["num_layers"]
+    first = next((t for t in result.trials if t.micro_batch_size == 1 and t.checkpointed_layers in (None, full)
+                  and t.status != "refused"), None)
     need = None if first is None else (first.reserved_bytes or first.peak_bytes)
     amount = (
         f"needs {_gib(need)}, {_gib(need - result.budget_bytes)} over the budget of {_gib(result.budget_bytes)}"
         if need
         else f"ran out of memory under the budget of {_gib(result.budget_bytes)}"
     )
+    if levels is not None:
+        return (
+            f"even micro-batch 1 with every one of the {full} layers checkpointed does not fit: one training step "
+            f"{amount}. What is left: train LoRA adapters instead of all weights, load the base model in 4-bit "
+            "(QLoRA), shorten sequences (max_length / probe_seq_len), shard the model over more ranks (FSDP or "
+            "DeepSpeed ZeRO), or raise the memory budget."
+        )
     return (
         f"even micro-batch 1 does not fit: one training step {amount}. To fit: enable gradient checkpointing, "
         "train LoRA adapters instead of all weights, load the base model in 4-bit (QLoRA), shorten the probe "

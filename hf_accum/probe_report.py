@@ -14,11 +14,14 @@ def _mib(n: float | None) -> str:
 
 
 def table(result: ProbeResult, seq_len: int) -> str:
-    rows = ["| micro | peak alloc MiB | peak reserved MiB | step s | samples/s | tokens/s | fits |",
-            "|---:|---:|---:|---:|---:|---:|:---|"]
-    for t in sorted(result.trials, key=lambda t: t.micro_batch_size):
+    levels = any(t.checkpointed_layers is not None for t in result.trials)  # the probe chose a checkpointing level
+    rows = [("| checkpointed layers " if levels else "")
+            + "| micro | peak alloc MiB | peak reserved MiB | step s | samples/s | tokens/s | fits |",
+            ("|---:" if levels else "") + "|---:|---:|---:|---:|---:|---:|:---|"]
+    for t in sorted(result.trials, key=lambda t: (t.checkpointed_layers or 0, t.micro_batch_size)):
         sps = t.samples_per_second
         rows.append(
+            (f"| {t.checkpointed_layers} " if levels else "") +
             f"| {t.micro_batch_size} | {_mib(t.peak_bytes)} | {_mib(t.reserved_bytes)} | "
             f"{'-' if t.seconds is None else f'{t.seconds:.3f}'} | {'-' if sps is None else f'{sps:.1f}'} | "
             f"{'-' if sps is None else f'{sps * seq_len:,.0f}'} | {t.status} |"
@@ -32,6 +35,16 @@ def summary(result: ProbeResult, plan: Plan, seq_len: int) -> str:
         a, b = result.fitted
         lines.append(f"memory model: peak ≈ {_mib(a)} MiB + {_mib(b)} MiB × micro-batch (seq {seq_len})")
     lines.append(f"budget {_mib(result.budget_bytes)} MiB of {_mib(result.capacity_bytes)} MiB on {result.device}")
+    levels = result.extra.get("checkpointing")
+    if levels is not None:
+        for level in levels["levels"]:
+            lines.append(f"checkpointing {level['k']} of {levels['num_layers']} layers: largest measured fit "
+                         f"{level['largest_fit']}")
+        if "chosen" in levels:
+            chosen = levels["chosen"]
+            lines.append(f"chosen: checkpointing {chosen['k']} of {levels['num_layers']} layers, {chosen['forwards']} "
+                         f"forwards of <= {chosen['micro']} rows, ~{levels['step_seconds']:.3f} s per optimizer step "
+                         f"({levels['verify_steps']} verifying steps)")
     lines.append(f"largest micro-batch that fits: {result.max_micro_batch_size}")
     if result.next_size:
         lines.append(f"next usable size {result.next_size} does not fit ({result.next_verdict})")
@@ -74,8 +87,13 @@ def write_plot(path: str, result: ProbeResult, plan: Plan) -> None:
         top = max([m for m, _, _ in measured] + [plan.micro_batch_size]) + 1
         a, b = result.fitted
         ax.plot([0, top], [a / 2**20, (a + b * top) / 2**20], color="gray", linestyle=":", label="fitted a + b·micro")
+    for t in result.trials:  # the checkpointing level each point ran at, when the probe chose one
+        if t.peak_bytes and t.checkpointed_layers is not None:
+            ax.annotate(f"k={t.checkpointed_layers}", (t.micro_batch_size, t.peak_bytes / 2**20), fontsize=7,
+                        xytext=(4, -10), textcoords="offset points")
     ax.axhline(result.budget_bytes / 2**20, color="tab:orange", linestyle="--", label="budget")
-    chosen = next((p for m, p, _ in measured if m == plan.micro_batch_size), None)
+    at_level = [t for t in result.trials if t.peak_bytes and t.checkpointed_layers in (None, plan.checkpointed_layers)]
+    chosen = next((t.peak_bytes / 2**20 for t in at_level if t.micro_batch_size == plan.micro_batch_size), None)
     if chosen is None and result.fitted is not None:  # a divisor below the measured maximum: on the fitted line
         chosen = (result.fitted[0] + result.fitted[1] * plan.micro_batch_size) / 2**20
     if chosen is not None:

@@ -29,7 +29,7 @@ import weakref
 import torch
 from transformers import Trainer, TrainerCallback
 
-from . import _compat, tuning
+from . import _compat, checkpointing, tuning
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments, resolve_nonfinite_limit
 from .checkpoints import check_resume
@@ -114,6 +114,7 @@ class AccumulationMixin:
     def _refuse_unsupported_setups(self) -> None:
         """Every setup hf_accum cannot run exactly fails here, at construction, naming what to set."""
         _compat.refuse_silent_engine_fallback(self)
+        checkpointing.check_request(self.model, self.args)
         if self._trl is not None and self._normalization != "model":
             base, mixed = self._trl
             problem = mixed.check(self) if mixed.check else None
@@ -328,7 +329,11 @@ class AccumulationMixin:
         smaller = [d for d in divisors(per_rank) if d < current]
         if not smaller:
             return None
-        return self._on_engine(Plan(smaller[-1], per_rank // smaller[-1], world, target))
+        plan = Plan(smaller[-1], per_rank // smaller[-1], world, target)
+        if self.plan is not None and self.plan.checkpointed_layers is not None:  # the model keeps its k
+            plan = dataclasses.replace(plan, checkpointed_layers=self.plan.checkpointed_layers,
+                                       num_layers=self.plan.num_layers)
+        return self._on_engine(plan)
 
     def _loads_windows(self) -> bool:
         """Each rank loads its whole window and the engine cuts it (the plan's near-equal forwards, or a token
@@ -403,6 +408,8 @@ class AccumulationMixin:
         if plan.eval_batch_size is not None:  # a stored plan: measured at an earlier run's first evaluation
             self.args.per_device_eval_batch_size = plan.eval_batch_size
             self._eval_batch_planned = True
+        if plan.checkpointed_layers is not None and not in_training_loop:
+            checkpointing.apply_chosen(self.model, plan.checkpointed_layers, self.args)  # a stored plan's k too
         self.plan = plan
         if in_training_loop and self.args.should_save:  # tune() saved the plan it applies, with its probe
             save_plan(self.args.output_dir, self._plan_key or {}, plan, None)
@@ -483,6 +490,7 @@ class AccumulationMixin:
             if self._normalization != "model":
                 self._label_spec()  # refuses a model whose loss hf_accum cannot drive exactly, before any work
             check_training_data(self)
+            checkpointing.apply_requested(self.model, self.args)  # an explicit k (True: Trainer.train sets it)
             resume_from_checkpoint, stored = self._check_output_dir(resume_from_checkpoint)
             if getattr(self.args, "tunes", False) and self.plan is None and _compat.deepspeed_stage(self) is not None:
                 self._tune_deepspeed()

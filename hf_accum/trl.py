@@ -25,7 +25,7 @@ says (it is turned off, logged, because hf_accum counts across ranks itself).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import Trainer
@@ -39,12 +39,24 @@ from . import _compat
 from .args import AccumTrainingArguments
 from .trainer import AccumulationMixin
 
+# TRL's configs default gradient_checkpointing to True; an unset flag (None) lets the tuner choose per layer instead
+# (args.AccumTrainingArguments.checkpoint_layers). An explicit True/False is obeyed.
+_FLAG_METADATA = {
+    "help": "Gradient checkpointing on every layer (True) or none (False). Unset (hf_accum's default, unlike TRL's True): "
+            "with the auto-tuner, checkpoint_layers='auto' chooses how many layers recompute; without it, off.",
+    "nargs": "?",
+    "const": True,
+}
+
 
 @dataclass
 class AccumSFTConfig(SFTConfig, AccumTrainingArguments):
     """`trl.SFTConfig` with hf_accum's fields (target_batch_size, auto_tune, loss_normalization, ...).
 
-    SFTConfig's defaults win where both define a field (e.g. learning_rate 2e-5, logging_steps 10)."""
+    SFTConfig's defaults win where both define a field (e.g. learning_rate 2e-5, logging_steps 10), except TRL's
+    default gradient_checkpointing=True, which counts as unset: with the tuner, checkpoint_layers="auto" chooses."""
+
+    gradient_checkpointing: bool | None = field(default=None, metadata=_FLAG_METADATA)
 
 
 class _TRLAccumulation(AccumulationMixin):
@@ -103,6 +115,7 @@ class AccumDPOConfig(DPOConfig, AccumTrainingArguments):
     over preference pairs, and one pair is one sample of the effective batch."""
 
     loss_normalization: str = "samples"
+    gradient_checkpointing: bool | None = field(default=None, metadata=_FLAG_METADATA)
 
     def __post_init__(self):
         super().__post_init__()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from . import _compat
+from . import _compat, checkpointing
 from .loss import loss_shifts_labels
 from .meters import CpuMeter, CudaMeter, Meter
 from .plan import Plan
@@ -85,10 +85,15 @@ def tune(trainer, prepared: Prepared | None = None,
         _log_in_trainer(trainer, figures, in_loop)
         return plan, None, prepared.key
 
+    if in_loop:
+        checkpointing.lever_for(trainer)  # through the engine k is not chosen: its one log line says so
     probe = probe or _model_probe(trainer, prepared)
     result, plan = probe(prepared.make_batch, prepared.seq_len)
     if args.micro_batching == "tokens":
+        chosen = plan
         plan, result = token_plan(trainer, plan, result, prepared.seq_len, probe, prepared.lengths)
+        plan = dataclasses.replace(plan, checkpointed_layers=chosen.checkpointed_layers, num_layers=chosen.num_layers,
+                                   step_seconds=chosen.step_seconds)
     figures = plan_figures(plan, prepared.budget, result.to_dict(), reused=False)
     where = ""
     if args.should_save:
@@ -101,11 +106,23 @@ def tune(trainer, prepared: Prepared | None = None,
 def _model_probe(trainer, prepared: Prepared) -> Probe:
     """`probe_model` on the trainer's model, optimizer and loss, before training."""
     args = trainer.args
-    _compat.enable_checkpointing(trainer.model, args)  # as train() will, so the probe measures it
+    checkpointing.apply_requested(trainer.model, args)  # as train() will, so the probe measures it
+    lever = checkpointing.lever_for(trainer)  # "auto": the first probe chooses k; later lengths are probed at it
+    chosen: list[int] = []
     optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, trainer.model)
     autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
 
     def probe(make, length, max_micro=args.probe_max_micro_batch):
+        if lever is None:
+            return measure(make, length, max_micro, None)
+        if not chosen:
+            result, plan = measure(make, length, max_micro, lever)
+            chosen.append(plan.checkpointed_layers)
+            return result, plan
+        with lever.at(chosen[0]):
+            return measure(make, length, max_micro, None)
+
+    def measure(make, length, max_micro, lever):
         return probe_model(
             trainer.model,
             seq_len=length,
@@ -124,6 +141,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
             max_micro_batch=max_micro,
             optimize=args.auto_tune_optimize,
             log=logger.info,
+            lever=lever,
         )
 
     return probe
@@ -282,9 +300,16 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
         for name in ("base_bytes", "per_row_bytes", "per_token_bytes", "per_token_sq_bytes"):
             if model:
                 figures[f"hf_accum/cost_{name}"] = model[name]
+    if plan.checkpointed_layers is not None:
+        figures["hf_accum/checkpointed_layers"] = plan.checkpointed_layers
+        figures["hf_accum/num_layers"] = plan.num_layers
+    if plan.step_seconds is not None:
+        figures["hf_accum/step_seconds"] = plan.step_seconds
     trials = (probe or {}).get("trials") or []
     measured = [t for t in trials if isinstance(t, dict) and t.get("status") != "refused"]
     figures["hf_accum/probe_trials"] = len(measured)
+    # a peak says something about the plan only at the checkpointing level it runs at
+    measured = [t for t in measured if t.get("checkpointed_layers") in (None, plan.checkpointed_layers)]
     # The plan's micro-batch may not have been run (a larger one was, and fit): the smallest fitting size at or
     # above it is a measured upper bound of its peak.
     above = [t for t in measured if t.get("fits") and t.get("peak_bytes") and t["micro_batch_size"] >= plan.micro_batch_size]
@@ -304,6 +329,8 @@ def plan_line(plan: Plan, figures: dict[str, float]) -> str:
     memory = f"budget {_mib(figures['hf_accum/budget_bytes'])}"
     if peak is not None:
         memory = (f"peak {'' if at == plan.micro_batch_size else '≤ '}{_mib(peak)} of {memory}")
+    if plan.step_seconds is not None:
+        memory += f"; {plan.step_seconds:.2f} s per optimizer step measured"
     found = "stored plan" if figures.get("hf_accum/plan_reused") else f"{figures['hf_accum/probe_trials']} probe trials"
     return f"hf_accum plan: {plan.describe()}; {memory}; {found}"
 

@@ -1,5 +1,6 @@
 """Run under `torchrun --nproc_per_node 2`: each rank probes with its own memory budget (rank 1 tighter, as a
-GPU shared with another process would be); both must adopt the same, most constrained plan and train."""
+GPU shared with another process would be); both must adopt the same, most constrained plan and train. With a third
+argument "auto" the probe also chooses the checkpointing level (checkpoint_layers="auto"), else checkpointing is off."""
 
 import json
 import os
@@ -10,6 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main():
     out = sys.argv[1]
+    auto = sys.argv[2:] == ["auto"]
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
 
@@ -19,6 +21,7 @@ def main():
     args = AccumTrainingArguments(
         output_dir=os.path.join(out, f"rank{rank}"), target_batch_size=16, memory_budget_bytes=budget,
         use_cpu=True, ddp_backend="gloo", report_to=[], max_steps=2, save_strategy="no", disable_tqdm=True,
+        **({"probe_seq_len": 128} if auto else {"gradient_checkpointing": False}),
     )
     trainer = AccumTrainer(model=build_model(tokenizer=tok), args=args, train_dataset=build_sft_dataset(64, tok),
                            data_collator=SFTCollator(tok))
@@ -27,7 +30,17 @@ def main():
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"plan": trainer.plan.to_dict(), "steps": trainer.state.global_step,
                    "local_max": result.extra.get("local_max_micro_batch_size", result.max_micro_batch_size),
-                   "agreed_max": result.max_micro_batch_size}, f)
+                   "agreed_max": result.max_micro_batch_size,
+                   "levels": result.extra.get("checkpointing", {}).get("levels"),
+                   "local_level0_max": next((t.micro_batch_size for t in reversed(result.trials)
+                                             if t.fits and t.checkpointed_layers == 0), None),
+                   "checkpointed_now": _checkpointed(trainer.model)}, f)
+
+
+def _checkpointed(model):
+    from hf_accum import _compat
+
+    return _compat.checkpointed_count(model)
 
 
 if __name__ == "__main__":

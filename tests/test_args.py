@@ -1,5 +1,8 @@
 """`AccumTrainingArguments`: parsed by HfArgumentParser from flags and YAML; bad values fail early and say the fix."""
 
+import dataclasses
+import re
+
 import pytest
 import torch
 from transformers import HfArgumentParser
@@ -100,3 +103,59 @@ def test_auto_find_batch_size_is_refused_when_hf_accum_plans_the_batch(tmp_path)
                                use_cpu=True)
     # without a target hf_accum plans nothing: transformers' option stays available
     assert AccumTrainingArguments(output_dir=str(tmp_path), auto_find_batch_size=True, use_cpu=True).auto_find_batch_size
+
+
+# --- checkpoint_layers: "auto" unless the user set checkpointing; explicit values obeyed ---------------------------
+def _ckpt_args(**kw):
+    return AccumTrainingArguments(output_dir="unused", use_cpu=True, report_to=[], **kw)
+
+
+@pytest.mark.parametrize("given,choice", [
+    ({}, "auto"),
+    ({"gradient_checkpointing": False}, False),
+    ({"gradient_checkpointing": True}, True),
+    ({"checkpoint_layers": "auto"}, "auto"),
+    ({"checkpoint_layers": "3"}, 3),
+    ({"checkpoint_layers": 0}, 0),
+    ({"checkpoint_layers": 2, "gradient_checkpointing": False}, 2),
+])
+def test_checkpointing_setting(given, choice):
+    args = _ckpt_args(**given)
+    assert args.checkpointing_choice == choice
+    assert dataclasses.replace(args).checkpointing_choice == choice  # a copy of resolved arguments means the same
+
+
+def test_checkpointing_setting_unset_is_told_from_false_by_the_parser(tmp_path):
+    parser = HfArgumentParser(AccumTrainingArguments)
+    base = ["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none"]
+    seen = {}
+    for extra in ([], ["--gradient_checkpointing"], ["--gradient_checkpointing", "false"], ["--checkpoint_layers", "2"]):
+        (args,) = parser.parse_args_into_dataclasses(base + extra)
+        seen[" ".join(extra)] = args.checkpointing_choice
+    assert seen == {"": "auto", "--gradient_checkpointing": True, "--gradient_checkpointing false": False,
+                    "--checkpoint_layers 2": 2}
+    path = tmp_path / "a.yaml"
+    path.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nreport_to: []\ncheckpoint_layers: 3\n")
+    (args,) = parser.parse_yaml_file(str(path))
+    assert args.checkpointing_choice == 3
+
+
+@pytest.mark.parametrize("given,message", [
+    ({"checkpoint_layers": "some"}, "checkpoint_layers='some' must be 'auto' or an integer >= 0"),
+    ({"checkpoint_layers": -1}, "checkpoint_layers=-1 must be"),
+    ({"checkpoint_layers": True}, "checkpoint_layers=True must be"),
+    ({"checkpoint_layers": 2, "gradient_checkpointing": True}, "contradict each other"),
+])
+def test_bad_checkpointing_setting(given, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _ckpt_args(**given)
+
+
+def test_trl_default_checkpointing_counts_as_unset():
+    pytest.importorskip("trl")
+    from hf_accum.trl import AccumDPOConfig, AccumSFTConfig
+
+    for config in (AccumSFTConfig, AccumDPOConfig):
+        assert config(output_dir="unused", use_cpu=True, report_to=[], bf16=False).checkpointing_choice == "auto"
+        explicit = config(output_dir="unused", use_cpu=True, report_to=[], bf16=False, gradient_checkpointing=True)
+        assert explicit.checkpointing_choice is True

@@ -37,6 +37,21 @@ def test_probe_default_run_plans_accumulation(tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_probe_chooses_the_checkpointing_level(tmp_path, capsys):
+    import json
+
+    out_json = tmp_path / "plan.json"
+    assert main(["probe", "--seq-len", "256", "--checkpoint-layers", "auto", "--budget-bytes", str(16_000_000),
+                 "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "| checkpointed layers | micro |" in printed and "checkpointing 2 of 2 layers: largest measured fit" in printed
+    assert re.search(r"chosen: checkpointing \d of 2 layers, \d+ forwards", printed)
+    data = json.loads(out_json.read_text())
+    assert data["num_layers"] == 2 and {t["checkpointed_layers"] for t in data["trials"]} == {0, 2}
+    assert main(["probe", "--checkpoint-layers", "3"]) == 2
+    assert "--checkpoint-layers 3: give 'auto' or an integer 0..2" in capsys.readouterr().err
+
+
 import pytest  # noqa: E402
 
 

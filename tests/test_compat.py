@@ -383,3 +383,45 @@ def test_gather_for_metrics_keeps_the_first_remainder_rows_of_the_last_batch(tmp
         assert _compat.eval_rows_kept(trainer, len(rows)) == (len(rows), None)  # one process: every row counts
     assert [s[0] for s in seen] == [False, False, True] and seen[-1][1] == 10 % 4
     assert seen[-1][2] == [9, 10]  # the first `remainder` gathered rows: this rank's, not the other's
+
+
+def test_per_layer_checkpointing_flag():
+    """transformers checkpoints a `GradientCheckpointingLayer` exactly when its instance flag `gradient_checkpointing`
+    is True (in training), through the `_gradient_checkpointing_func` its enable sets: `_compat.set_checkpointed_layers`
+    relies on both."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model = tiny_llama(torch.float32, num_hidden_layers=3)
+    layers = _compat.checkpointable_layers(model)
+    assert len(layers) == 3 and all(isinstance(m, GradientCheckpointingLayer) for m in layers)
+    assert list(model.model.layers) == layers  # forward order: "the first k" are the first k to run
+    assert GradientCheckpointingLayer.gradient_checkpointing is False and _compat.checkpointed_count(model) == 0
+    _compat.set_checkpointed_layers(model, 2, {"use_reentrant": False})
+    assert [m.gradient_checkpointing for m in layers] == [True, True, False]
+    calls = []
+    for i, layer in enumerate(layers):
+        func = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda f, *a, _i=i, _func=func, **k: (calls.append(_i), _func(f, *a, **k))[1]
+    model.train()
+    model(input_ids=torch.ones(1, 4, dtype=torch.long)).logits.sum().backward()
+    assert calls == [0, 1]  # the unflagged layer ran as is
+    model.eval()
+    calls.clear()
+    model(input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert calls == []  # evaluation never checkpoints
+    _compat.set_checkpointed_layers(model, 0)
+    assert _compat.checkpointed_count(model) == 0
+    # the enable method hf_accum calls, by name on the versions it supports
+    assert hasattr(model, "activation_checkpointing_enable") or hasattr(model, "gradient_checkpointing_enable")
+
+
+def test_checkpointing_argument_unset_is_none():
+    """`AccumTrainingArguments` must tell an unset checkpointing flag from an explicit False (args.py): transformers
+    5.24's `activation_checkpointing` defaults to None; 5.17 had only `gradient_checkpointing: bool = False`, which
+    hf_accum overrides to None."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    if "activation_checkpointing" in fields:
+        assert fields["activation_checkpointing"].default is None
+    assert "gradient_checkpointing" in fields and "gradient_checkpointing_kwargs" in fields

@@ -118,6 +118,19 @@ def test_ranks_with_different_budgets_agree_on_the_most_constrained_plan(tmp_pat
     assert r0["steps"] == r1["steps"] == 2
 
 
+@pytest.mark.slow
+def test_ranks_with_different_budgets_agree_on_one_checkpointing_level(tmp_path):
+    proc = _torchrun("ddp_tune_worker.py", tmp_path, "auto")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    import json
+
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["levels"] is not None and r0["levels"] == r1["levels"]  # each rank's measurements, agreed
+    assert r0["plan"] == r1["plan"] and r0["plan"]["num_layers"] == 2
+    assert r0["checkpointed_now"] == r1["checkpointed_now"] == r0["plan"]["checkpointed_layers"]
+    assert r0["steps"] == r1["steps"] == 2
+
+
 def _torchrun(script, *argv, timeout=600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            os.path.join(ROOT, "tests", script), *map(str, argv)]

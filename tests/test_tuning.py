@@ -167,7 +167,8 @@ def test_probe_seq_len_beyond_the_model(tmp_path, tok):
 
 
 def test_nothing_fits_says_by_how_much_and_what_helps(tmp_path, tok):
-    trainer = make(tmp_path, tok, memory_budget_bytes=MiB // 4)
+    # checkpointing off by the user's choice: the message offers it (with "auto" see test_checkpoint_tuning.py)
+    trainer = make(tmp_path, tok, memory_budget_bytes=MiB // 4, gradient_checkpointing=False)
     with pytest.raises(NothingFitsError, match="gradient checkpointing.*LoRA.*4-bit") as info:
         trainer.tune()
     assert "over the budget" in str(info.value)

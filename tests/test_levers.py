@@ -1,0 +1,193 @@
+"""The checkpointing chooser (hf_accum/levers.py), pure: tables of measured levels in, (rows, k) out."""
+
+import math
+
+import pytest
+
+from hf_accum.levers import CheckpointChooser, Level, fit_time_line, scale_line
+
+MIB = 2**20
+
+
+def synthetic(L=8, base=100 * MIB, act=10 * MIB, saved=1 * MIB, c=0.5, s=0.1, layer_fwd=0.004, buffer=True):
+    """A model whose step memory and time follow the issue's expectation: every checkpointed layer frees
+    ``act - saved`` per sample (the first k: the recompute buffer appears only when all are checkpointed) and adds
+    one layer forward per sample to the step."""
+
+    def memory(m, k):
+        per_sample = L * act - k * (act - saved) + (act if k == L and buffer else 0)
+        return base + m * per_sample
+
+    def seconds(m, k):
+        return c + m * (s + k * layer_fwd)
+
+    return memory, seconds
+
+
+def measured_level(memory, seconds, k, budget, cap):
+    fits = [m for m in range(1, cap + 1) if memory(m, k) <= budget]
+    largest = max(fits, default=0)
+    failure = largest + 1 if largest < cap else None
+    pts = [m for m in (max(1, largest - 1), largest) if m >= 1]
+    line = None
+    if largest >= 2:
+        a = memory(pts[0], k)
+        b = memory(pts[1], k) - a
+        line = (a - b * pts[0], b)
+    return Level(k, largest, failure, line, fit_time_line([(m, seconds(m, k)) for m in (1, max(1, largest))]))
+
+
+def run_chooser(chooser, memory, budget, max_verifies=10):
+    steps = 0
+    while chooser.accepted is None:
+        choice = chooser.propose()
+        if choice is None:
+            return None, steps
+        if chooser.accepted is not None:
+            break
+        steps += 1
+        assert steps <= max_verifies
+        chooser.record(choice, memory(choice.micro, choice.k) <= budget)
+    return chooser.accepted, steps
+
+
+def exhaustive_best(memory, seconds, per_rank, L, budget):
+    best = None
+    for k in range(L + 1):
+        for m in range(1, per_rank + 1):
+            if memory(m, k) > budget:
+                continue
+            forwards = math.ceil(per_rank / m)
+            rows = math.ceil(per_rank / forwards)
+            t = forwards * seconds(rows, k)
+            if best is None or t < best[0] - 1e-12:
+                best = (t, rows, k)
+    return best
+
+
+@pytest.mark.parametrize("per_rank,budget_mib,L", [
+    (32, 500, 8), (31, 500, 8), (64, 900, 8), (24, 300, 4), (40, 1000, 16), (32, 2000, 8), (7, 150, 2),
+])
+@pytest.mark.parametrize("buffer", [False, True])
+def test_choice_is_the_exhaustive_best(per_rank, budget_mib, L, buffer):
+    """Linear in k (no recompute buffer): the exact best. With the full level's recompute buffer, which the
+    interpolation spreads over the partial levels (over-stating their memory), within the issue's 5%."""
+    memory, seconds = synthetic(L=L, buffer=buffer)
+    budget = budget_mib * MIB
+    levels = [measured_level(memory, seconds, k, budget, per_rank) for k in (0, L)]
+    chooser = CheckpointChooser(per_rank, L, budget, levels)
+    got, steps = run_chooser(chooser, memory, budget)
+    want = exhaustive_best(memory, seconds, per_rank, L, budget)
+    assert got is not None and memory(got.micro, got.k) <= budget
+    # near ties (3%) go to fewer checkpointed layers, on top of the interpolation's over-statement with the buffer
+    assert forwards_time(seconds, per_rank, got) <= want[0] * (1.05 if buffer else 1) * (1 + chooser.tie_fraction)
+    assert forwards_time(seconds, per_rank, got) >= want[0] - 1e-9
+    assert steps <= 1  # the linear model is exact between the levels: at most one verifying step
+
+
+def forwards_time(seconds, per_rank, choice):
+    return choice.forwards * seconds(choice.micro, choice.k)
+
+
+def test_whole_target_fits_without_checkpointing():
+    memory, seconds = synthetic()
+    budget = 10_000 * MIB
+    level0 = measured_level(memory, seconds, 0, budget, 32)
+    chooser = CheckpointChooser(32, 8, budget, [level0])
+    choice = chooser.propose()
+    assert (choice.micro, choice.k, choice.forwards, choice.verified) == (32, 0, 1, True)
+    assert chooser.accepted == choice
+
+
+def test_partial_level_chosen_and_verified_once():
+    # no checkpointing fits 6 rows (6 forwards of 32), every layer 27 (2 forwards of 16); 7 of 8 layers also fit 16
+    # rows, one layer's recompute less: the chooser takes the partial level and asks for one verifying step
+    memory, seconds = synthetic(L=8, c=2.0, s=0.1, layer_fwd=0.004)
+    budget = 600 * MIB
+    levels = [measured_level(memory, seconds, k, budget, 32) for k in (0, 8)]
+    assert levels[0].largest_fit == 6 and levels[1].largest_fit == 27
+    chooser = CheckpointChooser(32, 8, budget, levels)
+    first = chooser.propose()
+    assert (first.k, first.micro, first.forwards, first.verified) == (7, 16, 2, False)
+    assert first.predicted_seconds == pytest.approx(2 * seconds(16, 7))
+    chooser.record(first, memory(first.micro, first.k) <= budget)
+    assert chooser.accepted.k == 7 and chooser.accepted.verified
+
+
+def test_back_off_after_a_failed_verification():
+    memory, seconds = synthetic(L=8, c=2.0)
+    budget = 500 * MIB
+    levels = [measured_level(memory, seconds, k, budget, 32) for k in (0, 8)]
+    chooser = CheckpointChooser(32, 8, budget, levels)
+    first = chooser.propose()
+    chooser.record(first, False)  # the device disagrees with the line
+    second = chooser.propose()
+    assert (second.k, second.micro) != (first.k, first.micro)
+    assert chooser.max_micro(first.k) < first.micro
+    # fallback: a measured point always remains
+    for _ in range(40):
+        choice = chooser.propose()
+        if chooser.accepted is not None:
+            break
+        chooser.record(choice, False)
+    assert chooser.accepted is not None and chooser.accepted.verified
+    assert chooser.best_verified() is not None
+
+
+def test_nothing_fits_even_with_every_layer_checkpointed():
+    levels = [Level(0, 0, 1), Level(8, 0, 1)]
+    assert CheckpointChooser(16, 8, 100 * MIB, levels).propose() is None
+
+
+def test_nothing_fits_without_checkpointing_but_fits_with_it():
+    memory, seconds = synthetic(L=4)
+    budget = 130 * MIB
+    levels = [measured_level(memory, seconds, k, budget, 16) for k in (0, 4)]
+    assert levels[0].largest_fit == 0 and levels[1].largest_fit >= 1
+    got, _ = run_chooser(CheckpointChooser(16, 4, budget, levels), memory, budget)
+    assert got is not None and memory(got.micro, got.k) <= budget
+
+
+def test_on_off_model_is_two_levels():
+    # L = 1: checkpointing on or off. Off fits 3 rows (11 forwards for 32), on fits all 32 at +40% per sample
+    levels = [Level(0, 3, 4, (100.0, 10.0), (1.0, 0.1)), Level(1, 32, None, (100.0, 2.0), (1.0, 0.14))]
+    choice = CheckpointChooser(32, 1, 140.0, levels).propose()
+    assert (choice.k, choice.micro, choice.forwards, choice.verified) == (1, 32, 1, True)
+    # a large per-sample recompute cost with a tiny per-forward cost keeps it off
+    levels = [Level(0, 3, 4, (100.0, 10.0), (0.001, 0.1)), Level(1, 32, None, (100.0, 2.0), (0.001, 0.5))]
+    choice = CheckpointChooser(32, 1, 140.0, levels).propose()
+    assert (choice.k, choice.micro, choice.forwards) == (0, 3, 11)
+
+
+def test_cap_and_uneven_rows():
+    levels = [Level(0, 7, 8, (0.0, 1.0), (1.0, 0.1))]
+    choice = CheckpointChooser(31, 4, 7.5, levels).propose()
+    assert (choice.micro, choice.forwards) == (7, 5)  # 31 rows in 5 forwards of at most 7 (7+6+6+6+6)
+    levels = [Level(0, 20, None, (0.0, 1.0), (1.0, 0.1))]
+    choice = CheckpointChooser(31, 4, 100.0, levels, cap=10).propose()
+    assert (choice.micro, choice.forwards) == (8, 4)
+
+
+def test_near_ties_go_to_fewer_checkpointed_layers():
+    # every layer: 1 forward at 1.00 s; none: 2 forwards at 1.02 s in all, within the 3% tie: no checkpointing
+    levels = [Level(0, 8, 9, (0.0, 2.0), (0.11, 0.05)), Level(4, 16, None, (0.0, 1.0), (0.2, 0.05))]
+    choice = CheckpointChooser(16, 4, 16.0, levels).propose()
+    assert (choice.k, choice.forwards) == (0, 2)
+    choice = CheckpointChooser(16, 4, 16.0, levels, tie_fraction=0.0).propose()
+    assert (choice.k, choice.forwards) == (4, 1)
+
+
+def test_fit_time_line():
+    assert fit_time_line([(1, 1.1), (5, 1.5), (5, 1.7)]) == pytest.approx((1.0, 0.1))
+    assert fit_time_line([(4, 2.0)]) == (0.0, 0.5)
+    assert fit_time_line([]) is None
+    c, s = fit_time_line([(1, 1.0), (2, 0.9)])  # noise: flat
+    assert s == 0.0
+    assert scale_line((1.0, 0.1), 10, 4.0) == pytest.approx((2.0, 0.2))
+
+
+def test_bad_levels_refused():
+    with pytest.raises(ValueError):
+        CheckpointChooser(8, 4, 1.0, [])
+    with pytest.raises(ValueError):
+        CheckpointChooser(8, 4, 1.0, [Level(5, 1)])
