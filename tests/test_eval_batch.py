@@ -97,7 +97,7 @@ def test_tuned_runs_plan_the_eval_batch_at_the_first_evaluation_and_reuse_it(tmp
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hf_accum"):
         second = run()
-    assert "reusing the plan" in caplog.text and "eval batch 24 per rank" not in caplog.text
+    assert "stored plan (reused " in caplog.text and "eval batch 24 per rank" not in caplog.text
     assert second.args.per_device_eval_batch_size == 24
 
 
