@@ -28,7 +28,7 @@ from transformers import Trainer, TrainerCallback
 
 from . import _compat, tuning
 from .accumulation_check import AccumulationCheck, run_accumulation_check
-from .args import AccumTrainingArguments
+from .args import AccumTrainingArguments, explicit_batch_settings
 from .checkpoints import check_resume
 from .deepspeed_batch import batch_contradiction
 from .engine_probe import probe_through_engine
@@ -69,6 +69,8 @@ class AccumulationMixin:
         super().__init__(*bound.args, **bound.kwargs)
         # transformers creates output_dir here; a run refused before training removes it again while still empty
         self._made_output_dir = given_dir if not existed else None
+        # the batch settings the user gave, before any plan replaces them on our copy (tuning warns they are unused)
+        self._given_batch = explicit_batch_settings(self.args) if isinstance(self.args, AccumTrainingArguments) else {}
         self._checked_before_probe = False
         self.plan: Plan | None = None
         self.probe_result = None
