@@ -179,9 +179,8 @@ def _run_probe(args: argparse.Namespace) -> int:
     print(f"fused loss: {'on' if fused else 'off'} ({why})", flush=True)
     if fused:
         patch_model(model)  # for the probe's training steps; the process ends after the probe
-    budget_bytes = args.budget_bytes
-    if budget_bytes is None and args.budget is None and args.model == "tiny":
-        budget_bytes = DEFAULT_PROBE_BUDGET_BYTES
+    budget_bytes, source, line = _bare_model_budget(args)
+    print(line, flush=True)
     try:
         result, plan = probe_model(
             model, seq_len=args.seq_len, target_batch_size=args.target_batch, world_size=args.world_size,
@@ -192,8 +191,24 @@ def _run_probe(args: argparse.Namespace) -> int:
     except NothingFitsError as exc:
         print(table(exc.result, args.seq_len))
         raise
-    _report_probe(args, result, plan, args.seq_len)
+    _report_probe(args, result, plan, args.seq_len, budget_source=source, model=args.model)
     return 0
+
+
+def _bare_model_budget(args: argparse.Namespace) -> tuple[int | None, str, str]:
+    """The budget in bytes (None: the fraction ``args.budget`` or 0.9), where it came from (short, for the summary
+    and the plot) and the line printed before probing."""
+    if args.budget_bytes is not None:
+        return args.budget_bytes, "--budget-bytes", f"budget: {args.budget_bytes} bytes (--budget-bytes)"
+    if args.budget is not None:
+        return None, f"--budget {args.budget:g}", f"budget: {args.budget:g} of the memory this process can use (--budget)"
+    if args.model == "tiny":
+        mib = f"{DEFAULT_PROBE_BUDGET_BYTES / 2**20:g} MiB"
+        return DEFAULT_PROBE_BUDGET_BYTES, "the default for --model tiny", (
+            f"budget: {mib}, the default for --model tiny: less than micro-batch 32 needs at seq 256, so the plan "
+            "shows accumulation (set --budget or --budget-bytes for another)")
+    return None, "the default, 0.9", ("budget: 0.9 of the memory this process can use, the default (set --budget or "
+                                      "--budget-bytes for another)")
 
 
 def _probe_recipe(args: argparse.Namespace) -> int:
@@ -210,7 +225,10 @@ def _probe_recipe(args: argparse.Namespace) -> int:
     except NothingFitsError as exc:
         print(table(exc.result, getattr(exc, "seq_len", 0)))
         raise
-    _report_probe(args, out.result, out.plan, out.seq_len)
+    training = out.recipe.training
+    source = ("training.memory_budget_bytes" if training.get("memory_budget_bytes")
+              else f"training.memory_budget={training.get('memory_budget', 0.9)}")
+    _report_probe(args, out.result, out.plan, out.seq_len, budget_source=source, model=out.recipe.model.name)
     if out.plan_file:
         print(f"stored the plan in {out.plan_file}: `hf-accum train {args.recipe} {' '.join(args.overrides)}` "
               "reuses it without probing")
@@ -219,18 +237,19 @@ def _probe_recipe(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_probe(args: argparse.Namespace, result, plan, seq_len: int) -> None:
+def _report_probe(args: argparse.Namespace, result, plan, seq_len: int, *, budget_source: str | None = None,
+                  model: str | None = None) -> None:
     from .probe_report import summary, table, write_json, write_plot
 
     print()
     print(table(result, seq_len))
     print()
-    print(summary(result, plan, seq_len))
+    print(summary(result, plan, seq_len, budget_source))
     if args.json:
         write_json(args.json, result, plan, seq_len)
         print(f"wrote {args.json}")
     if args.plot:
-        write_plot(args.plot, result, plan)
+        write_plot(args.plot, result, plan, seq_len=seq_len, model=model, budget_source=budget_source)
         print(f"wrote {args.plot}")
 
 
