@@ -52,6 +52,25 @@ def run_recipe(
         return _run(recipe, args, resume, say, callbacks, start, main_process)
 
 
+# peft's save_pretrained warns on every save (checkpoints too) that it saves the embedding layers, because the recipes
+# put embed_tokens in lora.target_modules: saving them is its default then and what the recipes want. Its argument
+# (save_embedding_layers=True) cannot be passed: Trainer.save_model forwards no save_pretrained arguments.
+_PEFT_SAVES_EMBEDDINGS = "Setting `save_embedding_layers` to `True` as embedding layers found in `target_modules`."
+
+
+@contextlib.contextmanager
+def _quiet():
+    """What a recipe's own choices make pointless to print, by exact text: transformers' renamed-checkpointing
+    FutureWarnings (the recipes' keys, and TRL's DPO reference forward, use the old names, the only ones the oldest
+    supported transformers knows) and peft's embedding-layers note above."""
+    import re
+    import warnings
+
+    with _quiet_deprecations(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(_PEFT_SAVES_EMBEDDINGS), category=UserWarning)
+        yield
+
+
 def _load(recipe, overrides) -> tuple[Recipe, Any]:
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
@@ -202,7 +221,8 @@ def probe_recipe(
             seq_len = args.probe_seq_len or built.data.longest
             say(f"probing memory: real training steps against a budget of {_budget_text(args)} ...")
             try:
-                plan = built.trainer.tune()
+                with _quiet():
+                    plan = built.trainer.tune()
             except ValueError as exc:
                 exc.seq_len = seq_len  # for the table of what was measured (NothingFitsError.result)
                 raise
@@ -246,20 +266,22 @@ def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float,
         if args.tunes:
             say(f"planning: the plan stored in output_dir if nothing that changes memory changed, else a memory "
                 f"probe (real training steps against a budget of {_budget_text(args)}) ...")
-            trainer.tune()
+            with _quiet():
+                trainer.tune()
             trainer.args.auto_tune = False  # planned once, here; train() must not probe again (nor lose probe_result)
         plan_dict = _plan_in_force(trainer)
         _say_plan(say, built, plan_dict)
 
     cuda_peak = _reset_cuda_peak(built.model)
-    with _quiet_deprecations():
+    with _quiet():
         result = trainer.train(resume_from_checkpoint=resume)
     final = _plan_in_force(trainer)
     if plan_dict is None:
         _say_plan(say, built, final)
     elif final != plan_dict:  # out of memory mid-run: a smaller micro
         say(f"the plan was lowered during training (out of memory): {_describe(final)}")
-    trainer.save_model(args.output_dir)  # adapter (adapter_config.json + weights, modules_to_save too) + tokenizer
+    with _quiet():
+        trainer.save_model(args.output_dir)  # adapter (adapter_config.json + weights, modules_to_save too) + tokenizer
 
     summary = _summary(built, result, final, resume, cuda_peak() if cuda_peak else None, start)
     if main_process and args.should_save:
