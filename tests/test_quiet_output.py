@@ -44,12 +44,14 @@ def test_only_the_exact_message_is_dropped(name, caplog):
 def test_the_recipe_scope_lets_other_warnings_through():
     from hf_accum.recipes.run import _PEFT_SAVES_EMBEDDINGS, _quiet
 
+    sent = [(_PEFT_SAVES_EMBEDDINGS, UserWarning),
+            ("`gradient_checkpointing_enable` is deprecated and will be removed in v6.", FutureWarning),
+            ("Setting `save_embedding_layers` to `False` for another reason.", UserWarning),
+            ("`some_other_api` is deprecated", FutureWarning)]
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with _quiet():
-            warnings.warn(_PEFT_SAVES_EMBEDDINGS, UserWarning)
-            warnings.warn("`gradient_checkpointing_enable` is deprecated and will be removed in v6.", FutureWarning)
-            warnings.warn("Setting `save_embedding_layers` to `False` for another reason.", UserWarning)
-            warnings.warn("`some_other_api` is deprecated", FutureWarning)
+            for message, category in sent:
+                warnings.warn(message, category, stacklevel=1)
     assert [str(w.message) for w in seen] == ["Setting `save_embedding_layers` to `False` for another reason.",
                                               "`some_other_api` is deprecated"]
