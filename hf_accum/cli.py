@@ -233,7 +233,7 @@ def _probe_recipe(args: argparse.Namespace) -> int:
         print(f"stored the plan in {out.plan_file}: `hf-accum train {args.recipe} {' '.join(args.overrides)}` "
               "reuses it without probing")
     else:
-        print("(plan not stored: add output_dir=DIR to store it where `hf-accum train` reuses it)")
+        print("plan not stored: add output_dir=DIR to store it where `hf-accum train` reuses it")
     return 0
 
 
@@ -255,6 +255,8 @@ def _report_probe(args: argparse.Namespace, result, plan, seq_len: int, *, budge
 
 # --- train -------------------------------------------------------------------------------------------
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    from .recipes.config import available_recipes  # reads the recipes folder; imports neither torch nor yaml
+
     p = sub.add_parser(
         "train", help="run a recipe (a name from recipes/ or a YAML path) with key=value overrides",
         description="Run a LoRA / QLoRA recipe: probe memory (or reuse the plan stored in output_dir), plan "
@@ -263,8 +265,8 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
         epilog="Overrides: section.key=value (model.dtype=bfloat16, lora.r=32, training.learning_rate=1e-4), a bare "
                "key when one section has it (max_steps=100), model=HUB_ID_OR_DIR, dataset=HUB_ID_OR_FILE. Values "
                "are YAML scalars. Checkpoints: save_steps=N; continue a run with resume_from_checkpoint=true (the "
-               "newest complete checkpoint in output_dir) or =PATH. Recipes: lora_sft, qlora_sft, "
-               "lora_classification (see recipes/*.yaml).",
+               "newest complete checkpoint in output_dir) or =PATH. Recipes: "
+               f"{', '.join(available_recipes())} (see recipes/*.yaml).",
     )
     p.add_argument("recipe", help="recipe name (e.g. lora_sft) or path of a recipe YAML file")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of recipe keys")

@@ -90,7 +90,7 @@ def tune(trainer, prepared: Prepared | None = None,
         plan, result = token_plan(trainer, plan, result, prepared.seq_len, probe, prepared.lengths)
     figures = plan_figures(plan, prepared.budget, result.to_dict(), reused=False)
     where = ""
-    if args.should_save:
+    if args.should_save and getattr(trainer, "_stores_plan", True):  # `hf-accum probe RECIPE` stores it itself
         where = "; written to " + save_plan(args.output_dir, prepared.key, plan, result.to_dict())
     _show("hf_accum: %s%s", args, _summary(plan, figures, args), where)
     _log_in_trainer(trainer, figures, in_loop)

@@ -134,11 +134,12 @@ def build(recipe: Recipe, args, say: Callable[[str], None], callbacks: Sequence[
         data = preference_stats(data, trainer.train_dataset)
     elif recipe.model.task == "causal_lm":
         data = sft_stats(data, trainer.train_dataset)
-    say(
-        f"data {recipe.data.dataset}: {len(data.dataset)} {_examples(recipe)}, {data.mean_tokens:.1f} tokens "
-        + (f"and {data.mean_targets:.1f} {_unit(recipe)} " if recipe.model.task != "dpo" else "")
-        + f"per {_example(recipe)} on average, longest {data.longest}"
-    )
+    if recipe.model.task == "dpo":  # a pair forwards two sequences; `longest` is one sequence
+        say(f"data {recipe.data.dataset}: {len(data.dataset)} pairs, {data.mean_tokens / 2:.1f} tokens per sequence "
+            f"on average (two per pair: prompt + chosen, prompt + rejected), longest sequence {data.longest}")
+    else:
+        say(f"data {recipe.data.dataset}: {len(data.dataset)} {_examples(recipe)}, {data.mean_tokens:.1f} tokens and "
+            f"{data.mean_targets:.1f} {_unit(recipe)} per {_example(recipe)} on average, longest {data.longest}")
     return Built(recipe, args, tokenizer, data, model, trainer, trainable, total)
 
 
@@ -214,12 +215,13 @@ def probe_recipe(
     if not args.tunes:
         raise RecipeError("the probe plans target_batch_size: set target_batch_size=N and auto_tune=true")
     scratch = tempfile.mkdtemp(prefix="hf_accum_probe_")
-    args.output_dir = scratch  # tune() writes its plan file here; a stored plan elsewhere is never reused
+    args.output_dir = scratch  # empty: a plan stored elsewhere is never reused (always a fresh probe)
     try:
         with _cpu_threads(recipe.model.cpu_threads, args):
             built = build(recipe, args, say)
             seq_len = args.probe_seq_len or built.data.longest
             say(f"probing memory: real training steps against a budget of {_budget_text(args)} ...")
+            built.trainer._stores_plan = False  # written below where it is kept, or not at all (and said once)
             try:
                 with _quiet():
                     plan = built.trainer.tune()
@@ -228,10 +230,10 @@ def probe_recipe(
                 raise
         plan_file = None
         if store_in is not None:
-            os.makedirs(store_in, exist_ok=True)
-            plan_file = os.path.join(store_in, preflight.PLAN_FILE)
-            shutil.copyfile(os.path.join(scratch, preflight.PLAN_FILE), plan_file + ".tmp")
-            os.replace(plan_file + ".tmp", plan_file)
+            from ..plan_store import save_plan
+
+            trainer = built.trainer
+            plan_file = save_plan(store_in, trainer._plan_key or {}, plan, trainer.probe_result.to_dict())
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return RecipeProbe(recipe, plan, built.trainer.probe_result, seq_len, plan_file)
@@ -302,7 +304,7 @@ def _plan_in_force(trainer) -> dict[str, Any]:
 
 def _say_plan(say, built: Built, plan: dict[str, Any]) -> None:
     probe = _probe_summary(built.trainer, plan["micro_batch_size"])
-    say(f"plan: {_describe(plan)} samples per optimizer step"
+    say(f"plan: {_describe(plan)} {'pairs' if built.recipe.model.task == 'dpo' else 'samples'} per optimizer step"
         + (" (reused the stored plan)" if probe.get("reused_stored_plan") else ""))
     _say_tokens(say, plan["target_batch_size"], built.data, _unit(built.recipe), built.args)
     if probe.get("peak_bytes") is not None:
