@@ -5,7 +5,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import _quiet
+
 __version__ = "0.1.0"
+
+_quiet.install()  # a few exact messages of other libraries that no user can act on (see _quiet.py)
 
 # Imported on first use: `import hf_accum` (and so `hf-accum --help`) must not pay for torch and transformers.
 _LAZY = {"AccumTrainer": ".trainer", "AccumTrainingArguments": ".args"}

@@ -232,6 +232,12 @@ class AccumTrainingArguments(TrainingArguments):
             )
         self._check_tuner_fields()
         self.max_nonfinite_steps = _parse_nonfinite_limit(self.max_nonfinite_steps)
+        if isinstance(self.max_steps, int) and (self.max_steps < -1 or self.max_steps == 0):
+            # transformers trains num_train_epochs epochs for any max_steps <= 0, without a word
+            raise ValueError(
+                f"max_steps={self.max_steps} is not a number of steps: set a positive max_steps to stop after that "
+                "many optimizer steps, or -1 (the default) to train num_train_epochs epochs."
+            )
         if self.micro_batching not in ("samples", "tokens"):
             raise ValueError(f"micro_batching={self.micro_batching!r} must be 'samples' or 'tokens'.")
         if self.max_tokens_per_forward is not None:
@@ -327,7 +333,18 @@ class AccumTrainingArguments(TrainingArguments):
                     f"target_batch_size={self.target_batch_size} is not divisible by the world size {world}: "
                     f"micro x accumulation x world must equal it exactly. Set target_batch_size to {options}."
                 )
-            return  # the tuner chooses both; train() logs that the given values are ignored
+            if self.gradient_accumulation_steps != _default(self, "gradient_accumulation_steps"):
+                # An accumulation states an effective batch of its own: two contradicting targets, refused. (A
+                # micro-batch alone, or values that multiply to the target, are harmless: tune() warns they are
+                # not used.)
+                raise ValueError(
+                    f"per_device_train_batch_size={self.per_device_train_batch_size} x gradient_accumulation_steps="
+                    f"{self.gradient_accumulation_steps} x world size={world} = {derived} contradicts "
+                    f"target_batch_size={self.target_batch_size}, and auto_tune plans both itself. Drop "
+                    "per_device_train_batch_size and gradient_accumulation_steps (probe_max_micro_batch=N caps the "
+                    "micro-batch), or set auto_tune=False with values that multiply to the target."
+                )
+            return
         fix = suggest_accumulation(self.target_batch_size, self.per_device_train_batch_size, world)
         raise ValueError(
             "auto_tune is off, so "
@@ -422,6 +439,18 @@ def checkpointing_flag(args) -> bool | None:
     gradient_checkpointing; None when neither is set."""
     new = getattr(args, "activation_checkpointing", None)
     return new if new is not None else getattr(args, "gradient_checkpointing", None)
+
+
+def _default(args, name: str):
+    """The default of field ``name`` in the arguments' own class (TRL's configs have their own)."""
+    return next(f.default for f in dataclasses.fields(type(args)) if f.name == name)
+
+
+def explicit_batch_settings(args) -> dict[str, int]:
+    """per_device_train_batch_size / gradient_accumulation_steps where they differ from their class defaults:
+    what the user set (a value equal to the default cannot be told apart, and changes nothing either)."""
+    return {name: getattr(args, name) for name in ("per_device_train_batch_size", "gradient_accumulation_steps")
+            if getattr(args, name) != _default(args, name)}
 
 
 def _is_number(value) -> bool:

@@ -141,10 +141,19 @@ def check_resume(args, resume_from_checkpoint, deepspeed: bool | None = None) ->
     Without resuming, the output_dir's newest checkpoint must not belong to another target either. Returns
     ``(resume_from_checkpoint, stored plan)``."""
     target = current_target(args)
+    # Nothing to resume: refused here, before the probe, in transformers' own words (its tests match them) + the fix.
     if isinstance(resume_from_checkpoint, str) and not os.path.isdir(resume_from_checkpoint):
-        return resume_from_checkpoint, None  # no such folder: transformers' own error ("Can't find a valid ...")
+        raise ValueError(
+            f"Can't find a valid checkpoint at {resume_from_checkpoint}: no such directory. Pass "
+            "resume_from_checkpoint=PATH of a checkpoint-N folder, True for the newest complete checkpoint in "
+            f"output_dir ({args.output_dir}), or leave it unset to start a new run."
+        )
     if resume_from_checkpoint is True and not checkpoints_in(args.output_dir):
-        return resume_from_checkpoint, None  # nothing to choose from: transformers' own "No valid checkpoint found"
+        raise ValueError(
+            f"No valid checkpoint found in output directory ({args.output_dir}): resume_from_checkpoint=True has no "
+            "checkpoint-N folder to resume. Leave resume_from_checkpoint unset to start a new run, or pass the path "
+            "of a checkpoint."
+        )
     if isinstance(resume_from_checkpoint, str):
         info = inspect_checkpoint(resume_from_checkpoint, deepspeed)
         if not info.complete:

@@ -183,9 +183,8 @@ def _run_probe(args: argparse.Namespace) -> int:
     print(f"fused loss: {'on' if fused else 'off'} ({why})", flush=True)
     if fused:
         patch_model(model)  # for the probe's training steps; the process ends after the probe
-    budget_bytes = args.budget_bytes
-    if budget_bytes is None and args.budget is None and args.model == "tiny":
-        budget_bytes = DEFAULT_PROBE_BUDGET_BYTES
+    budget_bytes, source, line = _bare_model_budget(args)
+    print(line, flush=True)
     try:
         result, plan = probe_model(
             model, seq_len=args.seq_len, target_batch_size=args.target_batch, world_size=args.world_size,
@@ -196,8 +195,24 @@ def _run_probe(args: argparse.Namespace) -> int:
     except NothingFitsError as exc:
         print(table(exc.result, args.seq_len))
         raise
-    _report_probe(args, result, plan, args.seq_len)
+    _report_probe(args, result, plan, args.seq_len, budget_source=source, model=args.model)
     return 0
+
+
+def _bare_model_budget(args: argparse.Namespace) -> tuple[int | None, str, str]:
+    """The budget in bytes (None: the fraction ``args.budget`` or 0.9), where it came from (short, for the summary
+    and the plot) and the line printed before probing."""
+    if args.budget_bytes is not None:
+        return args.budget_bytes, "--budget-bytes", f"budget: {args.budget_bytes} bytes (--budget-bytes)"
+    if args.budget is not None:
+        return None, f"--budget {args.budget:g}", f"budget: {args.budget:g} of the memory this process can use (--budget)"
+    if args.model == "tiny":
+        mib = f"{DEFAULT_PROBE_BUDGET_BYTES / 2**20:g} MiB"
+        return DEFAULT_PROBE_BUDGET_BYTES, "the default for --model tiny", (
+            f"budget: {mib}, the default for --model tiny: less than micro-batch 32 needs at seq 256, so the plan "
+            "shows accumulation (set --budget or --budget-bytes for another)")
+    return None, "the default, 0.9", ("budget: 0.9 of the memory this process can use, the default (set --budget or "
+                                      "--budget-bytes for another)")
 
 
 def _probe_recipe(args: argparse.Namespace) -> int:
@@ -214,12 +229,15 @@ def _probe_recipe(args: argparse.Namespace) -> int:
     except NothingFitsError as exc:
         print(table(exc.result, getattr(exc, "seq_len", 0)))
         raise
-    _report_probe(args, out.result, out.plan, out.seq_len)
+    training = out.recipe.training
+    source = ("training.memory_budget_bytes" if training.get("memory_budget_bytes")
+              else f"training.memory_budget={training.get('memory_budget', 0.9)}")
+    _report_probe(args, out.result, out.plan, out.seq_len, budget_source=source, model=out.recipe.model.name)
     if out.plan_file:
         print(f"stored the plan in {out.plan_file}: `hf-accum train {args.recipe} {' '.join(args.overrides)}` "
               "reuses it without probing")
     else:
-        print("(plan not stored: add output_dir=DIR to store it where `hf-accum train` reuses it)")
+        print("plan not stored: add output_dir=DIR to store it where `hf-accum train` reuses it")
     return 0
 
 
@@ -244,23 +262,26 @@ def _checkpoint_lever(args: argparse.Namespace, model):
     return None
 
 
-def _report_probe(args: argparse.Namespace, result, plan, seq_len: int) -> None:
+def _report_probe(args: argparse.Namespace, result, plan, seq_len: int, *, budget_source: str | None = None,
+                  model: str | None = None) -> None:
     from .probe_report import summary, table, write_json, write_plot
 
     print()
     print(table(result, seq_len))
     print()
-    print(summary(result, plan, seq_len))
+    print(summary(result, plan, seq_len, budget_source))
     if args.json:
         write_json(args.json, result, plan, seq_len)
         print(f"wrote {args.json}")
     if args.plot:
-        write_plot(args.plot, result, plan)
+        write_plot(args.plot, result, plan, seq_len=seq_len, model=model, budget_source=budget_source)
         print(f"wrote {args.plot}")
 
 
 # --- train -------------------------------------------------------------------------------------------
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    from .recipes.config import available_recipes  # reads the recipes folder; imports neither torch nor yaml
+
     p = sub.add_parser(
         "train", help="run a recipe (a name from recipes/ or a YAML path) with key=value overrides",
         description="Run a LoRA / QLoRA recipe: probe memory (or reuse the plan stored in output_dir), plan "
@@ -269,8 +290,8 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
         epilog="Overrides: section.key=value (model.dtype=bfloat16, lora.r=32, training.learning_rate=1e-4), a bare "
                "key when one section has it (max_steps=100), model=HUB_ID_OR_DIR, dataset=HUB_ID_OR_FILE. Values "
                "are YAML scalars. Checkpoints: save_steps=N; continue a run with resume_from_checkpoint=true (the "
-               "newest complete checkpoint in output_dir) or =PATH. Recipes: lora_sft, qlora_sft, "
-               "lora_classification (see recipes/*.yaml).",
+               "newest complete checkpoint in output_dir) or =PATH. Recipes: "
+               f"{', '.join(available_recipes())} (see recipes/*.yaml).",
     )
     p.add_argument("recipe", help="recipe name (e.g. lora_sft) or path of a recipe YAML file")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of recipe keys")

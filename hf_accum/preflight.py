@@ -8,13 +8,18 @@ silently different effective batch, or fail mid-run, is refused first with the a
 - causal-LM rows whose `labels` do not align with `input_ids` token for token: the model shifts labels itself,
   so another length trains on misaligned targets (or fails after optimizer steps were taken);
 - ``micro_batching="tokens"`` with a given ``max_tokens_per_forward``: an example longer than the budget could
-  never be forwarded (the probe's own budget always holds the longest example, or nothing fits and it says so).
+  never be forwarded (the probe's own budget always holds the longest example, or nothing fits and it says so);
+- an empty example (``input_ids`` of length 0): it trains nothing, and a window of such rows would fail mid-run;
+- ``loss_normalization="tokens"`` with no counted label in the whole training set (every label -100, or the
+  collator gives none): every window would fail at its first step, after the probe. Read through the trainer's
+  own collator, stopping at the first batch that counts a label, with the RNG streams left as they were.
 
 Iterable datasets have no length and cannot be read ahead; they are not checked here.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from .checkpoints import current_target
@@ -36,6 +41,9 @@ def check_training_data(trainer) -> None:
             f"train_dataset is empty (0 rows): there is nothing to train on. Pass a training set with at least "
             f"{target} rows (one optimizer step of {_target_name(args)}={target})."
         )
+    _check_no_empty_rows(dataset)
+    if getattr(args, "loss_normalization", "tokens") == "tokens":
+        _check_some_label_counts(trainer)
     from .args import AccumTrainingArguments
 
     if not isinstance(args, AccumTrainingArguments):
@@ -100,6 +108,51 @@ def _check_token_budget(dataset, budget: int) -> None:
                 "truncation=True, max_length=...)), or raise max_tokens_per_forward (enable gradient_checkpointing "
                 "so more tokens fit), or let the probe measure the budget (set target_batch_size, auto_tune=True)."
             )
+
+
+def _check_no_empty_rows(dataset) -> None:
+    for index, ids in _rows(dataset, ("input_ids",)):
+        if _is_sequence(ids) and len(ids) == 0:
+            raise ValueError(
+                f"train_dataset row {index} is empty (input_ids has 0 tokens): there is nothing in it to train on. "
+                "Remove empty examples before training (e.g. dataset.filter(lambda row: len(row['input_ids']) > 0))."
+            )
+
+
+def _check_some_label_counts(trainer, rows_per_batch: int = 64) -> None:
+    """At least one label counts somewhere in the training set, as the trainer's collator gives the batches."""
+    from .probe import modes_and_rng_preserved
+
+    loader = trainer.get_train_dataloader()
+    dataset, collate = loader.dataset, loader.collate_fn
+    try:
+        size = len(dataset)
+    except TypeError:
+        return
+    spec = trainer._label_spec()
+    with modes_and_rng_preserved(trainer.model):  # a collator may draw random numbers (masking): none consumed
+        for start in range(0, size, rows_per_batch):
+            batch = collate([dataset[i] for i in range(start, min(size, start + rows_per_batch))])
+            if int(spec.count(batch)):
+                return
+    raise ValueError(
+        f"Every label of the training set is ignored ({spec.key!r} is {spec.ignore_index} everywhere, after the "
+        "causal shift where the model shifts labels), so loss_normalization='tokens' has nothing to average over "
+        "and no optimizer step could be taken. Check that the collator masks only prompt and padding tokens (a "
+        "response cut away by truncation leaves none: raise max_length), or set loss_normalization='samples'."
+    )
+
+
+def check_output_dir_writable(output_dir: str) -> None:
+    """The plan file goes to ``output_dir`` after the probe: a place that cannot be written fails first."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"output_dir={output_dir!r} is a file; pass output_dir=DIR with a directory.")
+    parent = os.path.abspath(output_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"output_dir={output_dir!r} cannot be written ({parent} is not writable); pass a "
+                         "writable output_dir.")
 
 
 def _is_sequence(value) -> bool:

@@ -29,12 +29,13 @@ def table(result: ProbeResult, seq_len: int) -> str:
     return "\n".join(rows)
 
 
-def summary(result: ProbeResult, plan: Plan, seq_len: int) -> str:
+def summary(result: ProbeResult, plan: Plan, seq_len: int, budget_source: str | None = None) -> str:
     lines = []
     if result.fitted is not None:
         a, b = result.fitted
         lines.append(f"memory model: peak ≈ {_mib(a)} MiB + {_mib(b)} MiB × micro-batch (seq {seq_len})")
-    lines.append(f"budget {_mib(result.budget_bytes)} MiB of {_mib(result.capacity_bytes)} MiB on {result.device}")
+    lines.append(f"budget {_mib(result.budget_bytes)} MiB of {_mib(result.capacity_bytes)} MiB on {result.device}"
+                 + (f" ({budget_source})" if budget_source else ""))
     levels = result.extra.get("checkpointing")
     if levels is not None:
         for level in levels["levels"]:
@@ -72,37 +73,55 @@ def write_json(path: str, result: ProbeResult, plan: Plan, seq_len: int) -> None
         json.dump(to_json(result, plan, seq_len), f, indent=2, default=str)
 
 
-def write_plot(path: str, result: ProbeResult, plan: Plan) -> None:
+def write_plot(path: str, result: ProbeResult, plan: Plan, *, seq_len: int | None = None, model: str | None = None,
+               budget_source: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = plot(result, plan, seq_len=seq_len, model=model, budget_source=budget_source)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot(result: ProbeResult, plan: Plan, *, seq_len: int | None = None, model: str | None = None,
+         budget_source: str | None = None):
+    """The memory curve: measured steps (a legend entry only for a kind that has points), the fitted line, the
+    budget with its value (and where it came from), and the chosen micro-batch: measured, or marked as read off
+    the fitted line when the probe never ran that size. The title names the model and the sequence length."""
+    import matplotlib.pyplot as plt
+
     measured = sorted((t.micro_batch_size, t.peak_bytes / 2**20, t.fits) for t in result.trials if t.peak_bytes)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.scatter([m for m, _, f in measured if f], [p for _, p, f in measured if f], color="tab:green", label="fits")
-    ax.scatter([m for m, _, f in measured if not f], [p for _, p, f in measured if not f], color="tab:red",
-               marker="x", label="over budget")
+    rows = plan.micro_batch_size  # the largest forward of the plan's cut
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for fits, style in ((True, dict(color="tab:green", label="measured: fits")),
+                        (False, dict(color="tab:red", marker="x", label="measured: over budget"))):
+        points = [(m, p) for m, p, f in measured if f is fits]
+        if points:
+            ax.scatter([m for m, _ in points], [p for _, p in points], **style)
     if result.fitted is not None:
-        top = max([m for m, _, _ in measured] + [plan.micro_batch_size]) + 1
+        top = max([m for m, _, _ in measured] + [rows]) + 1
         a, b = result.fitted
         ax.plot([0, top], [a / 2**20, (a + b * top) / 2**20], color="gray", linestyle=":", label="fitted a + b·micro")
     for t in result.trials:  # the checkpointing level each point ran at, when the probe chose one
         if t.peak_bytes and t.checkpointed_layers is not None:
             ax.annotate(f"k={t.checkpointed_layers}", (t.micro_batch_size, t.peak_bytes / 2**20), fontsize=7,
                         xytext=(4, -10), textcoords="offset points")
-    ax.axhline(result.budget_bytes / 2**20, color="tab:orange", linestyle="--", label="budget")
+    budget = f"budget {_mib(result.budget_bytes)} MiB" + (f" ({budget_source})" if budget_source else "")
+    ax.axhline(result.budget_bytes / 2**20, color="tab:orange", linestyle="--", label=budget)
     at_level = [t for t in result.trials if t.peak_bytes and t.checkpointed_layers in (None, plan.checkpointed_layers)]
-    chosen = next((t.peak_bytes / 2**20 for t in at_level if t.micro_batch_size == plan.micro_batch_size), None)
-    if chosen is None and result.fitted is not None:  # a divisor below the measured maximum: on the fitted line
-        chosen = (result.fitted[0] + result.fitted[1] * plan.micro_batch_size) / 2**20
+    chosen = next((t.peak_bytes / 2**20 for t in at_level if t.micro_batch_size == rows), None)
     if chosen is not None:
-        ax.scatter([plan.micro_batch_size], [chosen], s=160, facecolors="none", edgecolors="black",
-                   label=f"chosen micro {plan.micro_batch_size}")
+        ax.scatter([rows], [chosen], s=160, facecolors="none", edgecolors="black", label=f"chosen micro {rows} (measured)")
+    elif result.fitted is not None:  # a size the probe never ran (a divisor below the largest that fits)
+        chosen = (result.fitted[0] + result.fitted[1] * rows) / 2**20
+        ax.scatter([rows], [chosen], s=160, facecolors="none", edgecolors="black", linestyles="dashed",
+                   label=f"chosen micro {rows} (not measured: on the fitted line)")
     ax.set_xlabel("micro-batch size")
     ax.set_ylabel("peak memory (MiB)")
-    ax.set_title(plan.describe())
+    what = ", ".join(x for x in (model, f"seq {seq_len}" if seq_len else None) if x)
+    ax.set_title((what + "\n" if what else "") + plan.describe(), fontsize=9)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

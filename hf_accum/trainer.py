@@ -31,7 +31,7 @@ from transformers import Trainer, TrainerCallback
 
 from . import _compat, checkpointing, tuning
 from .accumulation_check import AccumulationCheck, run_accumulation_check
-from .args import AccumTrainingArguments, resolve_nonfinite_limit
+from .args import AccumTrainingArguments, explicit_batch_settings, resolve_nonfinite_limit
 from .checkpoints import check_resume
 from .deepspeed_batch import batch_contradiction
 from .engine_probe import probe_through_engine
@@ -42,7 +42,7 @@ from .loss import LabelSpec, label_spec
 from .plan import Plan, divisors, plan_for_micro
 from .plan_store import PLAN_FILE, save_plan
 from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted, StopRequest
-from .preflight import check_training_data
+from .preflight import check_output_dir_writable, check_training_data
 from .protocol import Local, Policy, StopTraining, TorchDistributed, WindowProtocol
 from .token_budget import TokenBudget
 from .units import detect_unit, make_cutter
@@ -75,7 +75,14 @@ class AccumulationMixin:
         if self._trl is not None:
             self.batch_unit = self.batch_unit or self._trl[1].unit
             self.collectives_in_compute_loss = True  # every TRL trainer gathers metrics in compute_loss
+        given_dir = getattr(bound.arguments.get("args"), "output_dir", None)
+        existed = given_dir is None or os.path.exists(given_dir)
         super().__init__(*bound.args, **bound.kwargs)
+        # transformers creates output_dir here; a run refused before training removes it again while still empty
+        self._made_output_dir = given_dir if not existed else None
+        # the batch settings the user gave, before any plan replaces them on our copy (tuning warns they are unused)
+        self._given_batch = explicit_batch_settings(self.args) if isinstance(self.args, AccumTrainingArguments) else {}
+        self._checked_before_probe = False
         self.plan: Plan | None = None
         self.probe_result = None
         self._plan_key: dict | None = None
@@ -430,6 +437,33 @@ class AccumulationMixin:
     @with_fused_loss
     def tune(self) -> Plan:
         """Measure (or reuse the stored plan), plan micro x accumulation x world = target, apply it."""
+        with self._refusal_leaves_output_dir():
+            if not self._checked_before_probe:  # train() checked already
+                self._check_before_probe()
+            return self._tune()
+
+    def _check_before_probe(self) -> None:
+        """Everything the arguments, the data and the model's config can tell, before any model work and before
+        anything is written to output_dir (`preflight.py`)."""
+        if self._normalization != "model":
+            self._label_spec()  # refuses a model whose loss hf_accum cannot drive exactly
+        check_training_data(self)
+        if getattr(self.args, "tunes", False) and self.args.should_save:
+            check_output_dir_writable(self.args.output_dir)
+
+    @contextlib.contextmanager
+    def _refusal_leaves_output_dir(self):
+        """A run refused before training leaves output_dir as it found it: the empty folder transformers' __init__
+        made is removed again (nothing else was written: the plan file comes after every check and the probe)."""
+        try:
+            yield
+        except BaseException:
+            made = self._made_output_dir
+            if made is not None and os.path.isdir(made) and not os.listdir(made):
+                os.rmdir(made)
+            raise
+
+    def _tune(self) -> Plan:
         prepared = tuning.prepare(self)
         self._budget_bytes = prepared.budget
         if prepared.stored is None and _compat.deepspeed_stage(self) is not None:
@@ -485,21 +519,9 @@ class AccumulationMixin:
 
     @with_fused_loss
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        self._refuse_unresumable(resume_from_checkpoint)
         try:
-            if self._normalization != "model":
-                self._label_spec()  # refuses a model whose loss hf_accum cannot drive exactly, before any work
-            check_training_data(self)
-            checkpointing.apply_requested(self.model, self.args)  # an explicit k (True: Trainer.train sets it)
-            resume_from_checkpoint, stored = self._check_output_dir(resume_from_checkpoint)
-            if getattr(self.args, "tunes", False) and self.plan is None and _compat.deepspeed_stage(self) is not None:
-                self._tune_deepspeed()
-            elif getattr(self.args, "tunes", False) and self.plan is None:  # a tune() before train() counts
-                self.tune()
-            elif getattr(self.args, "micro_batching", "samples") == "tokens" and self.plan is None:
-                self.apply_plan(self._given_token_plan())
-            elif stored is not None and resume_from_checkpoint:
-                self.apply_plan(stored)  # the plan in force when the checkpoint was written (maybe downgraded)
+            with self._refusal_leaves_output_dir():
+                resume_from_checkpoint = self._check_and_plan(resume_from_checkpoint)
             if getattr(self.args, "check_accumulation", False):
                 self.check_accumulation()
             handle = getattr(self.args, "handle_preemption", False) and self._normalization != "model"
@@ -512,11 +534,30 @@ class AccumulationMixin:
             return output
         finally:
             self._probing = False
+            self._checked_before_probe = False
             downgraded = self._engine is not None and self._engine.cut_units is not None
             if self._engine is not None:
                 self._engine.end()
             if downgraded and self.plan is not None:
                 self.apply_plan(self.plan)  # the downgraded plan becomes the configured one for later calls
+
+    def _check_and_plan(self, resume_from_checkpoint):
+        """Every check first (`_check_before_probe`, the checkpoint to resume), then the plan: probed, stored or
+        given. Returns the checkpoint to resume (True resolved)."""
+        self._refuse_unresumable(resume_from_checkpoint)
+        self._check_before_probe()
+        resume_from_checkpoint, stored = self._check_output_dir(resume_from_checkpoint)
+        self._checked_before_probe = True
+        checkpointing.apply_requested(self.model, self.args)  # an explicit k (True: Trainer.train sets it)
+        if getattr(self.args, "tunes", False) and self.plan is None and _compat.deepspeed_stage(self) is not None:
+            self._tune_deepspeed()
+        elif getattr(self.args, "tunes", False) and self.plan is None:  # a tune() before train() counts
+            self.tune()
+        elif getattr(self.args, "micro_batching", "samples") == "tokens" and self.plan is None:
+            self.apply_plan(self._given_token_plan())
+        elif stored is not None and resume_from_checkpoint:
+            self.apply_plan(stored)  # the plan in force when the checkpoint was written (maybe downgraded)
+        return resume_from_checkpoint
 
     def _refuse_unresumable(self, resume_from_checkpoint) -> None:
         if resume_from_checkpoint and _compat.sharded_at_load(self.model):

@@ -53,7 +53,7 @@ class Prepared:
 
 def prepare(trainer) -> Prepared:
     args = trainer.args
-    _log_ignored_batch_settings(args)
+    _warn_unused_batch_settings(trainer)
     meter = default_meter(trainer.model)
     fraction = None if args.memory_budget_bytes is not None else args.memory_budget
     budget = resolve_budget(meter, args.memory_budget_bytes, fraction, names=BUDGET_NAMES)
@@ -96,7 +96,7 @@ def tune(trainer, prepared: Prepared | None = None,
                                    step_seconds=chosen.step_seconds)
     figures = plan_figures(plan, prepared.budget, result.to_dict(), reused=False)
     where = ""
-    if args.should_save:
+    if args.should_save and getattr(trainer, "_stores_plan", True):  # `hf-accum probe RECIPE` stores it itself
         where = f" (details: {save_plan(args.output_dir, prepared.key, plan, result.to_dict())})"
     _show("%s%s", args, plan_line(plan, figures), where)
     _log_in_trainer(trainer, figures, in_loop)
@@ -451,10 +451,18 @@ def _length(example) -> int:
     return len(example) if hasattr(example, "__len__") else 0
 
 
-def _log_ignored_batch_settings(args) -> None:
-    if args.per_device_train_batch_size != 8 or args.gradient_accumulation_steps != 1:
-        logger.info(
-            "hf_accum: auto_tune chooses the micro-batch and accumulation for target_batch_size=%d; ignoring "
-            "per_device_train_batch_size=%d and gradient_accumulation_steps=%d.",
-            args.target_batch_size, args.per_device_train_batch_size, args.gradient_accumulation_steps,
-        )
+def _warn_unused_batch_settings(trainer) -> None:
+    """The per_device_train_batch_size / gradient_accumulation_steps the user set, which the plan replaces: harmless
+    (they multiply to the target, or give a micro-batch alone; `AccumTrainingArguments` refuses an accumulation that
+    contradicts the target), but never dropped without a word."""
+    given = getattr(trainer, "_given_batch", None) or {}
+    if not given:
+        return
+    settings = " and ".join(f"{k}={v}" for k, v in given.items())
+    cap = given.get("per_device_train_batch_size")
+    logger.warning(
+        "hf_accum: auto_tune plans the micro-batch and accumulation for target_batch_size=%d, so %s %s not used "
+        "(the effective batch is the target either way).%s Set auto_tune=False to use them as given.",
+        trainer.args.target_batch_size, settings, "is" if len(given) == 1 else "are",
+        f" To cap the micro-batch, set probe_max_micro_batch={cap}." if cap else "",
+    )

@@ -87,7 +87,7 @@ def _train(tmp_path, data, **kw):
 
 @pytest.mark.parametrize(
     "data,message",
-    [("no_labels", "needs a 'labels' tensor in every batch"), ("all_masked", "has no counted labels")],
+    [("no_labels", "needs a 'labels' tensor in every batch"), ("all_masked", "Every label of the training set is ignored")],
 )
 def test_batches_without_labels_fail_before_any_forward(tmp_path, data, message):
     trainer, weights = _train(tmp_path, data)

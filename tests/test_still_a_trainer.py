@@ -68,7 +68,8 @@ def test_deleting_the_trainer_frees_the_model_without_gc(tmp_path, with_target):
 
 
 def test_resuming_a_missing_checkpoint_gives_transformers_own_errors(tmp_path):
-    # transformers' test_can_resume_training asserts these messages; hf_accum only speaks for folders it can read
+    # transformers' test_can_resume_training asserts these messages; hf_accum raises them before any work, in
+    # transformers' words with the fix added
     args = AccumTrainingArguments(output_dir=str(tmp_path), target_batch_size=4, auto_tune=False,
                                   per_device_train_batch_size=4, max_steps=1, report_to=[], use_cpu=True,
                                   save_strategy="no", disable_tqdm=True, remove_unused_columns=False)

@@ -36,7 +36,8 @@ def test_plan_is_measured_applied_and_written(tmp_path, tok, caplog):
     weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     with caplog.at_level(logging.INFO, logger="hf_accum"):
         plan = trainer.tune()
-    assert "ignoring per_device_train_batch_size=4 and gradient_accumulation_steps=4" in caplog.text
+    assert ("per_device_train_batch_size=4 and gradient_accumulation_steps=4 are not used (the effective batch is "
+            "the target either way). To cap the micro-batch, set probe_max_micro_batch=4." in caplog.text)
     # The probe never changes the weights.
     assert all(torch.equal(p, weights[n]) for n, p in trainer.model.named_parameters())
     result = trainer.probe_result

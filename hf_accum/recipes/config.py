@@ -116,12 +116,62 @@ def training_class(task: str = "causal_lm") -> type:
 
 def valid_keys(task: str = "causal_lm") -> dict[str, list[str]]:
     """The keys each section accepts (the training keys depend on model.task)."""
-    return {
+    return _cached(f"keys:{task}", lambda: {
         "model": _init_fields(ModelSection),
         "data": _init_fields(DataSection),
         "lora": _lora_keys(),
         "training": _init_fields(training_class(task)),
-    }
+    })
+
+
+# --- the key lists, cached: reading them imports peft, TRL and transformers (seconds), so a mistyped key would take
+# that long to report. They are stored per installed version of those libraries and of hf_accum's own field
+# definitions; the first run after an install or upgrade reads them from the classes.
+_KEY_SOURCES = ("args.py", "trl.py", "tiny.py", "recipes/config.py")
+
+
+def _keys_cache_file() -> Path | None:
+    import hashlib
+    from importlib import metadata
+
+    parts = []
+    for dist in ("transformers", "trl", "peft", "torch"):
+        try:
+            parts.append(f"{dist}={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist}=none")
+    package = Path(__file__).resolve().parent.parent
+    try:
+        parts += [hashlib.sha256((package / name).read_bytes()).hexdigest() for name in _KEY_SOURCES]
+    except OSError:
+        return None
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "hf_accum" / f"recipe-keys-{digest}.json"
+
+
+def _cached(name: str, compute: Callable[[], Any]) -> Any:
+    import json
+
+    path = _keys_cache_file()
+    stored: dict[str, Any] = {}
+    if path is not None:
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError):
+            stored = {}
+        if name in stored:
+            return stored[name]
+    value = compute()
+    if path is not None:
+        try:  # best effort: a read-only home only costs the imports next time
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**stored, name: value}, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return value
 
 
 def task_of(config: dict[str, Any], overrides: Iterable[str] = ()) -> str:
@@ -135,19 +185,25 @@ def task_of(config: dict[str, Any], overrides: Iterable[str] = ()) -> str:
 
 
 def _bnb_keys() -> set[str]:
-    import inspect
+    def read() -> list[str]:
+        import inspect
 
-    from transformers import BitsAndBytesConfig
+        from transformers import BitsAndBytesConfig
 
-    return {p for p in inspect.signature(BitsAndBytesConfig.__init__).parameters if p not in ("self", "kwargs")}
+        return sorted(p for p in inspect.signature(BitsAndBytesConfig.__init__).parameters if p not in ("self", "kwargs"))
+
+    return set(_cached("nested:model.quantization", read))
 
 
 def _tiny_keys() -> set[str]:
-    import inspect
+    def read() -> list[str]:
+        import inspect
 
-    from .. import tiny
+        from .. import tiny
 
-    return {p for p in inspect.signature(tiny.build_model).parameters if p not in ("kind", "tokenizer", "dtype")}
+        return sorted(p for p in inspect.signature(tiny.build_model).parameters if p not in ("kind", "tokenizer", "dtype"))
+
+    return set(_cached("nested:model.tiny", read))
 
 
 _NESTED_KEYS.update({("model", "quantization"): _bnb_keys, ("model", "tiny"): _tiny_keys})

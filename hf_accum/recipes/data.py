@@ -61,7 +61,7 @@ def _sft_data(d: DataSection, tokenizer) -> RecipeData:
         pairs = tiny.generate_instruction_data(d.num_examples or 2000, seed=d.seed, long_tailed=True)
         rows = [_prompt_completion(p["prompt"], p["response"], tokenizer) for p in pairs]
     else:
-        rows = [_sft_row(r, tokenizer, d) for r in _load_rows(d)]
+        rows = [_sft_row(r, tokenizer, d, i) for i, r in enumerate(_load_rows(d))]
     return RecipeData(Dataset.from_list(rows), None, None, 0.0, 0.0, 0)
 
 
@@ -103,6 +103,11 @@ def _preference_data(d: DataSection, tokenizer) -> RecipeData:
                 f"data.prompt_field, data.chosen_field and data.rejected_field (now {d.prompt_field!r}, "
                 f"{d.chosen_field!r}, {d.rejected_field!r}): set them to your column names"
             )
+        for field, what in ((d.chosen_field, "chosen response"), (d.rejected_field, "rejected response")):
+            index = next((i for i, value in enumerate(rows[field]) if _empty_turns(value)), None)
+            if index is not None:
+                _refuse_empty(d, index, what, f"data.{'chosen' if field == d.chosen_field else 'rejected'}_field="
+                              f"{field!r}")
         dataset = rows.select_columns(list(fields)).rename_columns({k: v for k, v in fields.items() if k != v})
     return RecipeData(dataset, None, None, 0.0, 1.0, 0)
 
@@ -189,7 +194,18 @@ def _raise_json_line(label: str, text: str, number: int | None) -> None:
                           f"{type(value).__name__}")
 
 
-def _sft_row(row: dict[str, Any], tokenizer, d: DataSection) -> dict[str, Any]:
+def _refuse_empty(d: DataSection, index: int, what: str, field: str) -> None:
+    raise RecipeError(
+        f"data.dataset={d.dataset!r} row {index} (counting from 0) has an empty {what} ({field}): there is nothing "
+        "in it to train on; fill in or remove that row"
+    )
+
+
+def _empty(text: Any) -> bool:
+    return not str(text if text is not None else "").strip()
+
+
+def _sft_row(row: dict[str, Any], tokenizer, d: DataSection, index: int = 0) -> dict[str, Any]:
     if d.messages_field in row and row[d.messages_field]:
         messages = row[d.messages_field]
         if not getattr(tokenizer, "chat_template", None):
@@ -198,14 +214,25 @@ def _sft_row(row: dict[str, Any], tokenizer, d: DataSection) -> dict[str, Any]:
         if messages[-1].get("role") != "assistant":
             raise RecipeError(f"the last chat message must be the assistant's (the target), got "
                               f"{messages[-1].get('role')!r}")
+        if _empty(messages[-1].get("content")):
+            _refuse_empty(d, index, "assistant turn", f"the last message of data.messages_field={d.messages_field!r}")
         return {"prompt": messages[:-1], "completion": messages[-1:]}
     if row.get(d.prompt_field) is not None and row.get(d.response_field) is not None:
+        if _empty(row[d.response_field]):
+            _refuse_empty(d, index, "response", f"data.response_field={d.response_field!r}")
         return _prompt_completion(str(row[d.prompt_field]), str(row[d.response_field]), tokenizer)
     raise RecipeError(
         f"data.dataset={d.dataset!r} has columns {sorted(row)}; an SFT row needs data.prompt_field and "
         f"data.response_field (now {d.prompt_field!r}, {d.response_field!r}) or chat messages in data.messages_field "
         f"(now {d.messages_field!r}). Set them to your column names, e.g. prompt_field=instruction response_field=output"
     )
+
+
+def _empty_turns(value: Any) -> bool:
+    """An empty string, or chat turns without content."""
+    if isinstance(value, list):
+        return all(_empty(turn.get("content") if isinstance(turn, dict) else turn) for turn in value)
+    return _empty(value)
 
 
 def _classification_rows(rows, d: DataSection, num_labels: int | None):
@@ -215,6 +242,9 @@ def _classification_rows(rows, d: DataSection, num_labels: int | None):
             f"data.dataset={d.dataset!r} has columns {rows.column_names}; set data.text_field and data.label_field "
             f"(now {d.text_field!r}, {d.label_field!r}) to the text and label columns"
         )
+    index = next((i for i, text in enumerate(rows[d.text_field]) if _empty(text)), None)
+    if index is not None:
+        _refuse_empty(d, index, "text", f"data.text_field={d.text_field!r}")
     labels = rows[d.label_field]
     names = getattr(rows.features[d.label_field], "names", None)
     if all(isinstance(x, int) and not isinstance(x, bool) for x in labels):

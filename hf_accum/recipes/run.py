@@ -52,6 +52,25 @@ def run_recipe(
         return _run(recipe, args, resume, say, callbacks, start, main_process)
 
 
+# peft's save_pretrained warns on every save (checkpoints too) that it saves the embedding layers, because the recipes
+# put embed_tokens in lora.target_modules: saving them is its default then and what the recipes want. Its argument
+# (save_embedding_layers=True) cannot be passed: Trainer.save_model forwards no save_pretrained arguments.
+_PEFT_SAVES_EMBEDDINGS = "Setting `save_embedding_layers` to `True` as embedding layers found in `target_modules`."
+
+
+@contextlib.contextmanager
+def _quiet():
+    """What a recipe's own choices make pointless to print, by exact text: transformers' renamed-checkpointing
+    FutureWarnings (the recipes' keys, and TRL's DPO reference forward, use the old names, the only ones the oldest
+    supported transformers knows) and peft's embedding-layers note above."""
+    import re
+    import warnings
+
+    with _quiet_deprecations(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(_PEFT_SAVES_EMBEDDINGS), category=UserWarning)
+        yield
+
+
 def _load(recipe, overrides) -> tuple[Recipe, Any]:
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
@@ -115,11 +134,12 @@ def build(recipe: Recipe, args, say: Callable[[str], None], callbacks: Sequence[
         data = preference_stats(data, trainer.train_dataset)
     elif recipe.model.task == "causal_lm":
         data = sft_stats(data, trainer.train_dataset)
-    say(
-        f"data {recipe.data.dataset}: {len(data.dataset)} {_examples(recipe)}, {data.mean_tokens:.1f} tokens "
-        + (f"and {data.mean_targets:.1f} {_unit(recipe)} " if recipe.model.task != "dpo" else "")
-        + f"per {_example(recipe)} on average, longest {data.longest}"
-    )
+    if recipe.model.task == "dpo":  # a pair forwards two sequences; `longest` is one sequence
+        say(f"data {recipe.data.dataset}: {len(data.dataset)} pairs, {data.mean_tokens / 2:.1f} tokens per sequence "
+            f"on average (two per pair: prompt + chosen, prompt + rejected), longest sequence {data.longest}")
+    else:
+        say(f"data {recipe.data.dataset}: {len(data.dataset)} {_examples(recipe)}, {data.mean_tokens:.1f} tokens and "
+            f"{data.mean_targets:.1f} {_unit(recipe)} per {_example(recipe)} on average, longest {data.longest}")
     return Built(recipe, args, tokenizer, data, model, trainer, trainable, total)
 
 
@@ -197,23 +217,25 @@ def probe_recipe(
     if not args.tunes:
         raise RecipeError("the probe plans target_batch_size: set target_batch_size=N and auto_tune=true")
     scratch = tempfile.mkdtemp(prefix="hf_accum_probe_")
-    args.output_dir = scratch  # tune() writes its plan file here; a stored plan elsewhere is never reused
+    args.output_dir = scratch  # empty: a plan stored elsewhere is never reused (always a fresh probe)
     try:
         with _cpu_threads(recipe.model.cpu_threads, args):
             built = build(recipe, args, say)
             seq_len = args.probe_seq_len or built.data.longest
             say(f"probing memory: real training steps against a budget of {_budget_text(args)} ...")
+            built.trainer._stores_plan = False  # written below where it is kept, or not at all (and said once)
             try:
-                plan = built.trainer.tune()
+                with _quiet():
+                    plan = built.trainer.tune()
             except ValueError as exc:
                 exc.seq_len = seq_len  # for the table of what was measured (NothingFitsError.result)
                 raise
         plan_file = None
         if store_in is not None:
-            os.makedirs(store_in, exist_ok=True)
-            plan_file = os.path.join(store_in, preflight.PLAN_FILE)
-            shutil.copyfile(os.path.join(scratch, preflight.PLAN_FILE), plan_file + ".tmp")
-            os.replace(plan_file + ".tmp", plan_file)
+            from ..plan_store import save_plan
+
+            trainer = built.trainer
+            plan_file = save_plan(store_in, trainer._plan_key or {}, plan, trainer.probe_result.to_dict())
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return RecipeProbe(recipe, plan, built.trainer.probe_result, seq_len, plan_file)
@@ -248,20 +270,22 @@ def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float,
         if args.tunes:
             say(f"planning: the plan stored in output_dir if nothing that changes memory changed, else a memory "
                 f"probe (real training steps against a budget of {_budget_text(args)}) ...")
-            trainer.tune()
+            with _quiet():
+                trainer.tune()
             trainer.args.auto_tune = False  # planned once, here; train() must not probe again (nor lose probe_result)
         plan_dict = _plan_in_force(trainer)
         _say_plan(say, built, plan_dict)
 
     cuda_peak = _reset_cuda_peak(built.model)
-    with _quiet_deprecations():
+    with _quiet():
         result = trainer.train(resume_from_checkpoint=resume)
     final = _plan_in_force(trainer)
     if plan_dict is None:
         _say_plan(say, built, final)
     elif final != plan_dict:  # out of memory mid-run: a smaller micro
         say(f"the plan was lowered during training (out of memory): {_describe(final)}")
-    trainer.save_model(args.output_dir)  # adapter (adapter_config.json + weights, modules_to_save too) + tokenizer
+    with _quiet():
+        trainer.save_model(args.output_dir)  # adapter (adapter_config.json + weights, modules_to_save too) + tokenizer
 
     summary = _summary(built, result, final, resume, cuda_peak() if cuda_peak else None, start)
     if main_process and args.should_save:

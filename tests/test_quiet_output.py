@@ -1,0 +1,58 @@
+"""Output nobody asked for (issue 27, point 7): a recipe run prints no message that no user can act on (DeepSpeed's
+"Setting accelerator to CPU", peft's save_embedding_layers note, the renamed-checkpointing FutureWarnings TRL's DPO
+trips, bitsandbytes' optional-kernel download), each dropped by its exact text, while every other warning of the
+same libraries, loggers and categories still shows."""
+
+import logging
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import hf_accum  # noqa: F401  (installs the filters)
+from hf_accum._quiet import DROPPED
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOISE = ["Setting accelerator to CPU", "save_embedding_layers", "gradient_checkpointing` is deprecated",
+         "gradient_checkpointing_enable` is deprecated", "gradient_checkpointing_disable` is deprecated",
+         "gemm_4bit_forward", "pip install kernels"]
+
+
+def test_a_recipe_run_prints_no_noise_and_still_warns(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "hf_accum.cli", "train", "lora_dpo", "max_steps=1", "disable_tqdm=true",
+         "per_device_train_batch_size=4", f"output_dir={tmp_path / 'out'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert [n for n in NOISE if n in output] == [], output
+    # a genuine warning (a setting the plan replaces) still shows
+    assert "per_device_train_batch_size=4 is not used" in output
+
+
+@pytest.mark.parametrize("name", list(DROPPED))
+def test_only_the_exact_message_is_dropped(name, caplog):
+    logger = logging.getLogger(name)
+    with caplog.at_level(logging.WARNING, logger=name):
+        logger.warning(DROPPED[name] + " %s", "(details)")
+        logger.warning("another warning of the same logger")
+    assert [r.getMessage() for r in caplog.records if r.name == name] == ["another warning of the same logger"]
+
+
+def test_the_recipe_scope_lets_other_warnings_through():
+    from hf_accum.recipes.run import _PEFT_SAVES_EMBEDDINGS, _quiet
+
+    sent = [(_PEFT_SAVES_EMBEDDINGS, UserWarning),
+            ("`gradient_checkpointing_enable` is deprecated and will be removed in v6.", FutureWarning),
+            ("Setting `save_embedding_layers` to `False` for another reason.", UserWarning),
+            ("`some_other_api` is deprecated", FutureWarning)]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with _quiet():
+            for message, category in sent:
+                warnings.warn(message, category, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["Setting `save_embedding_layers` to `False` for another reason.",
+                                              "`some_other_api` is deprecated"]
