@@ -871,6 +871,8 @@ class Grab:
 
 
 def section_oom(ctx: Ctx) -> dict[str, Any]:
+    from transformers import TrainerCallback
+
     s = ctx.s
     seq = min(ctx.s.seqs)
     model = ctx.llama()
@@ -883,9 +885,11 @@ def section_oom(ctx: Ctx) -> dict[str, Any]:
             trainer = make_trainer(ctx, model, rows, tmp, collator=collator, target_batch_size=s.target4,
                                    max_steps=s.steps4, **kw)
             before = plan_facts(trainer.tune())
-            collator.seen.clear()  # the probe collates the longest example; count only what training loads
             grab = Grab(ctx, trainer, at=2)
             trainer.add_callback(grab)
+            # the probe and the checks before it collate rows too: count only what the training loop loads
+            trainer.add_callback(type("CountFromHere", (TrainerCallback,), {
+                "on_train_begin": lambda self, args, state, control, **kw: collator.seen.clear()})())
             ooms_before = ctx.num_ooms()
             with oom_log() as log:
                 trainer.train()
