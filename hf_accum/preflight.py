@@ -42,7 +42,7 @@ def check_training_data(trainer) -> None:
             f"{target} rows (one optimizer step of {_target_name(args)}={target})."
         )
     _check_no_empty_rows(dataset)
-    if getattr(args, "loss_normalization", "tokens") == "tokens":
+    if trainer._normalization == "tokens":  # the unit the trainer really normalizes by (a TRL base may set it)
         _check_some_label_counts(trainer)
     from .args import AccumTrainingArguments
 

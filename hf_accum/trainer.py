@@ -327,7 +327,7 @@ class AccumulationMixin:
             current = units or self.plan.micro_batch_size
             if current <= 1:
                 return None
-            return self._on_engine(plan_for_micro(self.plan.target_batch_size, world, current - 1))
+            return self._on_engine(self._keeping_level(plan_for_micro(self.plan.target_batch_size, world, current - 1)))
         current = units or self.args.per_device_train_batch_size
         target = getattr(self.args, "target_batch_size", None) or (
             self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * world
@@ -336,11 +336,14 @@ class AccumulationMixin:
         smaller = [d for d in divisors(per_rank) if d < current]
         if not smaller:
             return None
-        plan = Plan(smaller[-1], per_rank // smaller[-1], world, target)
-        if self.plan is not None and self.plan.checkpointed_layers is not None:  # the model keeps its k
-            plan = dataclasses.replace(plan, checkpointed_layers=self.plan.checkpointed_layers,
-                                       num_layers=self.plan.num_layers)
-        return self._on_engine(plan)
+        return self._on_engine(self._keeping_level(Plan(smaller[-1], per_rank // smaller[-1], world, target)))
+
+    def _keeping_level(self, plan: Plan) -> Plan:
+        """A smaller plan after an OOM: the model keeps its checkpointing level, so the plan says so."""
+        if self.plan is None or self.plan.checkpointed_layers is None:
+            return plan
+        return dataclasses.replace(plan, checkpointed_layers=self.plan.checkpointed_layers,
+                                   num_layers=self.plan.num_layers)
 
     def _loads_windows(self) -> bool:
         """Each rank loads its whole window and the engine cuts it (the plan's near-equal forwards, or a token

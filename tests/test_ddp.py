@@ -92,9 +92,11 @@ def test_two_ranks_cut_an_uneven_window_exactly(tmp_path):
     ranks, windows, err, ref = check_run(tmp_path, run)
     assert [len(w) for w in windows] == [2, 2], "one loaded window per rank per step"
     assert [sum(int(b["input_ids"].shape[0]) for b in w) for w in windows] == [14, 14]
+    assert ranks[0]["plan"] == ranks[1]["plan"]  # one plan (and checkpointing level) on both ranks
+    core = ("micro_batch_size", "gradient_accumulation_steps", "world_size", "target_batch_size")
     for r in ranks:
-        assert r["plan"] == {"micro_batch_size": 3, "gradient_accumulation_steps": 3, "world_size": 2,
-                             "target_batch_size": 14}
+        assert {k: r["plan"][k] for k in core} == {
+            "micro_batch_size": 3, "gradient_accumulation_steps": 3, "world_size": 2, "target_batch_size": 14}
         assert len(r["forwards"]) == 6 and sorted(r["forwards"][:3]) == sorted(r["forwards"][3:]) == [2, 2, 3]
     assert err <= 1e-6, f"relative gradient error {err:.3e}"
     assert ranks[0]["losses"] == pytest.approx(ref.losses, rel=1e-6)

@@ -65,7 +65,7 @@ def test_an_uneven_cut_of_a_prime_target_equals_one_pass(tmp_path):
     )
     plan = trainer.plan
     assert (plan.micro_batch_size, plan.forwards) == (3, 3)
-    assert plan.describe() == "window 7 × world 1 = 7, 3 forwards of ≤ 3 rows"
+    assert plan.describe().startswith("window 7 × world 1 = 7, 3 forwards of ≤ 3 rows")
     assert [sum(int(b["input_ids"].shape[0]) for b in w) for w in trainer.windows] == [7, 7, 2]
     sizes = trainer.forward_sizes.sizes
     assert sorted(sizes[0:3]) == [2, 2, 3] and sorted(sizes[3:6]) == [2, 2, 3] and sizes[6:] == [2]
