@@ -179,6 +179,22 @@ def checkpointed_layers(model, k: int, kwargs: dict | None = None):
 
 
 
+@contextlib.contextmanager
+def printers_muted(trainer):
+    """transformers' console callbacks (`ProgressCallback`, `PrinterCallback`) print every dict `Trainer.log` sends.
+    The plan's figures are for `log_history` and the `report_to` integrations (the one plan line already said it), so
+    for that one call the handler's `callbacks` list leaves them out."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    handler = trainer.callback_handler
+    kept = handler.callbacks
+    handler.callbacks = [c for c in kept if not isinstance(c, PrinterCallback | ProgressCallback)]
+    try:
+        yield
+    finally:
+        handler.callbacks = kept
+
+
 def set_train_batch_size(trainer, micro: int) -> None:
     """The batch size `Trainer.get_train_dataloader` and `train()` read is the private `_train_batch_size`
     (set from the arguments in `__init__`); a plan applied after `__init__` must set it too."""

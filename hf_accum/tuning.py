@@ -355,12 +355,14 @@ class PlanLog(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self._trainer()
         if trainer is not None:
-            trainer.log(dict(self.figures))
+            with _compat.printers_muted(trainer):  # recorded, not printed a second time (the plan line was)
+                trainer.log(dict(self.figures))
 
 
 def _log_in_trainer(trainer, figures: dict[str, float], in_loop: bool = False) -> None:
     if in_loop:  # training has begun: its state and `report_to` integrations record them now
-        trainer.log(dict(figures))
+        with _compat.printers_muted(trainer):
+            trainer.log(dict(figures))
         return
     trainer.pop_callback(PlanLog)  # a second tune() replaces the figures of the first
     trainer.add_callback(PlanLog(trainer, figures))

@@ -425,3 +425,28 @@ def test_checkpointing_argument_unset_is_none():
     if "activation_checkpointing" in fields:
         assert fields["activation_checkpointing"].default is None
     assert "gradient_checkpointing" in fields and "gradient_checkpointing_kwargs" in fields
+
+
+def test_the_console_callbacks_can_be_left_out_of_one_log_call(tmp_path, capsys):
+    """`_compat.printers_muted`: `Trainer.log` reaches every callback through `callback_handler.callbacks`; without
+    the console ones for that call, the figures are recorded (log_history, other callbacks) and not printed."""
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    seen = []
+
+    class Listener(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs))
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=tiny_llama(torch.float32), args=args, callbacks=[Listener()])
+    assert any(isinstance(c, PrinterCallback | ProgressCallback) for c in trainer.callback_handler.callbacks)
+    before = list(trainer.callback_handler.callbacks)
+    with _compat.printers_muted(trainer):
+        trainer.log({"hf_accum/figure": 1.0})
+    assert trainer.callback_handler.callbacks == before  # restored
+    assert seen and seen[-1]["hf_accum/figure"] == 1.0 and trainer.state.log_history[-1]["hf_accum/figure"] == 1.0
+    assert "hf_accum/figure" not in capsys.readouterr().out
+    trainer.log({"hf_accum/other": 2.0})  # without the context the printer prints, as transformers does
+    assert "hf_accum/other" in capsys.readouterr().out

@@ -133,7 +133,7 @@ def test_the_default_budget_is_a_fraction_of_what_this_process_can_use(tmp_path,
     assert again.tune() == plan and again.probe_result is None
 
 
-def test_plan_and_measurements_are_shown_by_default_and_in_the_trainers_logs(tmp_path, tok, caplog):
+def test_plan_and_measurements_are_shown_by_default_and_in_the_trainers_logs(tmp_path, tok, caplog, capsys):
     trainer = make(tmp_path, tok)
     caplog.set_level(logging.WARNING)  # what a user without logging configuration sees
     trainer.train()
@@ -145,6 +145,9 @@ def test_plan_and_measurements_are_shown_by_default_and_in_the_trainers_logs(tmp
     assert " of budget 8.0 MiB; " in shown[0] and "probe trials (details: " in shown[0]
     assert len(shown[0].split(" (details: ")[0]) <= 200
     logged = next(e for e in trainer.state.log_history if "hf_accum/micro_batch_size" in e)
+    # recorded for log_history and report_to, not printed as a second format of the plan (disable_tqdm: the
+    # PrinterCallback prints every other log dict)
+    assert "hf_accum/micro_batch_size" not in capsys.readouterr().out
     measured = [t for t in trainer.probe_result.trials if t.status != "refused"]
     assert logged["hf_accum/micro_batch_size"] == plan.micro_batch_size
     assert logged["hf_accum/gradient_accumulation_steps"] == plan.gradient_accumulation_steps
