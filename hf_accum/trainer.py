@@ -349,8 +349,9 @@ class AccumulationMixin:
         """Each rank loads its whole window and the engine cuts it (the plan's near-equal forwards, or a token
         budget): whenever hf_accum plans; micro-batches are loaded as given only when the user set them. Fixed
         when a plan is applied (a recipe turns auto_tune off once it has planned)."""
-        if self._whole_windows is not None:
-            return self._whole_windows
+        return self._whole_windows if self._whole_windows is not None else self._args_load_windows()
+
+    def _args_load_windows(self) -> bool:
         return bool(getattr(self.args, "tunes", False)) or getattr(self.args, "micro_batching", "samples") == "tokens"
 
     def _plan_cut(self, plan: Plan | None) -> int | None:
@@ -403,8 +404,7 @@ class AccumulationMixin:
             self._engine.token_budget = _token_budget(plan)
         if not in_training_loop:
             # loaded whole, each window is cut by the engine (`_plan_cut`); else transformers loads the micro-batches
-            self._whole_windows = None
-            self._whole_windows = self._loads_windows()
+            self._whole_windows = self._args_load_windows()
             micro, accumulation = ((plan.window, 1) if self._whole_windows
                                    else (plan.micro_batch_size, plan.gradient_accumulation_steps))
             self.args.per_device_train_batch_size = micro
