@@ -462,9 +462,11 @@ class AccumulationMixin:
             yield
         except BaseException:
             made = self._made_output_dir
-            if made is not None and os.path.isdir(made) and not os.listdir(made):
-                os.rmdir(made)
+            if made is not None and self.args.should_save:  # one process per folder removes it
+                with contextlib.suppress(OSError):  # gone already, or written to since: left as it is
+                    os.rmdir(made)
             raise
+        self._made_output_dir = None  # the run started: the folder is its own, and a later refusal keeps it
 
     def _tune(self) -> Plan:
         prepared = tuning.prepare(self)

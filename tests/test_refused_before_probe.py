@@ -100,3 +100,13 @@ def test_one_counted_label_anywhere_is_enough(tmp_path):
 
     check_training_data(trainer)
     assert torch.equal(torch.get_rng_state(), state)  # the check's collation consumed no random numbers
+
+
+def test_a_run_that_started_owns_its_folder_a_later_refusal_keeps_it(tmp_path):
+    out = tmp_path / "out"
+    trainer = trainer_for(out, lm_examples(16), auto_tune=False, per_device_train_batch_size=8)
+    trainer.train()  # save_strategy="no": the folder transformers made is still empty afterwards
+    assert out.is_dir() and not os.listdir(out)
+    with pytest.raises(ValueError, match="resume_from_checkpoint=True has no checkpoint-N folder"):
+        trainer.train(resume_from_checkpoint=True)
+    assert out.is_dir(), "the folder of a run that trained is the run's: a later refused call leaves it"
