@@ -78,12 +78,8 @@ def fit_time_line(points: list[tuple[int, float]]) -> Line | None:
     return intercept, slope
 
 
-def scale_line(line: Line, micro: int, seconds: float) -> Line:
-    """``line`` scaled to pass through (micro, seconds): the shape of profiled steps, the level of a plain one."""
-    at = line[0] + line[1] * micro
-    if at <= 0:
-        return line
-    factor = seconds / at
+def scale_line(line: Line, factor: float) -> Line:
+    """``line`` times ``factor``: instrumented steps give the shape, one plain step the ratio to the real time."""
     return line[0] * factor, line[1] * factor
 
 

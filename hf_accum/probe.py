@@ -585,8 +585,8 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
     1. the micro-batch search without checkpointing (k = 0); when the whole per-rank window (or the cap) fits, that
        is the answer: recompute only adds time;
     2. otherwise the same search with every layer checkpointed (k = L), reusing the optimizer state;
-    3. each level's step time at its largest fit, without the meter's instrumentation (the search's own timings
-       give the line's shape);
+    3. the step-time lines: the searches' own timings give each level's shape, and one plain step (no meter
+       instrumentation) at the cheapest level's largest fit levels them all (`_levels`);
     4. `levers.CheckpointChooser` proposes the fastest predicted (rows, k); a proposal no measurement covers is
        verified by a real step (at most `MAX_VERIFY_STEPS`, then the best measured point).
     Ranks agree on every measured figure (the most constrained rank's), so all make the same choice. The result's
@@ -609,7 +609,8 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
         for t in r.trials:
             t.checkpointed_layers = k
             trials.append(t)
-    levels = _agree_levels([_level(k, r, step_fn, meter, lever) for k, r in results.items()])
+    measured, plain = _levels(results, step_fn, meter, lever)
+    levels = _agree_levels(measured)
     # every input of the chooser equal on all ranks, so all make the same proposals (and verifying steps, each one
     # collective): the tightest rank's budget with the agreed levels
     chooser = CheckpointChooser(per_rank, num_layers, _tightest_budget(budget_bytes), levels, cap=cap)
@@ -640,7 +641,10 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
         "chosen_k": accepted.k if accepted is not None else num_layers,
     }
     if accepted is not None:
-        seconds = _slowest_rank(_timed_step(step_fn, meter, lever, accepted.micro, accepted.k) or 0.0)
+        seconds = plain.get((accepted.micro, accepted.k))  # already timed plainly: not run again
+        if seconds is None:
+            seconds = _timed_step(step_fn, meter, lever, accepted.micro, accepted.k)
+        seconds = _slowest_rank(seconds or 0.0)
         record["step_seconds"] = accepted.forwards * seconds if seconds else accepted.predicted_seconds
         record["chosen"] = dataclasses.asdict(accepted)
         say(f"chosen: {accepted.micro} rows per forward, {accepted.forwards} forwards, checkpointing {accepted.k} of "
@@ -649,17 +653,36 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
     return result
 
 
-def _level(k: int, result: ProbeResult, step_fn: StepFn, meter: Meter, lever: Any) -> Level:
-    """What the chooser needs of one measured level: the memory line, and the step-time line shaped by the search's
-    timings and levelled by one plain timed step at the largest fit."""
-    largest = result.max_micro_batch_size
-    failure = min((t.micro_batch_size for t in result.trials if not t.fits), default=None)
-    time = fit_time_line([(t.micro_batch_size, t.seconds) for t in result.trials if t.fits and t.seconds])
-    if largest >= 1 and time is not None:
-        seconds = _timed_step(step_fn, meter, lever, largest, k)
-        if seconds:
-            time = scale_line(time, largest, seconds)
-    return Level(k, largest, failure, result.fitted, time)
+def _levels(results: dict[int, ProbeResult], step_fn: StepFn, meter: Meter,
+            lever: Any) -> tuple[list[Level], dict[tuple[int, int], float]]:
+    """What the chooser needs of each measured level: the memory line, and the step-time line through the search's
+    timings. Those ran under the meter's instrumentation (on CPU a profiler), so one plain step at the level whose
+    largest fit holds the fewest rows gives the ratio of plain to instrumented seconds, and every line is scaled by
+    it: one extra step, the cheapest, instead of one per level (the full level's largest fit is often the whole
+    window, the probe's dearest step). The level is chosen from agreed figures, so every rank times the same one.
+    Returns the levels and the plain seconds measured, by (micro, k)."""
+    lines = {}
+    for k, result in results.items():
+        lines[k] = fit_time_line([(t.micro_batch_size, t.seconds) for t in result.trials if t.fits and t.seconds])
+    timeable = [k for k, r in results.items() if r.max_micro_batch_size >= 1 and lines[k] is not None]
+    plain: dict[tuple[int, int], float] = {}
+    ratio = None
+    if timeable:
+        k = min(timeable, key=lambda k: (results[k].max_micro_batch_size, k))
+        micro = results[k].max_micro_batch_size
+        seconds = _timed_step(step_fn, meter, lever, micro, k)
+        instrumented = lines[k][0] + lines[k][1] * micro
+        if seconds and instrumented > 0:
+            plain[(micro, k)] = seconds
+            ratio = seconds / instrumented
+    levels = []
+    for k, result in results.items():
+        time = lines[k]
+        if time is not None and ratio is not None:
+            time = scale_line(time, ratio)
+        failure = min((t.micro_batch_size for t in result.trials if not t.fits), default=None)
+        levels.append(Level(k, result.max_micro_batch_size, failure, result.fitted, time))
+    return levels, plain
 
 
 def _timed_step(step_fn: StepFn, meter: Meter, lever: Any, micro: int, k: int) -> float | None:

@@ -183,7 +183,7 @@ def test_fit_time_line():
     assert fit_time_line([]) is None
     c, s = fit_time_line([(1, 1.0), (2, 0.9)])  # noise: flat
     assert s == 0.0
-    assert scale_line((1.0, 0.1), 10, 4.0) == pytest.approx((2.0, 0.2))
+    assert scale_line((1.0, 0.1), 2.0) == pytest.approx((2.0, 0.2))
 
 
 def test_bad_levels_refused():
@@ -191,3 +191,79 @@ def test_bad_levels_refused():
         CheckpointChooser(8, 4, 1.0, [])
     with pytest.raises(ValueError):
         CheckpointChooser(8, 4, 1.0, [Level(5, 1)])
+
+
+def simulated_meter(memory, seconds, lever, overhead=1.25):
+    from hf_accum.meters import Measurement, Meter
+
+    class SimulatedMeter(Meter):
+        """The synthetic model's memory and time, read from the lever's level; the instrumented (measured) step
+        runs ``overhead`` times slower than a plain (timed) one, as under a profiler. Counts both kinds of step."""
+
+        name = "simulated"
+
+        def __init__(self):
+            self.measured, self.timed = [], []
+
+        def measure(self, fn, *, micro_batch_size=None):
+            fn()
+            m, k = micro_batch_size, lever.k
+            self.measured.append((m, k))
+            return Measurement(int(memory(m, k)), None, seconds(m, k) * overhead)
+
+        def time(self, fn, *, micro_batch_size=None):
+            fn()
+            self.timed.append((micro_batch_size, lever.k))
+            return seconds(micro_batch_size, lever.k)
+
+        def capacity_bytes(self):
+            return 2**40
+
+    return SimulatedMeter()
+
+
+class SimulatedLever:
+    def __init__(self, num_layers):
+        self.num_layers, self.k = num_layers, 0
+
+    def at(self, k):
+        import contextlib
+
+        @contextlib.contextmanager
+        def level():
+            saved, self.k = self.k, k
+            try:
+                yield
+            finally:
+                self.k = saved
+
+        return level()
+
+
+@pytest.mark.parametrize("budget_mib", [700, 1200])
+def test_probe_levels_times_one_plain_step_and_levels_every_line_by_it(budget_mib):
+    """Both ends are searched under the (slower) meter; one plain step, at the level whose largest fit holds the
+    fewest rows, gives the ratio that brings every level's time line to plain seconds; the chosen point's seconds
+    come from a plain step (reused when it is that one); the choice equals the exhaustive best of the true model."""
+    from hf_accum.probe import probe_levels
+
+    L, per_rank = 8, 32
+    memory, seconds = synthetic(L)
+    lever = SimulatedLever(L)
+    meter = simulated_meter(memory, seconds, lever)
+    result = probe_levels(lambda micro: None, meter, budget_mib * MIB, per_rank, per_rank, lever)
+    record = result.extra["checkpointing"]
+    assert {k for _, k in meter.measured} >= {0, L}
+    cheapest = min((lv["largest_fit"], lv["k"]) for lv in record["levels"] if lv["largest_fit"] >= 1)
+    chosen = record["chosen"]
+    plain = [(1, 0), cheapest]  # the warm-up step (optimizer state), then the one step that levels the lines
+    if (chosen["micro"], chosen["k"]) != cheapest:
+        plain.append((chosen["micro"], chosen["k"]))
+    assert meter.timed == plain
+    for lv in record["levels"]:  # instrumented 1.25x slower: every line scaled back to the plain model's seconds
+        c, s = lv["time"]
+        assert c + s * lv["largest_fit"] == pytest.approx(seconds(lv["largest_fit"], lv["k"]))
+    assert record["step_seconds"] == pytest.approx(chosen["forwards"] * seconds(chosen["micro"], chosen["k"]))
+    best = min((math.ceil(per_rank / m) * seconds(math.ceil(per_rank / math.ceil(per_rank / m)), k), k)
+               for k in range(L + 1) for m in range(1, per_rank + 1) if memory(m, k) <= budget_mib * MIB)
+    assert chosen["forwards"] * seconds(chosen["micro"], chosen["k"]) <= best[0] * 1.03
