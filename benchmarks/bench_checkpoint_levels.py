@@ -9,8 +9,8 @@ checkpointing fits only a small micro-batch and full checkpointing the whole win
 not the probe's search), then the real time of one optimizer step at it: ceil(target / micro) near-equal forwards
 and backwards, then one AdamW step, the fastest of three runs in process CPU seconds (OMP_NUM_THREADS=1;
 wall time on a shared 2-core machine varied 2x between runs; the probe itself times wall seconds). The tuner (`probe_model` with the checkpointing lever)
-is timed the same way at its choice. Printed: the sweep table, the tuner's choice, its time over the sweep's best
-(goal <= 1.05), its peak against the budget, and the probe's seconds over the sweep's (goal <= 0.10).
+is timed the same way at its choice, alternating with the sweep's best (three rounds, each side's fastest). Printed:
+the sweep table, the tuner's choice, its time over the sweep's best (goal <= 1.05), its peak against the budget, and the probe's seconds over the sweep's (goal <= 0.10).
 """
 
 from __future__ import annotations
@@ -93,8 +93,16 @@ def main() -> None:
     probe_seconds = time.perf_counter() - probe_start
     chosen = result.extra["checkpointing"]["chosen"]
     with _compat.checkpointed_layers(model, chosen["k"]):
-        tuned = window_seconds(model, opt, make_batch, a.target, chosen["micro"])
         tuned_peak = meter.measure(lambda: step_fn(chosen["micro"]), micro_batch_size=chosen["micro"]).charged_bytes
+    # the choice against the sweep's best, re-timed in alternation (the same point twice when they agree): the sweep's
+    # own figure was taken a minute earlier, and the machine's speed drifts by more than the 5% the goal allows
+    best = min(rows, key=lambda r: r[3])
+    tuned = best_time = math.inf
+    for _ in range(3):
+        with _compat.checkpointed_layers(model, chosen["k"]):
+            tuned = min(tuned, window_seconds(model, opt, make_batch, a.target, chosen["micro"]))
+        with _compat.checkpointed_layers(model, best[0]):
+            best_time = min(best_time, window_seconds(model, opt, make_batch, a.target, best[1]))
 
     mib = 2**20
     print(f"tiny Llama, {L} layers, hidden {a.hidden}, seq {a.seq_len}, target {a.target}, budget {budget / mib:.1f} "
@@ -104,12 +112,12 @@ def main() -> None:
     for k, micro, peak, seconds in rows:
         forwards = math.ceil(a.target / micro) if micro else "-"
         print(f"| {k} | {micro} | {forwards} | {'-' if peak is None else f'{peak / mib:.1f}'} | {seconds:.3f} |")
-    best = min(rows, key=lambda r: r[3])
     same = [r for r in rows if (r[0], r[1]) == (chosen["k"], chosen["micro"])]
     print(f"the sweep's best: k={best[0]}, micro {best[1]}; the tuner's choice is "
           + (f"the sweep's row k={same[0][0]} ({same[0][3]:.3f} s there)" if same else "not a sweep row"))
     print(f"tuner: k={chosen['k']}, {chosen['forwards']} forwards of <= {chosen['micro']} rows, {tuned:.3f} s per "
-          f"optimizer step = {tuned / best[3]:.3f} x the sweep's best (k={best[0]}, goal <= 1.05); peak "
+          f"optimizer step = {tuned / best_time:.3f} x the sweep's best (k={best[0]}: {best_time:.3f} s re-timed alongside, "
+          "goal <= 1.05); peak "
           f"{tuned_peak / mib:.1f} MiB of {budget / mib:.1f} ({'within' if tuned_peak <= budget else 'OVER'} budget); "
           f"probe {probe_seconds:.1f} s = {probe_seconds / sweep_seconds:.3f} x the sweep's {sweep_seconds:.1f} s "
           f"(goal <= 0.10), {len(result.measured_trials)} trials")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .levers import CheckpointChooser, Level, fit_time_line, scale_line
+from .levers import CheckpointChooser, Choice, Level, fit_time_line, scale_line
 from .meters import CpuMeter, CudaMeter, Meter, live_tensor_bytes
 from .oom import free_memory, is_oom
 from .plan import (
@@ -357,7 +357,10 @@ def preserved(model: torch.nn.Module) -> Iterator[None]:
                         original = grad_objects[id(p)]
                         original.copy_(g)
                         p.grad = original
-            free_memory()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                # the probe's cached segments go back before training allocates; on CPU there is no cache to return
+                # and a full collection of a process that imported transformers costs ~0.3 s for nothing
+                free_memory()
 
 
 def fresh_optimizer_like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -629,7 +632,7 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
         trials.append(trial)
         chooser.record(choice, agree_max_micro_batch(int(trial.fits)) == 1)
         choice = chooser.propose()
-    accepted = chooser.accepted
+    accepted, seconds, checked = _timed_choice(chooser, plain, per_rank, step_fn, meter, lever)
     base = results[accepted.k] if accepted is not None and accepted.k in results else results[max(results)]
     result = dataclasses.replace(base, trials=trials, extra=dict(base.extra))
     result.max_micro_batch_size = accepted.micro if accepted is not None else 0
@@ -640,17 +643,41 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
         "verify_steps": steps,
         "chosen_k": accepted.k if accepted is not None else num_layers,
     }
+    if checked is not None:
+        record["checked_against"] = checked
     if accepted is not None:
-        seconds = plain.get((accepted.micro, accepted.k))  # already timed plainly: not run again
-        if seconds is None:
-            seconds = _timed_step(step_fn, meter, lever, accepted.micro, accepted.k)
-        seconds = _slowest_rank(seconds or 0.0)
         record["step_seconds"] = accepted.forwards * seconds if seconds else accepted.predicted_seconds
         record["chosen"] = dataclasses.asdict(accepted)
         say(f"chosen: {accepted.micro} rows per forward, {accepted.forwards} forwards, checkpointing {accepted.k} of "
             f"{num_layers} layers, ~{record['step_seconds'] or 0.0:.3f} s per optimizer step")
     result.extra["checkpointing"] = record
     return result
+
+
+def _timed_choice(chooser: CheckpointChooser, plain: dict[tuple[int, int], float], per_rank: int, step_fn: StepFn,
+                  meter: Meter, lever: Any) -> tuple[Choice | None, float, dict[str, Any] | None]:
+    """The accepted choice, its plain seconds per forward (the slowest rank's; 0.0 when untimed) and what it was
+    checked against. A choice other than the plainly timed point is timed plainly too, and the two are compared as
+    measured: the timed point (a level's largest fit, measured to fit) wins when its optimizer step is faster, so
+    one noisy instrumented step cannot choose recompute that does not pay. Every input is equal on all ranks."""
+    accepted = chooser.accepted
+    if accepted is None:
+        return None, 0.0, None
+    seconds = plain.get((accepted.micro, accepted.k))  # already timed plainly: not run again
+    if seconds is None:
+        seconds = _timed_step(step_fn, meter, lever, accepted.micro, accepted.k)
+    seconds = _slowest_rank(seconds or 0.0)
+    if not plain or (accepted.micro, accepted.k) in plain:
+        return accepted, seconds, None
+    (micro, k), other = next(iter(plain.items()))
+    other = _slowest_rank(other)
+    forwards = math.ceil(per_rank / micro)
+    checked = {"micro": micro, "k": k, "forwards": forwards, "step_seconds": forwards * other}
+    if seconds and other and forwards * other < accepted.forwards * seconds:
+        rows = math.ceil(per_rank / forwards)
+        accepted = Choice(rows, k, forwards, chooser.predict_bytes(rows, k), forwards * other, True)
+        return accepted, other, checked
+    return accepted, seconds, checked
 
 
 def _levels(results: dict[int, ProbeResult], step_fn: StepFn, meter: Meter,
@@ -672,8 +699,8 @@ def _levels(results: dict[int, ProbeResult], step_fn: StepFn, meter: Meter,
         micro = results[k].max_micro_batch_size
         seconds = _timed_step(step_fn, meter, lever, micro, k)
         instrumented = lines[k][0] + lines[k][1] * micro
+        plain[(micro, k)] = seconds or 0.0  # keyed on every rank alike (an OOM here is one rank's: 0.0)
         if seconds and instrumented > 0:
-            plain[(micro, k)] = seconds
             ratio = seconds / instrumented
     levels = []
     for k, result in results.items():

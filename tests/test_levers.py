@@ -209,7 +209,8 @@ def simulated_meter(memory, seconds, lever, overhead=1.25):
             fn()
             m, k = micro_batch_size, lever.k
             self.measured.append((m, k))
-            return Measurement(int(memory(m, k)), None, seconds(m, k) * overhead)
+            factor = overhead(m, k) if callable(overhead) else overhead
+            return Measurement(int(memory(m, k)), None, seconds(m, k) * factor)
 
         def time(self, fn, *, micro_batch_size=None):
             fn()
@@ -260,6 +261,7 @@ def test_probe_levels_times_one_plain_step_and_levels_every_line_by_it(budget_mi
     if (chosen["micro"], chosen["k"]) != cheapest:
         plain.append((chosen["micro"], chosen["k"]))
     assert meter.timed == plain
+    assert ("checked_against" in record) == (len(plain) == 3)
     for lv in record["levels"]:  # instrumented 1.25x slower: every line scaled back to the plain model's seconds
         c, s = lv["time"]
         assert c + s * lv["largest_fit"] == pytest.approx(seconds(lv["largest_fit"], lv["k"]))
@@ -267,3 +269,23 @@ def test_probe_levels_times_one_plain_step_and_levels_every_line_by_it(budget_mi
     best = min((math.ceil(per_rank / m) * seconds(math.ceil(per_rank / math.ceil(per_rank / m)), k), k)
                for k in range(L + 1) for m in range(1, per_rank + 1) if memory(m, k) <= budget_mib * MIB)
     assert chosen["forwards"] * seconds(chosen["micro"], chosen["k"]) <= best[0] * 1.03
+
+
+def test_a_choice_the_plain_steps_refute_falls_back_to_the_measured_point():
+    """An instrumented search that flatters the checkpointed level (here its steps read 2x faster than they run)
+    predicts recompute pays; the plain step at the chosen point says otherwise, and the plainly timed level-0 point
+    (its largest fit, measured to fit) is taken instead, with both figures recorded."""
+    from hf_accum.probe import probe_levels
+
+    L, per_rank, budget = 8, 32, 1200 * MIB
+    memory, seconds = synthetic(L, layer_fwd=0.02)  # recompute dear: level 0 is the true best
+    lever = SimulatedLever(L)
+    meter = simulated_meter(memory, seconds, lever, overhead=lambda m, k: 1.0 if k == 0 else 0.5)
+    record = probe_levels(lambda micro: None, meter, budget, per_rank, per_rank, lever).extra["checkpointing"]
+    fit0 = max(m for m in range(1, per_rank + 1) if memory(m, 0) <= budget)
+    forwards = math.ceil(per_rank / fit0)
+    assert record["checked_against"]["k"] == 0 and record["checked_against"]["micro"] == fit0
+    assert record["chosen"]["k"] == 0 and record["chosen"]["forwards"] == forwards
+    assert record["chosen"]["micro"] == math.ceil(per_rank / forwards) and record["chosen"]["verified"]
+    assert record["step_seconds"] == pytest.approx(forwards * seconds(fit0, 0))
+    assert len(meter.timed) == 3  # warm-up, level 0's plain step, the refuted choice's plain step
