@@ -693,7 +693,8 @@ class AccumulationMixin:
         if self.plan is not None:
             self.plan = dataclasses.replace(self.plan, eval_batch_size=choice.batch_size)
             if self.args.should_save and getattr(self.args, "target_batch_size", None):
-                save_plan(self.args.output_dir, self._plan_key or {}, self.plan, None)
+                probe = self.probe_result.to_dict() if self.probe_result is not None else None
+                save_plan(self.args.output_dir, self._plan_key or {}, self.plan, probe)
 
     def _new_eval_loss(self) -> EvalLoss:
         try:

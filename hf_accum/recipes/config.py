@@ -74,6 +74,10 @@ class DataSection:
     split: str = "train"
     num_examples: int | None = None
     """tiny: how many examples to generate (default 2000); otherwise: use the first N rows (None: all)."""
+    eval_examples: int = 0
+    """Rows held out for evaluation: the last N of them (0: none). The run evaluates them after training (and every
+    training.eval_steps with training.eval_strategy=steps); eval_loss is the exact mean over every target token (a
+    pair for dpo, an example for seq_cls), whatever the eval batch."""
     max_length: int = 512
     """seq_cls: tokens per example after truncation (the end is cut). causal_lm and dpo: TRL truncates, so the
     length is `training.max_length`; setting data.max_length there is an error that says so."""
@@ -534,6 +538,13 @@ def _check_sections(recipe: Recipe) -> None:
                                  ("model", "cpu_threads", m.cpu_threads)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise RecipeError(f"{section}.{name}={value!r} must be a positive integer")
+    if not isinstance(d.eval_examples, int) or isinstance(d.eval_examples, bool) or d.eval_examples < 0:
+        raise RecipeError(f"data.eval_examples={d.eval_examples!r} must be a whole number of rows to hold out for "
+                          "evaluation (0: none)")
+    strategy = str(recipe.training.get("eval_strategy", "no")).lower()
+    if strategy not in ("no", "intervalstrategy.no") and not d.eval_examples:
+        raise RecipeError(f"training.eval_strategy={strategy} evaluates during training, but no rows are held out: set "
+                          "data.eval_examples=N (the last N rows become the evaluation set)")
     if m.dtype not in (None, "auto"):
         import torch
 

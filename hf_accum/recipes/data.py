@@ -3,7 +3,7 @@ examples, the collator, and per-example token statistics."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ class RecipeData:
     mean_tokens: float
     mean_targets: float
     longest: int
+    eval_dataset: Any = None
 
 
 def build_data(recipe: Recipe, tokenizer) -> RecipeData:
@@ -28,9 +29,9 @@ def build_data(recipe: Recipe, tokenizer) -> RecipeData:
     count the tokens after that."""
     d, task = recipe.data, recipe.model.task
     if task == "dpo":
-        return _preference_data(d, tokenizer)
+        return _held_out(_preference_data(d, tokenizer), d)
     if task == "causal_lm":
-        return _sft_data(d, tokenizer)
+        return _held_out(_sft_data(d, tokenizer), d)
     from transformers import DataCollatorWithPadding
 
     from .. import tiny
@@ -45,9 +46,25 @@ def build_data(recipe: Recipe, tokenizer) -> RecipeData:
         dataset = tiny.ListDataset([tiny.tokenize_classification(r, tokenizer, d.max_length) for r in rows])
     if len(dataset) == 0:
         raise RecipeError(f"data.dataset={d.dataset!r} gave no training example")
-    lengths = [len(r["input_ids"]) for r in dataset.rows]
-    return RecipeData(dataset, DataCollatorWithPadding(tokenizer), num_labels, sum(lengths) / len(lengths), 1.0,
-                      max(lengths))
+    data = _held_out(RecipeData(dataset, DataCollatorWithPadding(tokenizer), num_labels, 0.0, 1.0, 0), d)
+    lengths = [len(r["input_ids"]) for r in data.dataset.rows]
+    return replace(data, mean_tokens=sum(lengths) / len(lengths), longest=max(lengths))
+
+
+def _held_out(data: RecipeData, d: DataSection) -> RecipeData:
+    """The last ``data.eval_examples`` rows become the evaluation set; the rest train."""
+    n, held = len(data.dataset), d.eval_examples
+    if not held:
+        return data
+    if held >= n:
+        raise RecipeError(f"data.eval_examples={held} leaves no training row of the {n} rows: hold out fewer (e.g. "
+                          f"data.eval_examples={max(1, n // 10)})")
+    if hasattr(data.dataset, "select"):  # a datasets.Dataset
+        train, evaluation = data.dataset.select(range(n - held)), data.dataset.select(range(n - held, n))
+    else:
+        rows = data.dataset.rows
+        train, evaluation = type(data.dataset)(rows[:n - held]), type(data.dataset)(rows[n - held:])
+    return replace(data, dataset=train, eval_dataset=evaluation)
 
 
 def _sft_data(d: DataSection, tokenizer) -> RecipeData:
@@ -81,7 +98,8 @@ def sft_stats(data: RecipeData, tokenized) -> RecipeData:
         targets = [sum(mask[1:]) for mask in tokenized["completion_mask"]]
     if not any(targets):
         raise RecipeError("no SFT example has a target token after truncation: raise training.max_length")
-    return RecipeData(tokenized, None, None, sum(lengths) / len(lengths), sum(targets) / len(targets), max(lengths))
+    return replace(data, dataset=tokenized, mean_tokens=sum(lengths) / len(lengths),
+                   mean_targets=sum(targets) / len(targets), longest=max(lengths))
 
 
 def _preference_data(d: DataSection, tokenizer) -> RecipeData:
@@ -119,7 +137,7 @@ def preference_stats(data: RecipeData, tokenized) -> RecipeData:
                for p, c, r in zip(tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"])]
     longest = max(len(p) + max(len(c), len(r))
                   for p, c, r in zip(tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"]))
-    return RecipeData(tokenized, None, None, sum(lengths) / len(lengths), 1.0, longest)
+    return replace(data, dataset=tokenized, mean_tokens=sum(lengths) / len(lengths), mean_targets=1.0, longest=longest)
 
 
 def _load_rows(d: DataSection):

@@ -151,12 +151,12 @@ def _trainer(recipe: Recipe, args, model, tokenizer, data, callbacks):
         from ..trl import AccumDPOTrainer, AccumSFTTrainer
 
         trainer_class = AccumDPOTrainer if recipe.model.task == "dpo" else AccumSFTTrainer
-        return trainer_class(model=model, args=args, train_dataset=data.dataset, processing_class=tokenizer,
-                             callbacks=callbacks)
+        return trainer_class(model=model, args=args, train_dataset=data.dataset, eval_dataset=data.eval_dataset,
+                             processing_class=tokenizer, callbacks=callbacks)
     from ..trainer import AccumTrainer
 
-    return AccumTrainer(model=model, args=args, train_dataset=data.dataset, data_collator=data.collator,
-                        processing_class=tokenizer, callbacks=callbacks)
+    return AccumTrainer(model=model, args=args, train_dataset=data.dataset, eval_dataset=data.eval_dataset,
+                        data_collator=data.collator, processing_class=tokenizer, callbacks=callbacks)
 
 
 def _unit(recipe: Recipe) -> str:
@@ -272,6 +272,8 @@ def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float,
                 f"probe (real training steps against a budget of {_budget_text(args)}) ...")
             with _quiet():
                 trainer.tune()
+            if trainer.args.auto_eval_batch_size is None:  # "on when auto-tuning": resolved before auto_tune goes off
+                trainer.args.auto_eval_batch_size = True
             trainer.args.auto_tune = False  # planned once, here; train() must not probe again (nor lose probe_result)
         plan_dict = _plan_in_force(trainer)
         _say_plan(say, built, plan_dict)
@@ -286,8 +288,10 @@ def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float,
         say(f"the plan was lowered during training (out of memory): {_describe(final)}")
     with _quiet():
         trainer.save_model(args.output_dir)  # adapter (adapter_config.json + weights, modules_to_save too) + tokenizer
+    evaluation = _evaluate(built, say)
 
     summary = _summary(built, result, final, resume, cuda_peak() if cuda_peak else None, start)
+    summary.update(evaluation)
     if main_process and args.should_save:
         with open(os.path.join(args.output_dir, SUMMARY_FILE), "w") as f:
             json.dump(summary, f, indent=2, default=str)
@@ -298,6 +302,20 @@ def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float,
     say(f"saved the adapter and tokenizer to {args.output_dir}; summary: {os.path.join(args.output_dir, SUMMARY_FILE)} "
         f"(wall time {summary['wall_seconds']:.1f} s)")
     return RecipeRun(recipe, trainer, built.model, built.tokenizer, summary, args.output_dir)
+
+
+def _evaluate(built: Built, say) -> dict[str, Any]:
+    """The held-out rows (data.eval_examples), evaluated once after training: eval_loss is the exact mean over every
+    target token (pair, example), whatever eval batch the trainer planned (hf_accum/evaluation.py)."""
+    if built.data.eval_dataset is None:
+        return {}
+    with _quiet():
+        metrics = built.trainer.evaluate()
+    batch = built.trainer.args.per_device_eval_batch_size
+    rows = len(built.data.eval_dataset)
+    say(f"eval_loss {metrics['eval_loss']:.4f} on the {rows} held-out {_examples(built.recipe)} (eval batch {batch})")
+    return {"eval_loss": metrics["eval_loss"], "eval_examples": rows, "eval_batch_size": batch,
+            "eval_metrics": metrics}
 
 
 def _plan_in_force(trainer) -> dict[str, Any]:
