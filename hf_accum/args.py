@@ -109,8 +109,10 @@ class AccumTrainingArguments(TrainingArguments):
         default="memory",
         metadata={
             "help": (
-                "'memory': the largest divisor of the per-rank target that fits. 'throughput': time every "
-                "fitting divisor and take the fastest (more probe steps)."
+                "'memory': the largest micro-batch that fits (each window cut into the fewest near-equal "
+                "forwards). 'throughput': time every fitting size that gives a different number of forwards and "
+                "take the fastest (more probe steps). With checkpoint_layers='auto' the lever already chooses by "
+                "measured step time, and 'throughput' adds nothing."
             ),
             "choices": ["memory", "throughput"],
         },

@@ -564,6 +564,9 @@ def probe_model(
                     step_fn, meter, budget, cap, must_resolve=forward_breakpoints(per_rank), optimize=optimize, log=log
                 )
             else:
+                if optimize == "throughput" and log is not None:  # said, not silently dropped
+                    log("auto_tune_optimize='throughput': the checkpointing lever already chooses rows and layers by "
+                        "measured step time; no separate timing of every size")
                 result = probe_levels(step_fn, meter, budget, cap, per_rank, lever,
                                       must_resolve=forward_breakpoints(per_rank), log=log)
         finally:
