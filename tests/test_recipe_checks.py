@@ -109,6 +109,12 @@ def test_resume_values(tmp_path):
         preflight.resolve_resume(True, out, 8)
 
 
+def untokenized():
+    from hf_accum.recipes.data import RecipeData
+
+    return RecipeData(None, None, None, 0.0, 0.0, 0, eval_dataset=["kept"])
+
+
 @pytest.mark.parametrize("rows,tokens,targets,longest", [
     ([{"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}], 4.0, 2.0, 4),  # TRL's labels column
     ([{"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1]}], 4.0, 2.0, 4),  # completion mask only
@@ -119,8 +125,9 @@ def test_sft_stats_count_predicted_targets(rows, tokens, targets, longest):
 
     from hf_accum.recipes import sft_stats
 
-    out = sft_stats(None, Dataset.from_list(rows))  # position 0 is never predicted (causal shift)
+    out = sft_stats(untokenized(), Dataset.from_list(rows))  # position 0 is never predicted (causal shift)
     assert (out.mean_tokens, out.mean_targets, out.longest) == (tokens, targets, longest)
+    assert out.eval_dataset == ["kept"]  # the held-out rows travel with the statistics
 
 
 def test_preference_stats_count_both_sequences_of_a_pair():
@@ -130,5 +137,5 @@ def test_preference_stats_count_both_sequences_of_a_pair():
 
     rows = [{"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5], "rejected_ids": [6]},
             {"prompt_ids": [1], "chosen_ids": [4], "rejected_ids": [6, 7, 8, 9]}]
-    out = preference_stats(None, Dataset.from_list(rows))
+    out = preference_stats(untokenized(), Dataset.from_list(rows))
     assert (out.mean_tokens, out.mean_targets, out.longest) == ((9 + 7) / 2, 1.0, 5)
