@@ -1071,8 +1071,11 @@ def section_tokens(ctx: Ctx) -> dict[str, Any]:
                     figures["modes_cut_short"] = True
                     break
                 timer = StepTimes(ctx)
+                # both modes at one checkpointing level (none): the lever chooses per mode, by measured time, and a
+                # different level in each would confound the padding and time this section compares
                 trainer = make_trainer(ctx, model, rows, os.path.join(tmp, mode), callbacks=[timer],
-                                       target_batch_size=target, max_steps=steps, micro_batching=mode, **kw)
+                                       target_batch_size=target, max_steps=steps, micro_batching=mode,
+                                       gradient_checkpointing=False, **kw)
                 try:
                     start = time.perf_counter()
                     plan = trainer.tune()
