@@ -694,14 +694,17 @@ def _levels(results: dict[int, ProbeResult], step_fn: StepFn, meter: Meter,
     lines = {}
     for k, result in results.items():
         lines[k] = fit_time_line([(t.micro_batch_size, t.seconds) for t in result.trials if t.fits and t.seconds])
-    timeable = [k for k, r in results.items() if r.max_micro_batch_size >= 1 and lines[k] is not None]
+    # the largest fit every rank has (ranks with different budgets differ): which step is timed, and at how many rows,
+    # must be the same everywhere, since what follows compares it through collectives
+    largest = {k: agree_max_micro_batch(r.max_micro_batch_size) for k, r in results.items()}
+    timeable = [k for k in results if largest[k] >= 1]
     plain: dict[tuple[int, int], float] = {}
     ratio = None
     if timeable:
-        k = min(timeable, key=lambda k: (results[k].max_micro_batch_size, k))
-        micro = results[k].max_micro_batch_size
+        k = min(timeable, key=lambda k: (largest[k], k))
+        micro = largest[k]
         seconds = _timed_step(step_fn, meter, lever, micro, k)
-        instrumented = lines[k][0] + lines[k][1] * micro
+        instrumented = lines[k][0] + lines[k][1] * micro if lines[k] is not None else 0.0
         plain[(micro, k)] = seconds or 0.0  # keyed on every rank alike (an OOM here is one rank's: 0.0)
         if seconds and instrumented > 0:
             ratio = seconds / instrumented
