@@ -679,6 +679,7 @@ class AccumulationMixin:
             return False
         return True
 
+    @_compat.trl_metrics_kept  # the measuring steps are not evaluation: TRL's eval metrics must not average them
     def _plan_eval_batch(self, dataset) -> None:
         """`auto_eval_batch_size`: measure evaluation steps now, with what training keeps resident (eval_batch.py)."""
         self._eval_batch_planned = True

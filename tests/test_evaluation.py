@@ -220,6 +220,36 @@ def test_trl_dpo_trainer_counts_pairs(tmp_path, caplog):
     assert abs(per_pair_mean - math.log(2)) > 1e-3 and "transformers' value" not in caplog.text
 
 
+def test_planning_the_eval_batch_leaves_trls_eval_metrics_alone(tmp_path):
+    """The eval batch is measured with real evaluation steps; TRL's trainers record metrics (rewards, accuracies) in
+    every step they run, so without care the measuring steps were averaged into the first evaluation's metrics. A
+    planned evaluation reports what a plain one at the same eval batch reports, every metric."""
+    from hf_accum import tiny
+    from hf_accum.trl import AccumDPOConfig, AccumDPOTrainer
+
+    from .test_dpo import preference_data
+
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model("causal_lm", tokenizer=tok, dtype=torch.float64, hidden_size=32)
+    ref = tiny.build_model("causal_lm", tokenizer=tok, dtype=torch.float64, hidden_size=32)
+    data = preference_data(21)
+
+    def evaluate(**kw):
+        args = AccumDPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, max_length=64,
+                              disable_tqdm=True, beta=0.1, gradient_checkpointing=False, **kw)
+        trainer = AccumDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=data, eval_dataset=data,
+                                  processing_class=tok)
+        return trainer.evaluate(), trainer.args.per_device_eval_batch_size
+
+    planned, batch = evaluate(auto_eval_batch_size=True, memory_budget_bytes=2**30, per_device_eval_batch_size=2)
+    plain, _ = evaluate(auto_eval_batch_size=False, per_device_eval_batch_size=batch)
+    assert batch > 2  # measured and raised
+    keys = [k for k in plain if k.startswith(("eval_rewards/", "eval_logps/", "eval_logits/"))]
+    assert keys and set(planned) >= set(keys)
+    for key in keys + ["eval_loss"]:
+        assert planned[key] == pytest.approx(plain[key], rel=1e-9, abs=1e-12), key
+
+
 @pytest.mark.slow
 def test_two_ranks_give_the_single_process_token_mean(tmp_path):
     from .test_ddp import _free_port, child_env, run_two_ranks
