@@ -67,3 +67,34 @@ def test_holding_out_every_row_is_refused_before_the_model_is_built(tmp_path):
         recipes.run_recipe("lora_sft", ["data.num_examples=50", "data.eval_examples=50", f"output_dir={tmp_path}/o"],
                            say=lambda _msg: None)
     assert not (tmp_path / "o").exists()
+
+
+def test_evaluating_during_training_then_resuming(tmp_path):
+    """eval_steps alone means eval_strategy=steps (as save_steps does for saving); the eval batch the first evaluation
+    plans is not reported as a plan lowered by an out-of-memory error; the last step's evaluation is not run again
+    after training; a resumed run's summary counts the steps and tokens of this run only."""
+    out = tmp_path / "run"
+    common = ["data.num_examples=120", "data.eval_examples=12", "eval_steps=2", "save_steps=2", "disable_tqdm=true",
+              f"output_dir={out}"]
+    said: list[str] = []
+    first = recipes.run_recipe("lora_sft", [*common, "max_steps=4"], say=said.append)
+    assert first.trainer.args.eval_strategy == "steps"
+    assert not any("lowered" in line for line in said), said
+    evaluations = [h for h in first.trainer.state.log_history if "eval_loss" in h]
+    assert [h["step"] for h in evaluations] == [2, 4]  # the final one is reused, not run a third time
+    assert first.summary["eval_loss"] == evaluations[-1]["eval_loss"]
+    tokens_first = first.trainer.state.num_input_tokens_seen
+
+    said.clear()
+    resumed = recipes.run_recipe("lora_sft", [*common, "max_steps=6", "resume_from_checkpoint=true"],
+                                 say=said.append)
+    summary = resumed.summary
+    assert summary["steps"] == 6 and summary["steps_this_run"] == 2
+    assert summary["tokens_seen"] == resumed.trainer.state.num_input_tokens_seen - tokens_first > 0
+    assert any(line.startswith("loss ") and "; 2 steps in" in line for line in said), said
+
+
+def test_a_folder_named_like_a_recipe_does_not_hide_it(tmp_path, monkeypatch):
+    (tmp_path / "lora_sft").mkdir()  # e.g. an output_dir named after the recipe, in the working directory
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe("lora_sft").name == "lora_sft"

@@ -283,7 +283,7 @@ def available_recipes() -> list[str]:
 def recipe_path(recipe: str | os.PathLike) -> Path:
     """The YAML file of a recipe name (from the shipped recipes) or a path."""
     p = Path(recipe)
-    if p.suffix in (".yaml", ".yml") or p.exists():
+    if p.suffix in (".yaml", ".yml") or p.is_file():  # a folder named like a recipe (its output_dir) is not one
         if not p.is_file():
             raise RecipeError(f"recipe file {str(p)!r} does not exist; known recipes: {', '.join(available_recipes())}")
         return p
@@ -474,10 +474,13 @@ def wants_quantization(recipe: str | os.PathLike | dict[str, Any], overrides: Se
 
 
 def _save_steps_imply_steps(config: dict[str, Any], overrides: Sequence[str]) -> None:
-    """`save_steps=N` without `save_strategy=...` means "save every N steps", though the recipe says "no"."""
+    """`save_steps=N` without `save_strategy=...` means "save every N steps", though the recipe says "no"; the same
+    for `eval_steps=N` and `eval_strategy`."""
     keys = {item.split("=", 1)[0].strip() for item in overrides}
-    if keys & {"save_steps", "training.save_steps"} and not keys & {"save_strategy", "training.save_strategy"}:
-        config.setdefault("training", {})["save_strategy"] = "steps"
+    for what in ("save", "eval"):
+        if keys & {f"{what}_steps", f"training.{what}_steps"} and not keys & {f"{what}_strategy",
+                                                                            f"training.{what}_strategy"}:
+            config.setdefault("training", {})[f"{what}_strategy"] = "steps"
 
 
 # Values the run interprets before the dataclass sees them.

@@ -258,7 +258,8 @@ def _write_recipe_at_start(recipe: Recipe):
 
 
 def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float, main_process: bool) -> RecipeRun:
-    built = build(recipe, args, say, [*callbacks, _write_recipe_at_start(recipe)])
+    started = _train_start()
+    built = build(recipe, args, say, [*callbacks, _write_recipe_at_start(recipe), started])
     trainer = built.trainer
     plan_dict = None
     if resume is not None:  # the Trainer restores the plan stored with the checkpoint (and refuses another target)
@@ -284,34 +285,45 @@ def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float,
     final = _plan_in_force(trainer)
     if plan_dict is None:
         _say_plan(say, built, final)
-    elif final != plan_dict:  # out of memory mid-run: a smaller micro
+    elif _training_plan(final) != _training_plan(plan_dict):  # out of memory mid-run: a smaller micro
         say(f"the plan was lowered during training (out of memory): {_describe(final)}")
     with _quiet():
         trainer.save_model(args.output_dir)  # adapter (adapter_config.json + weights, modules_to_save too) + tokenizer
     evaluation = _evaluate(built, say)
 
-    summary = _summary(built, result, final, resume, cuda_peak() if cuda_peak else None, start)
+    summary = _summary(built, result, final, resume, cuda_peak() if cuda_peak else None, start, started)
     summary.update(evaluation)
     if main_process and args.should_save:
         with open(os.path.join(args.output_dir, SUMMARY_FILE), "w") as f:
             json.dump(summary, f, indent=2, default=str)
     if summary["losses"]:
         say(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} (first and last logged, every "
-            f"{args.logging_steps} steps); {summary['steps']} steps in {summary['train_seconds']:.1f} s, "
+            f"{args.logging_steps} steps); {summary['steps_this_run']} steps in {summary['train_seconds']:.1f} s, "
             f"{summary['tokens_per_second']:,.0f} tokens/s")
     say(f"saved the adapter and tokenizer to {args.output_dir}; summary: {os.path.join(args.output_dir, SUMMARY_FILE)} "
         f"(wall time {summary['wall_seconds']:.1f} s)")
     return RecipeRun(recipe, trainer, built.model, built.tokenizer, summary, args.output_dir)
 
 
+def _training_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan without the eval batch, which the first evaluation during training adds (not a lowering)."""
+    return {k: v for k, v in plan.items() if k != "eval_batch_size"}
+
+
 def _evaluate(built: Built, say) -> dict[str, Any]:
-    """The held-out rows (data.eval_examples), evaluated once after training: eval_loss is the exact mean over every
-    target token (pair, example), whatever eval batch the trainer planned (hf_accum/evaluation.py)."""
+    """The held-out rows (data.eval_examples), evaluated once after training unless an evaluation during training
+    already ran at the last step: eval_loss is the exact mean over every target token (pair, example), whatever eval
+    batch the trainer planned (hf_accum/evaluation.py)."""
     if built.data.eval_dataset is None:
         return {}
-    with _quiet():
-        metrics = built.trainer.evaluate()
-    batch = built.trainer.args.per_device_eval_batch_size
+    trainer = built.trainer
+    evaluations = [h for h in trainer.state.log_history if "eval_loss" in h]
+    if evaluations and evaluations[-1].get("step") == trainer.state.global_step:
+        metrics = {k: v for k, v in evaluations[-1].items() if k.startswith("eval_")}  # same weights: not run again
+    else:
+        with _quiet():
+            metrics = trainer.evaluate()
+    batch = trainer.args.per_device_eval_batch_size
     rows = len(built.data.eval_dataset)
     say(f"eval_loss {metrics['eval_loss']:.4f} on the {rows} held-out {_examples(built.recipe)} (eval batch {batch})")
     return {"eval_loss": metrics["eval_loss"], "eval_examples": rows, "eval_batch_size": batch,
@@ -329,17 +341,32 @@ def _say_plan(say, built: Built, plan: dict[str, Any]) -> None:
     _say_tokens(say, plan["target_batch_size"], built.data, _unit(built.recipe), built.args)
 
 
+def _train_start():
+    """A callback holding where this call's training began (a resume starts at the checkpoint's step and tokens): the
+    summary's rates are over what this run trained, not over steps an earlier run took."""
+    from transformers import TrainerCallback
+
+    class TrainStart(TrainerCallback):
+        step, tokens = 0, 0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.step, self.tokens = state.global_step, state.num_input_tokens_seen or 0
+
+    return TrainStart()
+
+
 def _summary(built: Built, result, plan: dict[str, Any], resume: str | None, cuda_peak: int | None,
-             start: float) -> dict[str, Any]:
+             start: float, started) -> dict[str, Any]:
     """What `run_summary.json` holds."""
     recipe, args, trainer, data = built.recipe, built.args, built.trainer, built.data
     per_step = plan["target_batch_size"]
     probe = _probe_summary(trainer, plan["micro_batch_size"])
     train_seconds = result.metrics.get("train_runtime")
     losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h and "step" in h]
-    tokens = getattr(trainer.state, "num_input_tokens_seen", 0) or None
+    steps_this_run = trainer.state.global_step - started.step
+    tokens = (getattr(trainer.state, "num_input_tokens_seen", 0) or 0) - started.tokens or None
     if tokens is None:  # include_num_input_tokens_seen is off: estimate from the data
-        tokens = round(trainer.state.global_step * per_step * data.mean_tokens)
+        tokens = round(steps_this_run * per_step * data.mean_tokens)
     return {
         "recipe": recipe.name,
         "recipe_path": recipe.path,
@@ -357,6 +384,7 @@ def _summary(built: Built, result, plan: dict[str, Any], resume: str | None, cud
         "total_parameters": built.total,
         "examples": len(data.dataset),
         "steps": trainer.state.global_step,
+        "steps_this_run": steps_this_run,
         "tokens_seen": tokens,
         "train_seconds": train_seconds,
         "tokens_per_second": tokens / train_seconds if train_seconds else None,
