@@ -290,6 +290,10 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
         "hf_accum/target_batch_size": plan.target_batch_size,
         "hf_accum/budget_bytes": int(budget_bytes),
         "hf_accum/plan_reused": int(reused),
+        # an uneven plan's micro is the most rows of a forward: micro x accumulation can exceed the window, so the
+        # window and its forwards are logged as such
+        "hf_accum/window": plan.window,
+        "hf_accum/forwards": plan.forwards,
     }
     if plan.token_budget is not None:
         figures["hf_accum/token_budget"] = plan.token_budget

@@ -154,6 +154,7 @@ def test_plan_and_measurements_are_shown_by_default_and_in_the_trainers_logs(tmp
     assert logged["hf_accum/budget_bytes"] == 8 * MiB and logged["hf_accum/probe_trials"] == len(measured)
     assert logged["hf_accum/peak_bytes_per_step"] in {t.peak_bytes for t in measured if t.fits}
     assert logged["hf_accum/plan_reused"] == 0
+    assert logged["hf_accum/window"] == plan.window and logged["hf_accum/forwards"] == plan.forwards
     caplog.clear()
     reused = make(tmp_path, tok)
     reused.train()
