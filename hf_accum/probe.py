@@ -615,7 +615,7 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
         for t in r.trials:
             t.checkpointed_layers = k
             trials.append(t)
-    measured, plain = _levels(results, step_fn, meter, lever)
+    measured, timed = _levels(results, step_fn, meter, lever)
     levels = _agree_levels(measured)
     # every input of the chooser equal on all ranks, so all make the same proposals (and verifying steps, each one
     # collective): the tightest rank's budget with the agreed levels
@@ -635,7 +635,7 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
         trials.append(trial)
         chooser.record(choice, agree_max_micro_batch(int(trial.fits)) == 1)
         choice = chooser.propose()
-    accepted, seconds, checked = _timed_choice(chooser, plain, per_rank, step_fn, meter, lever)
+    accepted, seconds, checked = _timed_choice(chooser, timed, per_rank, step_fn, meter, lever)
     base = results[accepted.k] if accepted is not None and accepted.k in results else results[max(results)]
     result = dataclasses.replace(base, trials=trials, extra=dict(base.extra))
     result.max_micro_batch_size = accepted.micro if accepted is not None else 0
@@ -657,7 +657,7 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
     return result
 
 
-def _timed_choice(chooser: CheckpointChooser, plain: dict[tuple[int, int], float], per_rank: int, step_fn: StepFn,
+def _timed_choice(chooser: CheckpointChooser, timed: tuple[int, int, float] | None, per_rank: int, step_fn: StepFn,
                   meter: Meter, lever: Any) -> tuple[Choice | None, float, dict[str, Any] | None]:
     """The accepted choice, its plain seconds per forward (the slowest rank's; 0.0 when untimed) and what it was
     checked against. A choice other than the plainly timed point is timed plainly too, and the two are compared as
@@ -666,13 +666,12 @@ def _timed_choice(chooser: CheckpointChooser, plain: dict[tuple[int, int], float
     accepted = chooser.accepted
     if accepted is None:
         return None, 0.0, None
-    seconds = plain.get((accepted.micro, accepted.k))  # already timed plainly: not run again
-    if seconds is None:
-        seconds = _timed_step(step_fn, meter, lever, accepted.micro, accepted.k)
+    at_timed = timed is not None and timed[:2] == (accepted.micro, accepted.k)
+    seconds = timed[2] if at_timed else _timed_step(step_fn, meter, lever, accepted.micro, accepted.k)  # not run twice
     seconds = _slowest_rank(seconds or 0.0)
-    if not plain or (accepted.micro, accepted.k) in plain:
+    if timed is None or at_timed:
         return accepted, seconds, None
-    (micro, k), other = next(iter(plain.items()))
+    micro, k, other = timed
     other = _slowest_rank(other)
     forwards = math.ceil(per_rank / micro)
     checked = {"micro": micro, "k": k, "forwards": forwards, "step_seconds": forwards * other}
@@ -684,13 +683,13 @@ def _timed_choice(chooser: CheckpointChooser, plain: dict[tuple[int, int], float
 
 
 def _levels(results: dict[int, ProbeResult], step_fn: StepFn, meter: Meter,
-            lever: Any) -> tuple[list[Level], dict[tuple[int, int], float]]:
+            lever: Any) -> tuple[list[Level], tuple[int, int, float] | None]:
     """What the chooser needs of each measured level: the memory line, and the step-time line through the search's
     timings. Those ran under the meter's instrumentation (on CPU a profiler), so one plain step at the level whose
     largest fit holds the fewest rows gives the ratio of plain to instrumented seconds, and every line is scaled by
     it: one extra step, the cheapest, instead of one per level (the full level's largest fit is often the whole
     window, the probe's dearest step). The level is chosen from agreed figures, so every rank times the same one.
-    Returns the levels and the plain seconds measured, by (micro, k)."""
+    Returns the levels and the plainly timed step as (micro, k, seconds), None when no level fits."""
     lines = {}
     for k, result in results.items():
         lines[k] = fit_time_line([(t.micro_batch_size, t.seconds) for t in result.trials if t.fits and t.seconds])
@@ -698,14 +697,14 @@ def _levels(results: dict[int, ProbeResult], step_fn: StepFn, meter: Meter,
     # must be the same everywhere, since what follows compares it through collectives
     largest = {k: agree_max_micro_batch(r.max_micro_batch_size) for k, r in results.items()}
     timeable = [k for k in results if largest[k] >= 1]
-    plain: dict[tuple[int, int], float] = {}
+    timed = None
     ratio = None
     if timeable:
         k = min(timeable, key=lambda k: (largest[k], k))
         micro = largest[k]
         seconds = _timed_step(step_fn, meter, lever, micro, k)
         instrumented = lines[k][0] + lines[k][1] * micro if lines[k] is not None else 0.0
-        plain[(micro, k)] = seconds or 0.0  # keyed on every rank alike (an OOM here is one rank's: 0.0)
+        timed = (micro, k, seconds or 0.0)  # the same point on every rank (an OOM here is one rank's: 0.0)
         if seconds and instrumented > 0:
             ratio = seconds / instrumented
     levels = []
@@ -715,7 +714,7 @@ def _levels(results: dict[int, ProbeResult], step_fn: StepFn, meter: Meter,
             time = scale_line(time, ratio)
         failure = min((t.micro_batch_size for t in result.trials if not t.fits), default=None)
         levels.append(Level(k, result.max_micro_batch_size, failure, result.fitted, time))
-    return levels, plain
+    return levels, timed
 
 
 def _timed_step(step_fn: StepFn, meter: Meter, lever: Any, micro: int, k: int) -> float | None:

@@ -432,7 +432,7 @@ def load_recipe(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[
         p = recipe_path(recipe)
         name, path, config = p.stem, str(p), read_yaml(p)
     config = apply_overrides(config, overrides)
-    _save_steps_imply_steps(config, overrides)
+    _steps_imply_strategy(config, overrides)
     keys = valid_keys(task_of(config))
     for section, values in config.items():
         if section not in SECTIONS:
@@ -473,7 +473,7 @@ def wants_quantization(recipe: str | os.PathLike | dict[str, Any], overrides: Se
     return quantization is not None
 
 
-def _save_steps_imply_steps(config: dict[str, Any], overrides: Sequence[str]) -> None:
+def _steps_imply_strategy(config: dict[str, Any], overrides: Sequence[str]) -> None:
     """`save_steps=N` without `save_strategy=...` means "save every N steps", though the recipe says "no"; the same
     for `eval_steps=N` and `eval_strategy`."""
     keys = {item.split("=", 1)[0].strip() for item in overrides}
