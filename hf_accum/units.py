@@ -128,7 +128,7 @@ class Cutter:
             labels = batch.get(self.labels.key)
             if torch.is_tensor(labels) and labels.shape == mask.shape:
                 keep = keep | labels.ne(self.labels.ignore_index)
-            positions = torch.arange(1, mask.shape[1] + 1).expand_as(keep)
+            positions = torch.arange(1, mask.shape[1] + 1, device=mask.device).expand_as(keep)
             per_row = (positions * keep).amax(1).tolist()
         if self.unit == "pairs":
             half = len(per_row) // 2
@@ -287,7 +287,7 @@ def _take_sequences(batch: Mapping, lo: int, hi: int) -> dict:
     bounds = _boundaries(batch)
     start, stop = bounds[lo], bounds[hi]
     total = bounds[-1]
-    lengths = torch.tensor([b - a for a, b in zip(bounds[lo:hi], bounds[lo + 1:hi + 1])])
+    lengths = torch.tensor([b - a for a, b in zip(bounds[lo:hi], bounds[lo + 1:hi + 1])], device="cpu")  # host side
     out = {}
     for k, v in batch.items():
         if k in _FLAT_DERIVED:

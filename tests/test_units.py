@@ -145,3 +145,28 @@ def test_cut_near_equal_keeps_pairs_and_sequences_whole():
     parts = seqs.cut_near_equal(flat_batch, 2, None, "tokens")
     assert [int(seqs.count(c, "samples")) for c in parts] == [1, 2, 2]  # in order, 5 sequences in 3 forwards
     assert sum(int(seqs.count(c, "tokens")) for c in parts) == int(seqs.count(flat_batch, "tokens"))
+
+
+@pytest.mark.parametrize("unit, build", [
+    ("rows", lambda: padded([3, 7, 5, 2])),
+    ("pairs", lambda: padded([3, 7, 5, 2])),
+    ("sequences", lambda: flat([3, 4, 2, 5], return_flash_attn_kwargs=True)),
+])
+def test_every_tensor_a_cut_makes_stays_on_the_batch_device(unit, build, monkeypatch):
+    """On CUDA the batch arrives on the GPU; a tensor the cutter made on the CPU beside it crashed every cut window
+    there (bench_gpu on an H100: `positions` in `Cutter.lengths`). CPU-only stand-in: tensors made without an
+    explicit device land on 'meta', and mixing them with the batch's CPU tensors raises."""
+    batch = build()
+    cutter = make_cutter(unit, CAUSAL)
+    torch.set_default_device("meta")
+    try:
+        lengths = cutter.lengths(batch)
+        near = cutter.cut_near_equal(batch, 1, None, "tokens")
+        tokens = cutter.cut_by_tokens(batch, max(lengths), None, "tokens")
+        counts = [int(cutter.count(c, "samples")) for c in near]
+        one = sliver(batch, unit)
+    finally:
+        torch.set_default_device("cpu")
+    assert len(near) == cutter.units(batch) and counts == [1] * len(near)
+    assert len(tokens) >= 1 and sum(cutter.units(c) for c in tokens) == cutter.units(batch)
+    assert cutter.units(one) == 1
