@@ -57,7 +57,7 @@ import torch  # noqa: E402
 from hf_accum import flops  # noqa: E402
 from hf_accum.meters import CpuMeter, CudaMeter, Meter, live_tensor_bytes  # noqa: E402
 from hf_accum.oom import free_memory, is_oom  # noqa: E402
-from hf_accum.plan import divisors  # noqa: E402
+from hf_accum.planning.plan import divisors  # noqa: E402
 from hf_accum.probe import make_step_fn, probe_model, random_token_batch, resolve_budget  # noqa: E402
 
 MiB = 1 << 20

@@ -49,7 +49,7 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from hf_accum.meters import CpuMeter, Measurement, Meter, live_tensor_bytes  # noqa: E402
-from hf_accum.plan import divisors  # noqa: E402
+from hf_accum.planning.plan import divisors  # noqa: E402
 from hf_accum.probe import make_step_fn, probe_micro_batches, random_token_batch  # noqa: E402
 
 TARGET = 64

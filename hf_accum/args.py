@@ -328,7 +328,7 @@ class AccumTrainingArguments(TrainingArguments):
             return
         if self.tunes:
             if self.target_batch_size % world:
-                from .plan import nearest_exact_targets
+                from .planning.plan import nearest_exact_targets
 
                 options = " or ".join(map(str, nearest_exact_targets(self.target_batch_size, world)))
                 raise ValueError(
@@ -360,7 +360,7 @@ class AccumTrainingArguments(TrainingArguments):
         micro = the per-rank window, accumulation 1); refused here, before a model is loaded."""
         from . import _compat
         from .deepspeed_batch import batch_contradiction, engine_name, zero_stage
-        from .plan import Plan
+        from .planning.plan import Plan
 
         if self.tunes:
             self._check_deepspeed_tuned_fields()

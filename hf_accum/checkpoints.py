@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass
 
 from . import _compat
-from .plan import Plan, plan_for_micro
-from .plan_store import PLAN_FILE, PlanFileError, load_stored_plan, save_plan
+from .planning.plan import Plan, plan_for_micro
+from .planning.store import PLAN_FILE, PlanFileError, load_stored_plan, save_plan
 
 logger = logging.getLogger(__name__)
 

@@ -112,7 +112,7 @@ def _check_probe_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         raise UsageError(f"--budget={args.budget} must be a fraction in (0, 1]; "
                          "for an absolute budget use --budget-bytes")
     if args.target_batch % args.world_size:
-        from .plan import nearest_exact_targets
+        from .planning.plan import nearest_exact_targets
 
         options = " or ".join(map(str, nearest_exact_targets(args.target_batch, args.world_size)))
         raise UsageError(f"--target-batch={args.target_batch} is not divisible by "

@@ -26,7 +26,7 @@ import torch
 from .levers import CheckpointChooser, Choice, Level, fit_time_line, scale_line
 from .meters import CpuMeter, CudaMeter, Meter, live_tensor_bytes
 from .oom import free_memory, is_oom
-from .plan import (
+from .planning.plan import (
     MicroBatchSearch,
     Plan,
     choose_fastest,

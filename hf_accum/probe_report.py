@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .plan import Plan
+from .planning.plan import Plan
 from .probe import ProbeResult
 
 

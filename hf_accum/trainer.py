@@ -29,18 +29,19 @@ import weakref
 import torch
 from transformers import Trainer, TrainerCallback
 
-from . import _compat, checkpointing, tuning
+from . import _compat, checkpointing
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments, explicit_batch_settings, resolve_nonfinite_limit
 from .checkpoints import check_resume
 from .deepspeed_batch import batch_contradiction
-from .engine_probe import probe_through_engine
-from .eval_batch import plan_eval_batch
 from .evaluation import EvalLoss
 from .fused_loss import with_fused_loss
 from .loss import LabelSpec, label_spec
-from .plan import Plan, divisors, plan_for_micro
-from .plan_store import PLAN_FILE, save_plan
+from .planning import tuning
+from .planning.engine_probe import probe_through_engine
+from .planning.eval_batch import plan_eval_batch
+from .planning.plan import Plan, divisors, plan_for_micro
+from .planning.store import PLAN_FILE, save_plan
 from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted, StopRequest
 from .preflight import check_output_dir_writable, check_training_data
 from .protocol import Local, Policy, StopTraining, TorchDistributed, WindowProtocol

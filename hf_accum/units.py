@@ -79,7 +79,7 @@ class Cutter:
         """``ceil(units / max_units)`` forwards (at least ``groups``: equal counts on ranks) whose unit counts
         differ by at most one. Padded rows and pairs go longest first, so the longest rows share a forward (less
         padding) and get the smaller counts; padding-free sequences keep their order. Verified with ``mode``."""
-        from .plan import forwards_for, near_equal_groups, near_equal_sizes
+        from .planning.plan import forwards_for, near_equal_groups, near_equal_sizes
 
         total = self.units(batch)
         sizes = near_equal_sizes(total, max(forwards_for(total, max_units), groups or 1))

@@ -23,7 +23,7 @@ import torch
 
 from .loss import Window
 from .oom import free_memory, is_oom
-from .plan import forwards_for
+from .planning.plan import forwards_for
 from .protocol import Local, Phase, Policy, Restart, StopTraining, WindowProtocol
 from .token_budget import TokenBudget
 from .units import Cutter, sliver

@@ -58,7 +58,7 @@ def main():
         with open(os.path.join(opts.out, "oom_forwards_rank1.json"), "w") as f:
             json.dump(injector.count, f)
     # auto_eval_batch_size: rank 1 is made to fit at most 3 (as a rank with less free memory would); all take 3
-    from hf_accum import eval_batch
+    from hf_accum.planning import eval_batch
 
     rank = int(os.environ["RANK"])
     if rank == 1:

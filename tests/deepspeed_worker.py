@@ -102,7 +102,7 @@ class AfterProbe(TrainerCallback):
         self.trainer, self.record = None, None
 
     def on_step_begin(self, args, state, control, **kwargs):
-        from hf_accum.engine_probe import SCRATCH
+        from hf_accum.planning.engine_probe import SCRATCH
 
         if self.record is None:
             self.record = {"weights": full_weights(self.trainer), "engine_steps": self.trainer.deepspeed.global_steps,
@@ -232,7 +232,7 @@ def single_mode(out, rank):
     from deepspeed.comm.torch import build_shm_op
 
     from hf_accum import _compat
-    from hf_accum.plan import Plan
+    from hf_accum.planning.plan import Plan
     from hf_accum.protocol import StopTraining
     from tests.test_oom_recovery import OOMAt
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hf_accum import AccumTrainer, AccumTrainingArguments, _compat, checkpointing
-from hf_accum.plan import Plan
-from hf_accum.plan_store import PLAN_FILE
+from hf_accum.planning.plan import Plan
+from hf_accum.planning.store import PLAN_FILE
 from hf_accum.probe import NothingFitsError
 from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
 

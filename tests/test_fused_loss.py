@@ -19,7 +19,7 @@ from transformers.trainer_callback import PrinterCallback
 
 import hf_accum.fused_loss as fl
 from hf_accum import AccumTrainer, AccumTrainingArguments
-from hf_accum.plan_store import PLAN_FILE
+from hf_accum.planning.store import PLAN_FILE
 
 from .exactness import (
     MeanCrossEntropyLoss,

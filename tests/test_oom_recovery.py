@@ -10,7 +10,7 @@ import torch
 from transformers.trainer_callback import PrinterCallback
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
-from hf_accum.plan_store import PLAN_FILE
+from hf_accum.planning.store import PLAN_FILE
 
 from .exactness import lm_examples, logged_losses, pad_collate, recording, sum_over_items_loss, tiny_gpt2, tiny_llama
 

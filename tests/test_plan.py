@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from hf_accum.plan import (
+from hf_accum.planning.plan import (
     GOAL_FRACTION,
     MicroBatchSearch,
     Plan,

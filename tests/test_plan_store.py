@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
-from hf_accum.plan import Plan
-from hf_accum.plan_store import PLAN_FILE, PlanFileError, canonical, load_stored_plan, plan_from_record
+from hf_accum.planning.plan import Plan
+from hf_accum.planning.store import PLAN_FILE, PlanFileError, canonical, load_stored_plan, plan_from_record
 from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
 
 MiB = 2**20

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_accum.meters import CpuMeter, FakeMeter, live_tensor_bytes
-from hf_accum.plan import divisors, forward_breakpoints, plan_batch
+from hf_accum.planning.plan import divisors, forward_breakpoints, plan_batch
 from hf_accum.probe import (
     NothingFitsError,
     agree_max_micro_batch,

@@ -13,7 +13,7 @@ from transformers import DataCollatorWithFlattening
 from transformers.trainer_callback import PrinterCallback
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
-from hf_accum.plan import plan_batch
+from hf_accum.planning.plan import plan_batch
 from hf_accum.token_budget import (
     TokenBudget,
     TooLongForBudget,
@@ -307,8 +307,8 @@ def test_check_accumulation_in_tokens_mode_runs_one_forward_not_the_window(tmp_p
 
 
 def test_a_forwards_cost_in_tokens_is_read_from_the_probes_step_times():
+    from hf_accum.planning.tuning import _forward_tokens
     from hf_accum.probe import Trial
-    from hf_accum.tuning import _forward_tokens
 
     def trial(rows, length, overhead):
         return Trial(rows, 1, None, overhead + 1e-5 * rows * length, True, "fits"), length

@@ -11,7 +11,7 @@ import torch
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
 from hf_accum.meters import CpuMeter
-from hf_accum.plan_store import PLAN_FILE
+from hf_accum.planning.store import PLAN_FILE
 from hf_accum.probe import NothingFitsError
 from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
 
@@ -204,8 +204,8 @@ def test_the_probes_step_bounds_a_real_training_step_on_padded_rows(tmp_path):
     import random
 
     from hf_accum.meters import CpuMeter, live_tensor_bytes
+    from hf_accum.planning.tuning import probe_batches
     from hf_accum.probe import make_step_fn
-    from hf_accum.tuning import probe_batches
 
     from .exactness import pad_collate, tiny_llama
 

@@ -182,7 +182,7 @@ def _configured_plan(args) -> dict[str, Any]:
 
 def _describe(plan: dict[str, Any]) -> str:
     """The plan as every line shows it (`Plan.describe`)."""
-    from ..plan import Plan
+    from ..planning.plan import Plan
 
     return Plan(**plan).describe()
 
@@ -232,7 +232,7 @@ def probe_recipe(
                 raise
         plan_file = None
         if store_in is not None:
-            from ..plan_store import save_plan
+            from ..planning.store import save_plan
 
             trainer = built.trainer
             plan_file = save_plan(store_in, trainer._plan_key or {}, plan, trainer.probe_result.to_dict())
@@ -263,7 +263,7 @@ def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float,
     trainer = built.trainer
     plan_dict = None
     if resume is not None:  # the Trainer restores the plan stored with the checkpoint (and refuses another target)
-        from ..plan_store import load_stored_plan
+        from ..planning.store import load_stored_plan
 
         stored = load_stored_plan(resume)
         say(f"resuming from {resume}" + (f" with its plan {stored.describe()}" if stored else ""))
@@ -455,7 +455,7 @@ def _count_parameters(model) -> tuple[int, int]:
 
 def _probe_summary(trainer, micro: int) -> dict[str, Any]:
     """What the probe measured (this run, or the run whose stored plan was reused), and the peak at ``micro``."""
-    from ..plan_store import PLAN_FILE
+    from ..planning.store import PLAN_FILE
 
     if trainer.probe_result is not None:
         probe, reused = trainer.probe_result.to_dict(), False
@@ -518,7 +518,7 @@ def _mib(n: float | None) -> str:
 
 
 def _versions() -> dict[str, str | None]:
-    from ..plan_store import _version
+    from ..planning.store import _version
 
     return {name: _version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes", "trl")}
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
+from ..meters import CpuMeter, live_tensor_bytes
+from ..oom import free_memory, is_oom
+from ..probe import modes_and_rng_preserved, resolve_budget
+from ..protocol import Local, TorchDistributed
 from . import tuning
-from .meters import CpuMeter, live_tensor_bytes
-from .oom import free_memory, is_oom
-from .probe import modes_and_rng_preserved, resolve_budget
-from .protocol import Local, TorchDistributed
 
 logger = logging.getLogger(__name__)
 

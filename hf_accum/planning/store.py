@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from .. import _compat
 from .plan import Plan
 
 PLAN_FILE = "hf_accum_plan.json"

@@ -19,11 +19,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from . import _compat
-from .meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes
-from .oom import is_oom
-from .plan import Plan, forward_breakpoints
-from .probe import (
+from .. import _compat
+from ..meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes
+from ..oom import is_oom
+from ..probe import (
     MakeBatch,
     NothingFitsError,
     ProbeResult,
@@ -31,7 +30,8 @@ from .probe import (
     plan_from_result,
     probe_micro_batches,
 )
-from .protocol import Collective, StopTraining
+from ..protocol import Collective, StopTraining
+from .plan import Plan, forward_breakpoints
 
 SCRATCH = ".hf_accum_probe_state"  # under output_dir: the engine's state while the probe runs, removed after
 
@@ -177,7 +177,7 @@ def buffers_dominate(need_bytes: int, state_bytes: int, buckets: dict[str, int],
 
 def buffers_message(engine: str, need_bytes: int, budget_bytes: int, state_bytes: int, buckets: dict[str, int],
                     element_size: int) -> str:
-    from .probe import _gib
+    from ..probe import _gib
 
     sizes = _sizes(buckets)
     smaller = max(10 ** max(0, len(str(budget_bytes // 10 // element_size)) - 1), 1)  # a tenth of the budget

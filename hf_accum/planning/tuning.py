@@ -17,14 +17,14 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from . import _compat, checkpointing
-from .loss import loss_shifts_labels
-from .meters import CpuMeter, CudaMeter, Meter
+from .. import _compat, checkpointing
+from ..loss import loss_shifts_labels
+from ..meters import CpuMeter, CudaMeter, Meter
+from ..probe import ProbeResult, probe_model, random_token_batch, resolve_budget
+from ..token_budget import TokenBudget, cost_model, predicted_peak
+from ..units import detect_unit, make_cutter
 from .plan import Plan
-from .plan_store import PLAN_FILE, PlanFileError, load_plan, plan_key, save_plan
-from .probe import ProbeResult, probe_model, random_token_batch, resolve_budget
-from .token_budget import TokenBudget, cost_model, predicted_peak
-from .units import detect_unit, make_cutter
+from .store import PLAN_FILE, PlanFileError, load_plan, plan_key, save_plan
 
 logger = logging.getLogger(__name__)
 
@@ -247,8 +247,8 @@ def _expected_cuts(lengths: list[int] | None, per_rank: int, budget: TokenBudget
     that would run it (`partition_padded`, `plan.near_equal_groups`)."""
     import random
 
+    from ..token_budget import partition_padded
     from .plan import near_equal_groups, plan_batch
-    from .token_budget import partition_padded
 
     if not lengths:
         return {}
