@@ -195,12 +195,6 @@ def printers_muted(trainer):
         handler.callbacks = kept
 
 
-def set_train_batch_size(trainer, micro: int) -> None:
-    """The batch size `Trainer.get_train_dataloader` and `train()` read is the private `_train_batch_size`
-    (set from the arguments in `__init__`); a plan applied after `__init__` must set it too."""
-    trainer._train_batch_size = micro
-
-
 def main_input_tokens(trainer, inputs) -> int:
     """Token positions of the main input, as the Trainer counts them (`Trainer._track_num_input_tokens`, the
     model's `floating_point_ops`); 0 when the batch has none."""

@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass
 
 from . import _compat
-from .planning.plan import Plan, plan_for_micro
-from .planning.store import PLAN_FILE, PlanFileError, load_stored_plan, save_plan
+from .planning.plan import Plan
+from .planning.store import PLAN_FILE, PlanFileError, load_stored_plan, restore_plan  # noqa: F401 (public here)
 
 logger = logging.getLogger(__name__)
 
@@ -106,26 +106,6 @@ def checkpoints_in(output_dir: str) -> list[str]:
 def newest_complete_checkpoint(output_dir: str, deepspeed: bool | None = None) -> str | None:
     """The highest-step checkpoint of ``output_dir`` that can be resumed; None when there is none."""
     return next((p for p in checkpoints_in(output_dir) if inspect_checkpoint(p, deepspeed).complete), None)
-
-
-def restore_plan(checkpoint: str, world_size: int = 1) -> Plan:
-    """Write back the plan file of a checkpoint that lost it, from the target its saved arguments hold.
-
-    The micro-batch is the one the run started with, at most the per-rank target (any cut of a window gives the
-    same optimizer steps; only the target matters for exactness). Returns the plan."""
-    saved = _compat.saved_training_args(checkpoint) or {}
-    target = saved.get("target_batch_size")
-    if not isinstance(target, int) or isinstance(target, bool) or target < 1:
-        raise ValueError(f"{checkpoint}: its training_args.bin holds no target_batch_size; nothing to restore from.")
-    if target % world_size:
-        raise ValueError(f"{checkpoint}: target_batch_size={target} is not divisible by world_size={world_size}.")
-    per_rank = target // world_size
-    started = saved.get("per_device_train_batch_size")
-    cap = started if isinstance(started, int) and started > 0 else per_rank
-    plan = plan_for_micro(target, world_size, min(cap, per_rank))
-    save_plan(checkpoint, {"restored_from": "training_args.bin"}, plan, None)
-    logger.warning("hf_accum: wrote %s: %s", os.path.join(checkpoint, PLAN_FILE), plan.describe())
-    return plan
 
 
 def current_target(args) -> int:

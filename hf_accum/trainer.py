@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import inspect
 import logging
 import math
@@ -33,19 +32,15 @@ from . import _compat, checkpointing
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments, explicit_batch_settings, resolve_nonfinite_limit
 from .checkpoints import check_resume
-from .deepspeed_batch import batch_contradiction
 from .evaluation import EvalLoss
 from .fused_loss import with_fused_loss
 from .loss import LabelSpec, label_spec
-from .planning import tuning
-from .planning.engine_probe import probe_through_engine
-from .planning.eval_batch import plan_eval_batch
-from .planning.plan import Plan, divisors, plan_for_micro
-from .planning.store import PLAN_FILE, save_plan
+from .planning.plan import Plan
+from .planning.planner import Planner
+from .planning.store import PLAN_FILE
 from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted, StopRequest
 from .preflight import check_output_dir_writable, check_training_data
 from .protocol import Local, Policy, StopTraining, TorchDistributed, WindowProtocol
-from .token_budget import TokenBudget
 from .units import detect_unit, make_cutter
 from .window import WindowEngine
 
@@ -84,21 +79,14 @@ class AccumulationMixin:
         # the batch settings the user gave, before any plan replaces them on our copy (tuning warns they are unused)
         self._given_batch = explicit_batch_settings(self.args) if isinstance(self.args, AccumTrainingArguments) else {}
         self._checked_before_probe = False
-        self.plan: Plan | None = None
-        self.probe_result = None
-        self._plan_key: dict | None = None
+        self._planner = Planner(self)  # the one writer of the plan and of every batch setting it implies
         self._engine: WindowEngine | None = None
-        self._pending_probe: tuning.Prepared | None = None  # DeepSpeed: probed through the engine, in the loop
-        self._whole_windows: bool | None = None  # how the applied plan is loaded (`_loads_windows`)
-        self._probing = False
         self._post_checked = False
         self._forwarded_tokens = 0  # by the current loaded batch's forwards (see floating_point_ops)
         self._nonfinite_streak = 0
         self._eval_loss: EvalLoss | None = None  # the evaluation being run (evaluation_loop)
         self._eval_cap: int | None = None  # the most units per evaluation forward known to fit, after an OOM
         self._eval_said: set[str] = set()
-        self._eval_batch_planned = False  # auto_eval_batch_size: measured (or taken from a stored plan)
-        self._budget_bytes: int | None = None  # the memory budget tune() resolved
         self._stop_request = StopRequest()
         self._refuse_unsupported_setups()
         self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
@@ -141,6 +129,20 @@ class AccumulationMixin:
             )
 
     @property
+    def plan(self) -> Plan | None:
+        """The plan in force (read-only: the planner writes it)."""
+        return self._planner.plan
+
+    @property
+    def probe_result(self):
+        """What the probe measured for the plan in force (None: a stored or given plan)."""
+        return self._planner.probe_result
+
+    @property
+    def planner(self) -> Planner:
+        return self._planner
+
+    @property
     def _normalization(self) -> str:
         # plain TrainingArguments: "tokens"; a plain TRL config: what its trainer's loss is a mean over
         trl = getattr(self, "_trl", None)
@@ -149,7 +151,7 @@ class AccumulationMixin:
     # --- the window ---------------------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if self._pending_probe is not None and batch_samples:
+        if self._planner.pending_probe is not None and batch_samples:
             self._probe_through_engine(batch_samples[0])
         if self._normalization != "model" and batch_samples:
             self._window_engine(batch_samples[0]).begin(batch_samples)
@@ -201,10 +203,9 @@ class AccumulationMixin:
         collective = TorchDistributed(world, self.args.device) if world > 1 else Local()
         policy = _compat.window_policy(self, self.collectives_in_compute_loss)
         engine = WindowEngine(cutter, self._normalization, WindowProtocol(collective, policy),
-                              shrink=_weakly(self._shrink), reset=_weakly(self._zero_grad),
-                              shrink_tokens=_weakly(self._shrink_tokens), device=self.args.device)
-        engine.token_budget = _token_budget(self.plan)
-        engine.cut_units = self._plan_cut(self.plan)
+                              shrink=_weakly(self._planner.after_oom), reset=_weakly(self._zero_grad),
+                              shrink_tokens=_weakly(self._planner.after_oom_tokens), device=self.args.device)
+        self._planner.configure(engine)
         engine.stop_requested = self._stop_request.__bool__
         return engine
 
@@ -278,112 +279,16 @@ class AccumulationMixin:
                 "set loss_normalization='model' meanwhile."
             )
 
-    # --- out-of-memory recovery ---------------------------------------------------------------------------------
-    def _shrink(self, units: int | None) -> int:
-        """The engine's next cut after an OOM: one more forward per window (loaded whole), or the next smaller
-        micro-batch dividing the per-rank target (micro-batches loaded as given), applied as the plan in force
-        (the effective batch and the step count are kept)."""
-        self._refuse_rerun_under_deepspeed()
-        plan = self._smaller_plan(units)
-        if plan is None:
-            raise RuntimeError(
-                "hf_accum: out of memory at micro-batch 1, so no smaller micro-batch can keep "
-                f"target_batch_size. Checkpoints in {self.args.output_dir} are intact. To fit: enable "
-                "gradient_checkpointing, train LoRA adapters, load the base model in 4-bit, shorten sequences, "
-                "or free GPU memory held by other processes; then resume from the last checkpoint."
-            )
-        logger.warning("hf_accum: out of memory at step %d; re-running this accumulation window with %s",
-                       self.state.global_step, plan.describe())
-        self.apply_plan(plan, in_training_loop=True)
-        return plan.micro_batch_size
-
-    def _shrink_tokens(self, budget: TokenBudget) -> TokenBudget:
-        """micro_batching="tokens": after an OOM, three quarters of the token budget (same samples, same windows)."""
-        self._refuse_rerun_under_deepspeed()
-        longest = self._engine.longest_loaded_unit()
-        smaller = budget.scaled(0.75)
-        if smaller.rows(longest) < 1:
-            raise RuntimeError(
-                f"hf_accum: out of memory with a token budget of {budget}, and a smaller one cannot hold this window's "
-                f"longest example ({longest} tokens). Checkpoints in {self.args.output_dir} are intact. To fit: "
-                "enable gradient_checkpointing, train LoRA adapters, shorten sequences, or free memory; then resume."
-            )
-        plan = dataclasses.replace(self.plan, token_budget=smaller.tokens, token_model=smaller.model)
-        logger.warning("hf_accum: out of memory at step %d; re-running this accumulation window with %s",
-                       self.state.global_step, plan.describe())
-        self.apply_plan(plan, in_training_loop=True)
-        return smaller
-
-    def _refuse_rerun_under_deepspeed(self) -> None:
-        """Re-running a window needs its gradients cleared; DeepSpeed ZeRO reduces each backward's gradients into its
-        own partitions, which `zero_grad` does not clear (and steps inside the final backward). So under DeepSpeed an
-        out-of-memory error stops every rank, one process included, with the plan to restart with."""
-        if _compat.engine_steps_in_backward(self):
-            raise StopTraining("out of memory under DeepSpeed, whose engine already holds this window's reduced "
-                               "gradients in its own partitions (they cannot be cleared to re-run the window)")
-
-    def _smaller_plan(self, units: int | None = None) -> Plan | None:
-        world = self._engine.world if self._engine is not None else self.accelerator.num_processes
-        if self._loads_windows() and self.plan is not None:
-            current = units or self.plan.micro_batch_size
-            if current <= 1:
-                return None
-            return self._on_engine(self._keeping_level(plan_for_micro(self.plan.target_batch_size, world, current - 1)))
-        current = units or self.args.per_device_train_batch_size
-        target = getattr(self.args, "target_batch_size", None) or (
-            self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * world
-        )
-        per_rank = target // world
-        smaller = [d for d in divisors(per_rank) if d < current]
-        if not smaller:
-            return None
-        return self._on_engine(self._keeping_level(Plan(smaller[-1], per_rank // smaller[-1], world, target)))
-
-    def _keeping_level(self, plan: Plan) -> Plan:
-        """A smaller plan after an OOM: the model keeps its checkpointing level, so the plan says so."""
-        if self.plan is None or self.plan.checkpointed_layers is None:
-            return plan
-        return dataclasses.replace(plan, checkpointed_layers=self.plan.checkpointed_layers,
-                                   num_layers=self.plan.num_layers)
-
-    def _loads_windows(self) -> bool:
-        """Each rank loads its whole window and the engine cuts it (the plan's near-equal forwards, or a token
-        budget): whenever hf_accum plans; micro-batches are loaded as given only when the user set them. Fixed
-        when a plan is applied (a recipe turns auto_tune off once it has planned)."""
-        return self._whole_windows if self._whole_windows is not None else self._args_load_windows()
-
-    def _args_load_windows(self) -> bool:
-        return bool(getattr(self.args, "tunes", False)) or getattr(self.args, "micro_batching", "samples") == "tokens"
-
-    def _plan_cut(self, plan: Plan | None) -> int | None:
-        """The engine's units per forward for ``plan`` (None: each loaded batch is one forward, or a token budget
-        cuts it)."""
-        if plan is None or plan.token_budget is not None or not self._loads_windows():
-            return None
-        return plan.micro_batch_size
-
-    def _on_engine(self, plan: Plan) -> Plan:
-        """The plan, naming the sharded engine that runs it (DeepSpeed and its ZeRO stage)."""
-        label = _compat.engine_label(self)
-        return plan if label is None else dataclasses.replace(plan, engine=label)
-
     def _stop_message(self, reason: str) -> str:
-        if self._probing:
+        if self._planner.probing:
             return f"hf_accum: {reason}. Every rank stops before the first optimizer step; no weights were changed."
-        plan = self._smaller_plan(self._engine.cut_units if self._engine else None)
         if _compat.sharded_at_load(self.model):
             how = "Restart (a new run: a model sharded at load time cannot be resumed) with"
         elif self.args.save_only_model:
             how = "Restart (a new run from the last checkpoint's weights: save_only_model=True saves no optimizer state) with"
         else:
             how = "Restart (resume from the last checkpoint) with"
-        if plan is None:
-            setting = "a smaller model footprint"
-        elif self._loads_windows():
-            setting = f"probe_max_micro_batch={plan.micro_batch_size} ({plan.describe()})"
-        else:
-            setting = (f"per_device_train_batch_size={plan.micro_batch_size} and gradient_accumulation_steps="
-                       f"{plan.gradient_accumulation_steps} ({plan.describe()})")
+        setting = self._planner.restart_setting()
         return (
             f"hf_accum: {reason}; this cannot be recovered without risking diverging or hanging ranks, so every "
             f"rank stops. Checkpoints in {self.args.output_dir} are intact. {how} {setting}."
@@ -391,51 +296,8 @@ class AccumulationMixin:
 
     # --- planning ---------------------------------------------------------------------------------------------
     def apply_plan(self, plan: Plan, *, in_training_loop: bool = False) -> None:
-        """The one writer of the micro-batch / accumulation state (as transformers' `_update_auto_batch_size`).
-
-        Before training it sets the batch size the dataloader is built with. Inside the loop the dataloader and
-        the loop's window length are fixed, so the engine cuts each loaded batch into chunks of the new size
-        (same samples per window: the effective batch and step count are kept); here the plan is only recorded.
-        """
-        plan = self._on_engine(plan)
-        into_deepspeed = not in_training_loop and _compat.deepspeed_stage(self) is not None
-        if into_deepspeed:
-            self._check_deepspeed_batch(plan)  # before anything changes
-        if self._engine is not None:
-            self._engine.token_budget = _token_budget(plan)
-        if not in_training_loop:
-            # loaded whole, each window is cut by the engine (`_plan_cut`); else transformers loads the micro-batches
-            self._whole_windows = self._args_load_windows()
-            micro, accumulation = ((plan.window, 1) if self._whole_windows
-                                   else (plan.micro_batch_size, plan.gradient_accumulation_steps))
-            self.args.per_device_train_batch_size = micro
-            self.args.gradient_accumulation_steps = accumulation
-            _compat.set_train_batch_size(self, micro)
-            if self._engine is not None:
-                self._engine.cut_units = self._plan_cut(plan)
-            if into_deepspeed and self.args.deepspeed is not None:
-                # the engine, built in train(), gets the plan: "auto" batch fields filled from these arguments
-                _compat.fill_deepspeed_config(self)
-        if plan.eval_batch_size is not None:  # a stored plan: measured at an earlier run's first evaluation
-            self.args.per_device_eval_batch_size = plan.eval_batch_size
-            self._eval_batch_planned = True
-        if plan.checkpointed_layers is not None and not in_training_loop:
-            checkpointing.apply_chosen(self.model, plan.checkpointed_layers, self.args)  # a stored plan's k too
-        self.plan = plan
-        if in_training_loop and self.args.should_save:  # tune() saved the plan it applies, with its probe
-            save_plan(self.args.output_dir, self._plan_key or {}, plan, None)
-
-    def _check_deepspeed_batch(self, plan: Plan) -> None:
-        """Before the DeepSpeed engine is built, its batch fields must be able to take the plan: an explicit value
-        that contradicts it is refused, naming the field. (A live engine's fields are never changed: a plan changed
-        inside the loop is applied by cutting loaded batches, the engine stepping once per window.) Launched with
-        accelerate's DeepSpeed plugin instead of `deepspeed=`, its already-filled values must equal the plan."""
-        user = self.args.deepspeed
-        config = _compat.deepspeed_user_config(user) if user is not None else _compat.deepspeed_batch_config(self)
-        problem = batch_contradiction(config, plan.micro_batch_size, plan.gradient_accumulation_steps,
-                                      plan.world_size, plan.describe())
-        if problem:
-            raise ValueError(problem)
+        """Put ``plan`` in force (`Planner.apply`: the one writer of the batch settings it implies)."""
+        self._planner.apply(plan, in_training_loop=in_training_loop)
 
     @_compat.trl_metrics_kept
     @with_fused_loss
@@ -444,7 +306,7 @@ class AccumulationMixin:
         with self._refusal_leaves_output_dir():
             if not self._checked_before_probe:  # train() checked already
                 self._check_before_probe()
-            return self._tune()
+            return self._planner.tune()
 
     def _check_before_probe(self) -> None:
         """Everything the arguments, the data and the model's config can tell, before any model work and before
@@ -469,59 +331,17 @@ class AccumulationMixin:
             raise
         self._made_output_dir = None  # the run started: the folder is its own, and a later refusal keeps it
 
-    def _tune(self) -> Plan:
-        prepared = tuning.prepare(self)
-        self._budget_bytes = prepared.budget
-        if prepared.stored is None and _compat.deepspeed_stage(self) is not None:
-            raise ValueError(
-                "tune() cannot probe a DeepSpeed run before train(): ZeRO partitions the model when train() builds "
-                "the engine, and the probe measures through that engine. Call train() (it probes at the first "
-                "window), or set auto_tune=False with per_device_train_batch_size x gradient_accumulation_steps x "
-                f"world size = target_batch_size={self.args.target_batch_size}."
-            )
-        plan, self.probe_result, self._plan_key = tuning.tune(self, prepared)
-        self.apply_plan(plan)
-        return plan
-
-    def _tune_deepspeed(self) -> None:
-        """Under DeepSpeed a stored plan is applied as usual; otherwise each rank loads its whole window (micro = the
-        per-rank target, accumulation 1: the engine is built for that) and the probe runs through the engine at
-        the first window (`_probe_through_engine`), whose plan then cuts every loaded window."""
-        prepared = tuning.prepare(self)
-        if prepared.stored is not None:
-            plan, self.probe_result, self._plan_key = tuning.tune(self, prepared)
-            self.apply_plan(plan)
-            return
-        world = self.args.world_size
-        self.apply_plan(Plan(self.args.target_batch_size // world, 1, world, self.args.target_batch_size))
-        self.plan = None  # the loading plan is not a plan: the probe has not run
-        self._pending_probe = prepared
-
     @_compat.trl_metrics_kept
     def _probe_through_engine(self, batch) -> None:
-        prepared, self._pending_probe = self._pending_probe, None
-        world = self.accelerator.num_processes
-        collective = TorchDistributed(world, self.args.device) if world > 1 else Local()
-
         def train_step(inputs):  # one real step through the engine, which steps its optimizer at the boundary
             with _compat.engine_boundary(self, True), _compat.window_length_set(self, 1):
                 super(AccumulationMixin, self).training_step(_compat.deepspeed_engine(self), inputs)
 
-        def probe(make, length, max_micro=self.args.probe_max_micro_batch):
-            return probe_through_engine(self, collective=collective, train_step=train_step, make_batch=make,
-                                        seq_len=length, budget_bytes=prepared.budget, meter=prepared.meter,
-                                        budget_names=" or ".join(tuning.BUDGET_NAMES), max_micro_batch=max_micro,
-                                        log=logger.info)
+        self._planner.probe_through_engine(self._window_engine(batch), train_step, self._collective())
 
-        self._probing = True  # left set when the probe stops the run: the stop message says so
-        plan, self.probe_result, self._plan_key = tuning.tune(self, prepared, probe)
-        self._probing = False
-        self.plan = plan = self._on_engine(plan)
-        engine = self._window_engine(batch)
-        engine.token_budget = _token_budget(plan)
-        engine.cut_units = self._plan_cut(plan)  # each loaded window, cut into the plan's forwards
-        # the engine loads whole windows, as the Trainer does; hf_accum sets its boundary per forward
-        _compat.set_deepspeed_batch(self, plan.window, 1)
+    def _collective(self):
+        world = self.accelerator.num_processes
+        return TorchDistributed(world, self.args.device) if world > 1 else Local()
 
     @with_fused_loss
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
@@ -539,13 +359,13 @@ class AccumulationMixin:
             self._raise_if_stopped()
             return output
         finally:
-            self._probing = False
+            self._planner.probing = False
             self._checked_before_probe = False
             downgraded = self._engine is not None and self._engine.cut_units is not None
             if self._engine is not None:
                 self._engine.end()
             if downgraded and self.plan is not None:
-                self.apply_plan(self.plan)  # the downgraded plan becomes the configured one for later calls
+                self._planner.apply(self.plan)  # the downgraded plan becomes the configured one for later calls
 
     def _check_and_plan(self, resume_from_checkpoint):
         """Every check first (`_check_before_probe`, the checkpoint to resume), then the plan: probed, stored or
@@ -555,14 +375,7 @@ class AccumulationMixin:
         resume_from_checkpoint, stored = self._check_output_dir(resume_from_checkpoint)
         self._checked_before_probe = True
         checkpointing.apply_requested(self.model, self.args)  # an explicit k (True: Trainer.train sets it)
-        if getattr(self.args, "tunes", False) and self.plan is None and _compat.deepspeed_stage(self) is not None:
-            self._tune_deepspeed()
-        elif getattr(self.args, "tunes", False) and self.plan is None:  # a tune() before train() counts
-            self.tune()
-        elif getattr(self.args, "micro_batching", "samples") == "tokens" and self.plan is None:
-            self.apply_plan(self._given_token_plan())
-        elif stored is not None and resume_from_checkpoint:
-            self.apply_plan(stored)  # the plan in force when the checkpoint was written (maybe downgraded)
+        self._planner.start(stored, resume_from_checkpoint)
         return resume_from_checkpoint
 
     def _refuse_unresumable(self, resume_from_checkpoint) -> None:
@@ -588,12 +401,6 @@ class AccumulationMixin:
                     "optimizer and schedule start over.")
         return (f"Resume with trainer.train(resume_from_checkpoint={where!r}) (or resume_from_checkpoint=True for "
                 f"the newest checkpoint in {self.args.output_dir}).")
-
-    def _given_token_plan(self) -> Plan:
-        """micro_batching="tokens" with auto_tune off: the window as given, loaded whole, cut by the given budget."""
-        args, world = self.args, self.accelerator.num_processes
-        per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        return Plan(per_rank, 1, world, per_rank * world, token_budget=args.max_tokens_per_forward)
 
     def _raise_if_stopped(self) -> None:
         """After the Trainer's loop ended early on our request: say where the checkpoint is and how to resume."""
@@ -646,8 +453,7 @@ class AccumulationMixin:
         finally:
             tally, self._eval_loss = self._eval_loss, None
         self._eval_cap = tally.cap
-        world = self.accelerator.num_processes
-        tally.finish(output.metrics, metric_key_prefix, TorchDistributed(world, self.args.device) if world > 1 else Local())
+        tally.finish(output.metrics, metric_key_prefix, self._collective())
         return output
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -659,44 +465,16 @@ class AccumulationMixin:
 
     def evaluate(self, eval_dataset=None, *args, **kwargs):
         # Measured on the trainer's own eval set (a TRL trainer prepares a dataset passed here only in its evaluate).
-        if self._plans_eval_batch() and self.eval_dataset is not None and (eval_dataset is None
+        if self._planner.wants_eval_batch(self.collectives_in_compute_loss) and self.eval_dataset is not None and (eval_dataset is None
                                                                             or isinstance(eval_dataset, str)):
             self._plan_eval_batch(eval_dataset)
         return super().evaluate(eval_dataset, *args, **kwargs)
 
-    def _plans_eval_batch(self) -> bool:
-        auto = getattr(self.args, "auto_eval_batch_size", None)
-        asked, auto = auto, getattr(self.args, "tunes", False) if auto is None else auto
-        if not auto or self._eval_batch_planned:
-            return False
-        if _compat.deepspeed_enabled(self) or (self.accelerator.num_processes > 1 and _compat.window_policy(
-                self, self.collectives_in_compute_loss) is not Policy.RERUN):
-            # Each rank searches on its own: not where forwards run collectives (FSDP, ZeRO, TRL's metrics).
-            self._eval_batch_planned = True
-            (logger.warning if asked else logger.info)(
-                "hf_accum: auto_eval_batch_size is not measured where evaluation forwards run collectives (FSDP, "
-                "DeepSpeed, TRL's metric gathering on several ranks); per_device_eval_batch_size stays %d.",
-                self.args.per_device_eval_batch_size)
-            return False
-        return True
-
     @_compat.trl_metrics_kept  # the measuring steps are not evaluation: TRL's eval metrics must not average them
     def _plan_eval_batch(self, dataset) -> None:
-        """`auto_eval_batch_size`: measure evaluation steps now, with what training keeps resident (eval_batch.py)."""
-        self._eval_batch_planned = True
-        choice = plan_eval_batch(self, dataset, budget=self._budget_bytes,
-                                 run=lambda model, batch, loss_only: super(AccumulationMixin, self).prediction_step(
-                                     model, batch, loss_only))
-        if choice is None:
-            return
-        self.args.per_device_eval_batch_size = choice.batch_size
-        if self.args.eval_accumulation_steps is None and choice.accumulation_steps is not None:
-            self.args.eval_accumulation_steps = choice.accumulation_steps
-        if self.plan is not None:
-            self.plan = dataclasses.replace(self.plan, eval_batch_size=choice.batch_size)
-            if self.args.should_save and getattr(self.args, "target_batch_size", None):
-                probe = self.probe_result.to_dict() if self.probe_result is not None else None
-                save_plan(self.args.output_dir, self._plan_key or {}, self.plan, probe)
+        """`auto_eval_batch_size`: measured with the Trainer's own prediction_step (`Planner.plan_eval_batch`)."""
+        self._planner.plan_eval_batch(dataset, lambda model, batch, loss_only: super(
+            AccumulationMixin, self).prediction_step(model, batch, loss_only))
 
     def _new_eval_loss(self) -> EvalLoss:
         try:
@@ -746,13 +524,6 @@ class _StepControl(TrainerCallback):
             control.should_training_stop = True
 
 
-def _token_budget(plan: Plan | None) -> TokenBudget | None:
-    if plan is None or plan.token_budget is None:
-        return None
-    return TokenBudget(plan.token_budget, plan.token_model,
-                       plan.token_model.get("forward_tokens") if plan.token_model else None)
-
-
 def _weakly(method):
     """A callable for `method` that does not keep its trainer alive (no cycle: `del trainer` frees the model)."""
     ref = weakref.WeakMethod(method)
@@ -770,13 +541,13 @@ class _PlanInCheckpoints(TrainerCallback):
         trainer = self._trainer()
         if trainer is None:
             return
-        plan = trainer.plan
+        planner = trainer.planner
+        plan = planner.plan
         if plan is None and getattr(args, "target_batch_size", None):
-            plan = trainer._on_engine(Plan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                                           args.world_size, args.target_batch_size))
+            plan = planner.given_plan()
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if plan is not None and args.should_save and os.path.isdir(folder):
-            save_plan(folder, trainer._plan_key or {}, plan, None)
+            planner.save(folder, probe=False, plan=plan)
 
 
 class AccumTrainer(AccumulationMixin, Trainer):

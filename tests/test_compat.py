@@ -8,6 +8,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_accum import _compat
+from hf_accum.planning.planner import set_train_batch_size
 
 from .exactness import tiny_llama
 
@@ -37,7 +38,7 @@ def test_trainer_internals_the_engine_reads(tmp_path):
     trainer = Trainer(model=tiny_llama(torch.float32), args=args)
     # the dataloader is built with the private batch size, which a plan applied after __init__ must set
     assert trainer._train_batch_size == 3
-    _compat.set_train_batch_size(trainer, 5)
+    set_train_batch_size(trainer, 5)
     from torch.utils.data import Dataset
 
     class Five(Dataset):

@@ -1,8 +1,10 @@
-"""The plan written to `output_dir` (and into each checkpoint), and the key that says when it can be reused
-without probing. The one place that reads or writes `hf_accum_plan.json`.
+"""The plan file, `hf_accum_plan.json`, in `output_dir` and in each checkpoint: the key that says when a stored
+plan can be reused without probing, reading it (`load_plan`, `read_plan_file`) and writing it (`save_plan`, called
+by the `Planner` and by `restore_plan`, both in this wing; recipes and the CLI go through the planner).
 
 The key holds everything that changes the memory of a step or the plan: device and capacity, model config and
-attention implementation, sequence length, precision, LoRA / quantization, checkpointing, optimizer, the sharded engine (DeepSpeed and its ZeRO stage), the
+attention implementation, sequence length, precision, LoRA / quantization, checkpointing, optimizer, the sharded
+engine (DeepSpeed and its ZeRO stage), the
 *requested* budget (a fraction of the memory usable at start, or bytes: never the bytes resolved from what other
 processes happened to hold), the probe's cap, target, world size and the library versions. Any difference means
 a new probe. `key_fields` builds it as one flat dict: adding a field is one line. `canonical` makes it JSON-stable
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
 from importlib import metadata
 from typing import Any
@@ -20,7 +23,9 @@ from typing import Any
 import torch
 
 from .. import _compat
-from .plan import Plan
+from .plan import Plan, plan_for_micro
+
+logger = logging.getLogger(__name__)
 
 PLAN_FILE = "hf_accum_plan.json"
 _PLAN_FIELDS = ("micro_batch_size", "gradient_accumulation_steps", "world_size", "target_batch_size")
@@ -166,3 +171,23 @@ def save_plan(output_dir: str, key: dict[str, Any], plan: Plan, probe: dict[str,
         os.fsync(f.fileno())
     os.replace(tmp, path)  # never leave a half-written plan behind
     return path
+
+
+def restore_plan(checkpoint: str, world_size: int = 1) -> Plan:
+    """Write back the plan file of a checkpoint that lost it, from the target its saved arguments hold.
+
+    The micro-batch is the one the run started with, at most the per-rank target (any cut of a window gives the
+    same optimizer steps; only the target matters for exactness). Returns the plan."""
+    saved = _compat.saved_training_args(checkpoint) or {}
+    target = saved.get("target_batch_size")
+    if not isinstance(target, int) or isinstance(target, bool) or target < 1:
+        raise ValueError(f"{checkpoint}: its training_args.bin holds no target_batch_size; nothing to restore from.")
+    if target % world_size:
+        raise ValueError(f"{checkpoint}: target_batch_size={target} is not divisible by world_size={world_size}.")
+    per_rank = target // world_size
+    started = saved.get("per_device_train_batch_size")
+    cap = started if isinstance(started, int) and started > 0 else per_rank
+    plan = plan_for_micro(target, world_size, min(cap, per_rank))
+    save_plan(checkpoint, {"restored_from": "training_args.bin"}, plan, None)
+    logger.warning("hf_accum: wrote %s: %s", os.path.join(checkpoint, PLAN_FILE), plan.describe())
+    return plan

@@ -1,7 +1,7 @@
-"""What `AccumTrainer.tune()` does: build the probe's inputs from the trainer, probe or reuse, plan.
+"""What `Planner.tune()` does: build the probe's inputs from the trainer, probe or reuse, plan.
 
-measure (probe.py, meters.py) -> plan (plan.py) -> train (trainer.apply_plan). Nothing here changes the
-trainer; the plan is applied by `AccumTrainer.apply_plan` alone.
+measure (probe.py, meters.py) -> plan (plan.py) -> train (`Planner.apply`). Nothing here changes the trainer;
+the plan is applied by the planner alone.
 """
 
 from __future__ import annotations
@@ -69,11 +69,12 @@ def prepare(trainer) -> Prepared:
 Probe = Callable[..., tuple[ProbeResult, Plan]]  # probe(make_batch, length, max_micro=...) -> (result, plan)
 
 
-def tune(trainer, prepared: Prepared | None = None,
-         probe: Probe | None = None) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
+def tune(trainer, prepared: Prepared | None = None, probe: Probe | None = None, *,
+         store: bool = True) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
     """Returns the plan, what the probe measured (None when the stored plan was reused) and the plan's key.
     ``probe``: how to measure one length (default: `probe_model` on the unwrapped model, before training; under
-    DeepSpeed, `engine_probe.probe_through_engine` inside the loop, whose figures are logged at once)."""
+    DeepSpeed, `engine_probe.probe_through_engine` inside the loop, whose figures are logged at once). ``store``:
+    False where the caller saves the plan itself (`hf-accum probe RECIPE`)."""
     args = trainer.args
     prepared = prepared or prepare(trainer)
     in_loop = probe is not None
@@ -96,7 +97,7 @@ def tune(trainer, prepared: Prepared | None = None,
                                    step_seconds=chosen.step_seconds)
     figures = plan_figures(plan, prepared.budget, result.to_dict(), reused=False)
     where = ""
-    if args.should_save and getattr(trainer, "_stores_plan", True):  # `hf-accum probe RECIPE` stores it itself
+    if args.should_save and store:
         where = f" (details: {save_plan(args.output_dir, prepared.key, plan, result.to_dict())})"
     _show("%s%s", args, plan_line(plan, figures), where)
     _log_in_trainer(trainer, figures, in_loop)

@@ -223,7 +223,7 @@ def probe_recipe(
             built = build(recipe, args, say)
             seq_len = args.probe_seq_len or built.data.longest
             say(f"probing memory: real training steps against a budget of {_budget_text(args)} ...")
-            built.trainer._stores_plan = False  # written below where it is kept, or not at all (and said once)
+            built.trainer.planner.stores_plan = False  # written below where it is kept, or not at all (said once)
             try:
                 with _quiet():
                     plan = built.trainer.tune()
@@ -232,10 +232,7 @@ def probe_recipe(
                 raise
         plan_file = None
         if store_in is not None:
-            from ..planning.store import save_plan
-
-            trainer = built.trainer
-            plan_file = save_plan(store_in, trainer._plan_key or {}, plan, trainer.probe_result.to_dict())
+            plan_file = built.trainer.planner.save(store_in, plan=plan)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return RecipeProbe(recipe, plan, built.trainer.probe_result, seq_len, plan_file)

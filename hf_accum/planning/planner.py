@@ -1,0 +1,333 @@
+"""`Planner`: the one writer of plan state (as transformers' `_update_auto_batch_size` is of its batch size).
+
+Everything the plan decides is written here and nowhere else: the plan, its key and the probe record; the per-device
+train and eval batch sizes and the accumulation steps on the trainer's copy of the arguments; the Trainer's private
+`_train_batch_size`; the window engine's cut and token budget; DeepSpeed's batch fields; the plan file. It writes at
+start (probe, stored or given plan), after an out-of-memory error (through its `OomPolicy`) and when the eval batch
+is measured. The trainer reads `trainer.plan`; recipes and the CLI save through `save()`.
+
+The planner holds its trainer weakly and never imports trainer.py: what must run through the Trainer (one real
+training step through the DeepSpeed engine, one prediction step) is handed in as a step function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from collections.abc import Callable
+
+from .. import _compat, checkpointing
+from ..protocol import Collective, Policy, StopTraining
+from ..token_budget import TokenBudget
+from . import tuning
+from .engine_probe import probe_through_engine
+from .eval_batch import plan_eval_batch
+from .plan import Plan
+from .policy import InForce, OomPolicy
+from .store import save_plan
+
+logger = logging.getLogger(__name__)
+
+
+class Planner:
+    """The plan of one trainer and every write it implies. ``policy`` decides what an OOM lowers to."""
+
+    def __init__(self, trainer, policy: OomPolicy | None = None):
+        self._trainer_ref = weakref.ref(trainer)  # the trainer holds its planner: no cycle keeps the model alive
+        self.policy = policy or OomPolicy()
+        self.plan: Plan | None = None
+        self.key: dict | None = None
+        self.probe_result = None
+        self.budget_bytes: int | None = None  # the memory budget tune() resolved (the eval batch is measured in it)
+        self.pending_probe: tuning.Prepared | None = None  # DeepSpeed: probed through the engine, in the loop
+        self.probing = False  # left set when the probe stops the run: the stop message says so
+        self.stores_plan = True  # `hf-accum probe RECIPE` saves the plan itself, where it is kept
+        self.eval_planned = False  # auto_eval_batch_size: measured (or taken from a stored plan)
+        self._whole_windows: bool | None = None  # how the applied plan is loaded (`loads_windows`)
+
+    @property
+    def _trainer(self):
+        return self._trainer_ref()
+
+    # --- reading ----------------------------------------------------------------------------------------------
+    def loads_windows(self) -> bool:
+        """Each rank loads its whole window and the engine cuts it (the plan's near-equal forwards, or a token
+        budget): whenever hf_accum plans; micro-batches are loaded as given only when the user set them. Fixed
+        when a plan is applied (a recipe turns auto_tune off once it has planned)."""
+        return self._whole_windows if self._whole_windows is not None else self._args_load_windows()
+
+    def _args_load_windows(self) -> bool:
+        args = self._trainer.args
+        return bool(getattr(args, "tunes", False)) or getattr(args, "micro_batching", "samples") == "tokens"
+
+    def cut(self, plan: Plan | None) -> int | None:
+        """The engine's units per forward for ``plan`` (None: each loaded batch is one forward, or a token budget
+        cuts it)."""
+        if plan is None or plan.token_budget is not None or not self.loads_windows():
+            return None
+        return plan.micro_batch_size
+
+    def on_engine(self, plan: Plan) -> Plan:
+        """The plan, naming the sharded engine that runs it (DeepSpeed and its ZeRO stage)."""
+        label = _compat.engine_label(self._trainer)
+        return plan if label is None else dataclasses.replace(plan, engine=label)
+
+    def given_plan(self) -> Plan:
+        """The arguments' own micro-batch and accumulation as a plan (a run with a target but no plan of its own)."""
+        args = self._trainer.args
+        return self.on_engine(Plan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                                   args.world_size, args.target_batch_size))
+
+    # --- writing ----------------------------------------------------------------------------------------------
+    def configure(self, engine) -> None:
+        """A window engine just built gets the plan's cut and token budget."""
+        engine.token_budget = token_budget(self.plan)
+        engine.cut_units = self.cut(self.plan)
+
+    def apply(self, plan: Plan, *, in_training_loop: bool = False) -> None:
+        """Before training, set the batch size the dataloader is built with. Inside the loop the dataloader and
+        the loop's window length are fixed, so the engine cuts each loaded batch into chunks of the new size
+        (same samples per window: the effective batch and step count are kept); here the plan is only recorded."""
+        trainer, args = self._trainer, self._trainer.args
+        plan = self.on_engine(plan)
+        into_deepspeed = not in_training_loop and _compat.deepspeed_stage(trainer) is not None
+        if into_deepspeed:
+            self._check_deepspeed_batch(plan)  # before anything changes
+        engine = trainer._engine
+        if engine is not None:
+            engine.token_budget = token_budget(plan)
+        if not in_training_loop:
+            # loaded whole, each window is cut by the engine (`cut`); else transformers loads the micro-batches
+            self._whole_windows = self._args_load_windows()
+            micro, accumulation = ((plan.window, 1) if self._whole_windows
+                                   else (plan.micro_batch_size, plan.gradient_accumulation_steps))
+            args.per_device_train_batch_size = micro
+            args.gradient_accumulation_steps = accumulation
+            set_train_batch_size(trainer, micro)
+            if engine is not None:
+                engine.cut_units = self.cut(plan)
+            if into_deepspeed and args.deepspeed is not None:
+                # the engine, built in train(), gets the plan: "auto" batch fields filled from these arguments
+                _compat.fill_deepspeed_config(trainer)
+        if plan.eval_batch_size is not None:  # a stored plan: measured at an earlier run's first evaluation
+            args.per_device_eval_batch_size = plan.eval_batch_size
+            self.eval_planned = True
+        if plan.checkpointed_layers is not None and not in_training_loop:
+            checkpointing.apply_chosen(trainer.model, plan.checkpointed_layers, args)  # a stored plan's k too
+        self.plan = plan
+        if in_training_loop and args.should_save:  # tune() saved the plan it applies, with its probe
+            self.save(args.output_dir, probe=False)
+
+    def save(self, folder: str, *, probe: bool = True, plan: Plan | None = None) -> str:
+        """The plan file in ``folder`` (with what the probe measured unless ``probe`` is False). Returns its path."""
+        record = self.probe_result.to_dict() if probe and self.probe_result is not None else None
+        return save_plan(folder, self.key or {}, plan or self.plan, record)
+
+    def _check_deepspeed_batch(self, plan: Plan) -> None:
+        """Before the DeepSpeed engine is built, its batch fields must be able to take the plan: an explicit value
+        that contradicts it is refused, naming the field. (A live engine's fields are never changed: a plan changed
+        inside the loop is applied by cutting loaded batches, the engine stepping once per window.) Launched with
+        accelerate's DeepSpeed plugin instead of `deepspeed=`, its already-filled values must equal the plan."""
+        from ..deepspeed_batch import batch_contradiction
+
+        trainer = self._trainer
+        user = trainer.args.deepspeed
+        config = _compat.deepspeed_user_config(user) if user is not None else _compat.deepspeed_batch_config(trainer)
+        problem = batch_contradiction(config, plan.micro_batch_size, plan.gradient_accumulation_steps,
+                                      plan.world_size, plan.describe())
+        if problem:
+            raise ValueError(problem)
+
+    # --- at start ---------------------------------------------------------------------------------------------
+    def start(self, stored: Plan | None, resuming) -> None:
+        """The plan train() runs with: probed (or reused from the plan file), given, or the checkpoint's."""
+        trainer, args = self._trainer, self._trainer.args
+        tunes = getattr(args, "tunes", False)
+        if tunes and self.plan is None and _compat.deepspeed_stage(trainer) is not None:
+            self._tune_deepspeed()
+        elif tunes and self.plan is None:  # a tune() before train() counts
+            trainer.tune()
+        elif getattr(args, "micro_batching", "samples") == "tokens" and self.plan is None:
+            self.apply(self._given_token_plan())
+        elif stored is not None and resuming:
+            self.apply(stored)  # the plan in force when the checkpoint was written (maybe downgraded)
+
+    def _given_token_plan(self) -> Plan:
+        """micro_batching="tokens" with auto_tune off: the window as given, loaded whole, cut by the given budget."""
+        trainer = self._trainer
+        args, world = trainer.args, trainer.accelerator.num_processes
+        per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        return Plan(per_rank, 1, world, per_rank * world, token_budget=args.max_tokens_per_forward)
+
+    def tune(self) -> Plan:
+        """Measure (or reuse the stored plan), plan micro x accumulation x world = target, apply it."""
+        trainer = self._trainer
+        prepared = tuning.prepare(trainer)
+        self.budget_bytes = prepared.budget
+        if prepared.stored is None and _compat.deepspeed_stage(trainer) is not None:
+            raise ValueError(
+                "tune() cannot probe a DeepSpeed run before train(): ZeRO partitions the model when train() builds "
+                "the engine, and the probe measures through that engine. Call train() (it probes at the first "
+                "window), or set auto_tune=False with per_device_train_batch_size x gradient_accumulation_steps x "
+                f"world size = target_batch_size={trainer.args.target_batch_size}."
+            )
+        plan, self.probe_result, self.key = tuning.tune(trainer, prepared, store=self.stores_plan)
+        self.apply(plan)
+        return plan
+
+    def _tune_deepspeed(self) -> None:
+        """Under DeepSpeed a stored plan is applied as usual; otherwise each rank loads its whole window (micro = the
+        per-rank target, accumulation 1: the engine is built for that) and the probe runs through the engine at
+        the first window (`probe_through_engine`), whose plan then cuts every loaded window."""
+        trainer = self._trainer
+        prepared = tuning.prepare(trainer)
+        if prepared.stored is not None:
+            plan, self.probe_result, self.key = tuning.tune(trainer, prepared, store=self.stores_plan)
+            self.apply(plan)
+            return
+        target = trainer.args.target_batch_size
+        world = trainer.args.world_size
+        self.apply(Plan(target // world, 1, world, target))
+        self.plan = None  # the loading plan is not a plan: the probe has not run
+        self.pending_probe = prepared
+
+    def probe_through_engine(self, engine, train_step: Callable, collective: Collective) -> None:
+        """DeepSpeed: the probe pending since `start`, run through the live engine (``train_step(batch)``: one real
+        step through it), then the plan cuts every loaded window of ``engine``."""
+        trainer = self._trainer
+        prepared, self.pending_probe = self.pending_probe, None
+
+        def probe(make, length, max_micro=trainer.args.probe_max_micro_batch):
+            return probe_through_engine(trainer, collective=collective, train_step=train_step, make_batch=make,
+                                        seq_len=length, budget_bytes=prepared.budget, meter=prepared.meter,
+                                        budget_names=" or ".join(tuning.BUDGET_NAMES), max_micro_batch=max_micro,
+                                        log=logger.info)
+
+        self.probing = True
+        plan, self.probe_result, self.key = tuning.tune(trainer, prepared, probe, store=self.stores_plan)
+        self.probing = False
+        self.plan = plan = self.on_engine(plan)
+        self.configure(engine)  # each loaded window, cut into the plan's forwards
+        # the engine loads whole windows, as the Trainer does; hf_accum sets its boundary per forward
+        _compat.set_deepspeed_batch(trainer, plan.window, 1)
+
+    # --- after an out-of-memory error -------------------------------------------------------------------------
+    def _in_force(self, units: int | None) -> InForce:
+        trainer = self._trainer
+        args, engine = trainer.args, trainer._engine
+        world = engine.world if engine is not None else trainer.accelerator.num_processes
+        target = getattr(args, "target_batch_size", None) or (
+            args.per_device_train_batch_size * args.gradient_accumulation_steps * world)
+        return InForce(self.plan, units, world, self.loads_windows(), args.per_device_train_batch_size, target)
+
+    def smaller(self, units: int | None = None) -> Plan | None:
+        """The plan the policy lowers to from the cut ``units`` in force (None: the plan's own)."""
+        plan = self.policy.smaller(self._in_force(units))
+        return None if plan is None else self.on_engine(plan)
+
+    def after_oom(self, units: int | None) -> int:
+        """The engine's next cut after an OOM, applied as the plan in force (the effective batch and the step
+        count are kept)."""
+        trainer = self._trainer
+        self._refuse_rerun_under_deepspeed()
+        plan = self.smaller(units)
+        if plan is None:
+            raise RuntimeError(
+                "hf_accum: out of memory at micro-batch 1, so no smaller micro-batch can keep "
+                f"target_batch_size. Checkpoints in {trainer.args.output_dir} are intact. To fit: enable "
+                "gradient_checkpointing, train LoRA adapters, load the base model in 4-bit, shorten sequences, "
+                "or free GPU memory held by other processes; then resume from the last checkpoint."
+            )
+        logger.warning("hf_accum: out of memory at step %d; re-running this accumulation window with %s",
+                       trainer.state.global_step, plan.describe())
+        self.apply(plan, in_training_loop=True)
+        return plan.micro_batch_size
+
+    def after_oom_tokens(self, budget: TokenBudget) -> TokenBudget:
+        """micro_batching="tokens": after an OOM, the policy's smaller token budget (same samples, same windows)."""
+        trainer = self._trainer
+        self._refuse_rerun_under_deepspeed()
+        longest = trainer._engine.longest_loaded_unit()
+        smaller = self.policy.smaller_tokens(budget, longest)
+        if smaller is None:
+            raise RuntimeError(
+                f"hf_accum: out of memory with a token budget of {budget}, and a smaller one cannot hold this window's "
+                f"longest example ({longest} tokens). Checkpoints in {trainer.args.output_dir} are intact. To fit: "
+                "enable gradient_checkpointing, train LoRA adapters, shorten sequences, or free memory; then resume."
+            )
+        plan = dataclasses.replace(self.plan, token_budget=smaller.tokens, token_model=smaller.model)
+        logger.warning("hf_accum: out of memory at step %d; re-running this accumulation window with %s",
+                       trainer.state.global_step, plan.describe())
+        self.apply(plan, in_training_loop=True)
+        return smaller
+
+    def _refuse_rerun_under_deepspeed(self) -> None:
+        """Re-running a window needs its gradients cleared; DeepSpeed ZeRO reduces each backward's gradients into its
+        own partitions, which `zero_grad` does not clear (and steps inside the final backward). So under DeepSpeed an
+        out-of-memory error stops every rank, one process included, with the plan to restart with."""
+        if _compat.engine_steps_in_backward(self._trainer):
+            raise StopTraining("out of memory under DeepSpeed, whose engine already holds this window's reduced "
+                               "gradients in its own partitions (they cannot be cleared to re-run the window)")
+
+    def restart_setting(self) -> str:
+        """What to restart with after a stop: the settings of the plan one step smaller than the one in force."""
+        engine = self._trainer._engine
+        plan = self.smaller(engine.cut_units if engine else None)
+        if plan is None:
+            return "a smaller model footprint"
+        if self.loads_windows():
+            return f"probe_max_micro_batch={plan.micro_batch_size} ({plan.describe()})"
+        return (f"per_device_train_batch_size={plan.micro_batch_size} and gradient_accumulation_steps="
+                f"{plan.gradient_accumulation_steps} ({plan.describe()})")
+
+    # --- the eval batch ---------------------------------------------------------------------------------------
+    def wants_eval_batch(self, collectives_in_compute_loss: bool) -> bool:
+        """auto_eval_batch_size (default: with auto_tune), not measured yet, and measurable on this setup."""
+        trainer = self._trainer
+        auto = getattr(trainer.args, "auto_eval_batch_size", None)
+        asked, auto = auto, getattr(trainer.args, "tunes", False) if auto is None else auto
+        if not auto or self.eval_planned:
+            return False
+        if _compat.deepspeed_enabled(trainer) or (trainer.accelerator.num_processes > 1 and _compat.window_policy(
+                trainer, collectives_in_compute_loss) is not Policy.RERUN):
+            # Each rank searches on its own: not where forwards run collectives (FSDP, ZeRO, TRL's metrics).
+            self.eval_planned = True
+            (logger.warning if asked else logger.info)(
+                "hf_accum: auto_eval_batch_size is not measured where evaluation forwards run collectives (FSDP, "
+                "DeepSpeed, TRL's metric gathering on several ranks); per_device_eval_batch_size stays %d.",
+                trainer.args.per_device_eval_batch_size)
+            return False
+        return True
+
+    def plan_eval_batch(self, dataset, run: Callable) -> None:
+        """`auto_eval_batch_size`: measure evaluation steps now (``run(model, batch, loss_only)``: the Trainer's own
+        prediction_step), with what training keeps resident (eval_batch.py)."""
+        trainer = self._trainer
+        args = trainer.args
+        self.eval_planned = True
+        choice = plan_eval_batch(trainer, dataset, budget=self.budget_bytes, run=run)
+        if choice is None:
+            return
+        args.per_device_eval_batch_size = choice.batch_size
+        if args.eval_accumulation_steps is None and choice.accumulation_steps is not None:
+            args.eval_accumulation_steps = choice.accumulation_steps
+        if self.plan is not None:
+            self.plan = dataclasses.replace(self.plan, eval_batch_size=choice.batch_size)
+            if args.should_save and getattr(args, "target_batch_size", None):
+                self.save(args.output_dir)
+
+
+def set_train_batch_size(trainer, micro: int) -> None:
+    """The batch size `Trainer.get_train_dataloader` and `train()` read is the private `_train_batch_size`
+    (set from the arguments in `__init__`); a plan applied after `__init__` must set it too (pinned by
+    test_compat.py: it fails when transformers renames the field)."""
+    trainer._train_batch_size = micro
+
+
+def token_budget(plan: Plan | None) -> TokenBudget | None:
+    """The engine's token budget for ``plan`` (None: it cuts by rows)."""
+    if plan is None or plan.token_budget is None:
+        return None
+    return TokenBudget(plan.token_budget, plan.token_model,
+                       plan.token_model.get("forward_tokens") if plan.token_model else None)

@@ -1,0 +1,63 @@
+"""What the plan becomes after an out-of-memory error: one policy object, injectable into the `Planner` (as
+accelerate's `find_executable_batch_size` takes a `reduce_batch_size_fn`).
+
+Pure: numbers in, a plan (or None: nothing smaller keeps the target) out. The planner applies what it returns.
+`larger()` is the room for growing back after an OOM (a later issue); today a plan never grows inside a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..token_budget import TokenBudget
+from .plan import Plan, divisors, plan_for_micro
+
+
+@dataclasses.dataclass(frozen=True)
+class InForce:
+    """What the run loads and cuts now, as the policy needs it."""
+
+    plan: Plan | None  # the plan applied (None: the user's micro-batch and accumulation, no plan)
+    units: int | None  # the engine's cut in force (None: each loaded batch is one forward)
+    world: int
+    whole_windows: bool  # each rank loads its whole window and the engine cuts it
+    micro: int  # per_device_train_batch_size as loaded
+    target: int  # the effective batch to keep
+
+
+class OomPolicy:
+    """The default: one forward more per window (windows loaded whole), or the next smaller micro-batch dividing
+    the per-rank target (micro-batches loaded as given); a token budget shrinks to three quarters."""
+
+    token_factor = 0.75
+
+    def smaller(self, now: InForce) -> Plan | None:
+        """The next smaller plan for ``now``'s target, keeping the checkpointing level the model has; None at 1."""
+        if now.whole_windows and now.plan is not None:
+            current = now.units or now.plan.micro_batch_size
+            if current <= 1:
+                return None
+            return _keeping_level(now.plan, plan_for_micro(now.plan.target_batch_size, now.world, current - 1))
+        current = now.units or now.micro
+        per_rank = now.target // now.world
+        smaller = [d for d in divisors(per_rank) if d < current]
+        if not smaller:
+            return None
+        return _keeping_level(now.plan, Plan(smaller[-1], per_rank // smaller[-1], now.world, now.target))
+
+    def smaller_tokens(self, budget: TokenBudget, longest: int) -> TokenBudget | None:
+        """micro_batching="tokens": a smaller budget (same samples, same windows); None when it could not hold the
+        window's ``longest`` unit."""
+        smaller = budget.scaled(self.token_factor)
+        return smaller if smaller.rows(longest) >= 1 else None
+
+    def larger(self, now: InForce) -> Plan | None:
+        """Growing back after an OOM: not done yet (the plan in force stays)."""
+        return None
+
+
+def _keeping_level(current: Plan | None, plan: Plan) -> Plan:
+    """A smaller plan after an OOM: the model keeps its checkpointing level, so the plan says so."""
+    if current is None or current.checkpointed_layers is None:
+        return plan
+    return dataclasses.replace(plan, checkpointed_layers=current.checkpointed_layers, num_layers=current.num_layers)
