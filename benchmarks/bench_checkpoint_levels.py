@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from hf_accum import _compat
 from hf_accum.checkpointing import Lever
+from hf_accum.compat import gradient_checkpointing
 from hf_accum.meters import CpuMeter, live_tensor_bytes
 from hf_accum.probe import make_step_fn, probe_model, random_token_batch
 from hf_accum.tiny import build_model
@@ -69,19 +69,19 @@ def main() -> None:
     a = p.parse_args()
     torch.manual_seed(0)
     model = build_model(num_layers=a.layers, hidden_size=a.hidden).float()
-    L = len(_compat.checkpointable_layers(model))
+    L = len(gradient_checkpointing.checkpointable_layers(model))
     make_batch = random_token_batch(model, a.seq_len)
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
     meter = CpuMeter(resident=lambda: live_tensor_bytes(model, opt))
     step_fn = make_step_fn(model, opt, make_batch)
     step_fn(1)  # the optimizer's state, as the probe's warm-up
-    with _compat.checkpointed_layers(model, L):
+    with gradient_checkpointing.checkpointed_layers(model, L):
         budget = 1.02 * meter.measure(lambda: step_fn(a.target), micro_batch_size=a.target).charged_bytes
 
     sweep_start = time.perf_counter()
     rows = []
     for k in sorted({0, L // 4, L // 2, 3 * L // 4, L}):
-        with _compat.checkpointed_layers(model, k):
+        with gradient_checkpointing.checkpointed_layers(model, k):
             micro, peak = largest_fit(meter, step_fn, budget, a.target)
             seconds = window_seconds(model, opt, make_batch, a.target, micro) if micro else math.inf
         rows.append((k, micro, peak, seconds))
@@ -92,16 +92,16 @@ def main() -> None:
                                make_batch=make_batch, lever=Lever(model, L, {}), max_micro_batch=a.target)
     probe_seconds = time.perf_counter() - probe_start
     chosen = result.extra["checkpointing"]["chosen"]
-    with _compat.checkpointed_layers(model, chosen["k"]):
+    with gradient_checkpointing.checkpointed_layers(model, chosen["k"]):
         tuned_peak = meter.measure(lambda: step_fn(chosen["micro"]), micro_batch_size=chosen["micro"]).charged_bytes
     # the choice against the sweep's best, re-timed in alternation (the same point twice when they agree): the sweep's
     # own figure was taken a minute earlier, and the machine's speed drifts by more than the 5% the goal allows
     best = min(rows, key=lambda r: r[3])
     tuned = best_time = math.inf
     for _ in range(3):
-        with _compat.checkpointed_layers(model, chosen["k"]):
+        with gradient_checkpointing.checkpointed_layers(model, chosen["k"]):
             tuned = min(tuned, window_seconds(model, opt, make_batch, a.target, chosen["micro"]))
-        with _compat.checkpointed_layers(model, best[0]):
+        with gradient_checkpointing.checkpointed_layers(model, best[0]):
             best_time = min(best_time, window_seconds(model, opt, make_batch, a.target, best[1]))
 
     mib = 2**20

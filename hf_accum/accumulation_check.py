@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from . import _compat
+from .compat import trainer_internals
 from .protocol import Local, Policy, WindowProtocol
 from .units import UNIT_NAME, IndivisibleBatch
 from .window import WindowEngine, using
@@ -64,7 +64,7 @@ def run_accumulation_check(trainer, num_micro_batches: int | None = None, tolera
     tolerance = tolerance if tolerance is not None else _default_tolerance(model, trainer.args)
     # Everything, including drawing the first batch (the sampler consumes RNG), happens inside the restore.
     with _restored(trainer, model, params):
-        batch = _compat.prepare_inputs(trainer, next(iter(trainer.get_train_dataloader())))
+        batch = trainer_internals.prepare_inputs(trainer, next(iter(trainer.get_train_dataloader())))
         trained = trainer._window_engine(batch)
         if trained.token_budget is not None:  # the loaded batch is a whole window: check one forward's worth
             batch = trained.cutter.cut_by_tokens(batch, trained.token_budget)[0]
@@ -126,7 +126,7 @@ def _window_gradient(trainer, engine, model, params, batches) -> list[torch.Tens
     # The same per-window path as the training loop: get_batch_samples counts (through the engine swapped in),
     # training_step scales.
     batches, num_items = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)
-    with _compat.window_length_set(trainer, len(batches)):
+    with trainer_internals.window_length_set(trainer, len(batches)):
         for b in batches:
             trainer.training_step(model, b, num_items)
     engine.end()

@@ -358,7 +358,7 @@ class AccumTrainingArguments(TrainingArguments):
     def _check_deepspeed_batch(self, world: int | None) -> None:
         """Explicit DeepSpeed batch fields must equal the plan in force ("tokens" mode loads each rank's window whole:
         micro = the per-rank window, accumulation 1); refused here, before a model is loaded."""
-        from . import _compat
+        from .compat import deepspeed_integration
         from .deepspeed_batch import batch_contradiction, engine_name, zero_stage
         from .planning.plan import Plan
 
@@ -368,7 +368,7 @@ class AccumTrainingArguments(TrainingArguments):
         micro, accumulation = self.per_device_train_batch_size, self.gradient_accumulation_steps
         if self.micro_batching == "tokens":
             micro, accumulation = micro * accumulation, 1
-        config = _compat.deepspeed_user_config(self.deepspeed)
+        config = deepspeed_integration.deepspeed_user_config(self.deepspeed)
         engine = engine_name(zero_stage(config))
         plan = (f"micro {micro} × accumulation {accumulation} per rank on {engine}" if world is None else
                 Plan(micro, accumulation, world, micro * accumulation * world, engine=engine).describe())
@@ -379,9 +379,9 @@ class AccumTrainingArguments(TrainingArguments):
     def _check_deepspeed_tuned_fields(self) -> None:
         """auto_tune chooses the micro-batch and accumulation, so the config may not fix them; its total batch, if
         given, must be the target."""
-        from . import _compat
+        from .compat import deepspeed_integration
 
-        config = _compat.deepspeed_user_config(self.deepspeed)
+        config = deepspeed_integration.deepspeed_user_config(self.deepspeed)
         for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
             if config.get(key, "auto") != "auto":
                 raise ValueError(

@@ -1,5 +1,5 @@
 """The checkpointing setting as the trainer applies it: what the user asked for, refused when the model cannot, the
-levels the tuner may choose from, and k applied to the model (`_compat.set_checkpointed_layers`).
+levels the tuner may choose from, and k applied to the model (`gradient_checkpointing.set_checkpointed_layers`).
 
 Requests (args.AccumTrainingArguments.checkpoint_layers and the boolean flag): "auto" (the tuner measures and chooses
 k, levers.py; without the tuner: off), an int k (exactly the first k decoder layers), True/False (every layer / none,
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from . import _compat
+from .compat import deepspeed_integration, gradient_checkpointing, parallel
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 def requested(args) -> str | int | bool:
     """"auto", k, or True/False; plain `TrainingArguments`: the flag."""
     setting = getattr(args, "checkpoint_layers", None)
-    return setting if setting is not None else _compat.checkpointing_enabled(args)
+    return setting if setting is not None else gradient_checkpointing.checkpointing_enabled(args)
 
 
 def check_request(model, args) -> None:
@@ -29,7 +29,7 @@ def check_request(model, args) -> None:
     if want is False or want == "auto" or want == 0:
         return
     name = type(model).__name__
-    levels = _compat.checkpoint_levels(model)
+    levels = gradient_checkpointing.checkpoint_levels(model)
     if levels == 0:
         asked = "gradient_checkpointing=True" if want is True else f"checkpoint_layers={want}"
         raise ValueError(
@@ -38,7 +38,7 @@ def check_request(model, args) -> None:
             "gradient_checkpointing and checkpoint_layers unset (or False / 0), or give the model that method."
         )
     if want is not True and want > levels:
-        per_layer = (f"{levels} checkpointable decoder layers" if _compat.checkpointable_layers(model) else
+        per_layer = (f"{levels} checkpointable decoder layers" if gradient_checkpointing.checkpointable_layers(model) else
                      "no per-layer checkpointing (transformers' GradientCheckpointingLayer): on (1) or off (0) only")
         raise ValueError(f"checkpoint_layers={want}, but {name} has {per_layer}. Set checkpoint_layers to at most "
                          f"{levels}, 'auto', or gradient_checkpointing=True for every layer.")
@@ -49,26 +49,26 @@ def apply_requested(model, args) -> None:
     probe before it measures the same; k exactly). "auto" and False leave the model as it is."""
     want = requested(args)
     if want is True:
-        _compat.enable_checkpointing(model, args)
-    elif isinstance(want, int) and not isinstance(want, bool) and _compat.checkpoint_levels(model):
-        _compat.set_checkpointed_layers(model, want, _compat.checkpoint_kwargs(args))
+        gradient_checkpointing.enable_checkpointing(model, args)
+    elif isinstance(want, int) and not isinstance(want, bool) and gradient_checkpointing.checkpoint_levels(model):
+        gradient_checkpointing.set_checkpointed_layers(model, want, gradient_checkpointing.checkpoint_kwargs(args))
 
 
 def apply_chosen(model, k: int, args) -> None:
     """The tuner's choice (a plan's checkpointed_layers) set on the model; idempotent."""
-    _compat.set_checkpointed_layers(model, k, _compat.checkpoint_kwargs(args))
+    gradient_checkpointing.set_checkpointed_layers(model, k, gradient_checkpointing.checkpoint_kwargs(args))
 
 
 @dataclass
 class Lever:
-    """What the probe needs to try levels: L (`_compat.checkpoint_levels`) and a context that sets k for a trial."""
+    """What the probe needs to try levels: L (`gradient_checkpointing.checkpoint_levels`) and a context that sets k for a trial."""
 
     model: object
     num_layers: int
     kwargs: dict
 
     def at(self, k: int):
-        return _compat.checkpointed_layers(self.model, k, self.kwargs)
+        return gradient_checkpointing.checkpointed_layers(self.model, k, self.kwargs)
 
 
 def lever_for(trainer) -> Lever | None:
@@ -82,18 +82,18 @@ def lever_for(trainer) -> Lever | None:
         logger.warning("hf_accum: checkpoint_layers='auto' is not chosen by the probe under %s: checkpointing stays "
                        "off (set gradient_checkpointing=True for every layer, or checkpoint_layers=K).", engine)
         return None
-    levels = _compat.checkpoint_levels(model)
+    levels = gradient_checkpointing.checkpoint_levels(model)
     if levels == 0:
         logger.info("hf_accum: %s cannot checkpoint activations; the probe plans without checkpointing.",
                     type(model).__name__)
         return None
-    return Lever(model, levels, _compat.checkpoint_kwargs(args))
+    return Lever(model, levels, gradient_checkpointing.checkpoint_kwargs(args))
 
 
 def _sharded_engine(trainer) -> str | None:
-    if _compat.deepspeed_stage(trainer) is not None:
+    if deepspeed_integration.deepspeed_stage(trainer) is not None:
         return "DeepSpeed"
-    if (_compat.is_fsdp2(trainer.model) or _compat.sharded_at_load(trainer.model)
+    if (parallel.is_fsdp2(trainer.model) or parallel.sharded_at_load(trainer.model)
             or getattr(trainer, "is_fsdp_enabled", False)):
         return "FSDP"
     return None

@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from . import _compat
+from .compat import checkpoint_files
 from .planning.plan import Plan
 from .planning.store import PLAN_FILE, PlanFileError, load_stored_plan, restore_plan  # noqa: F401 (public here)
 
@@ -38,7 +38,7 @@ class CheckpointInfo:
     target_batch_size: int | None  # the run's target: the plan's, else its saved arguments'
     problem: str | None  # why it cannot be resumed; None when complete
     optimizer_problem: str | None = None  # why the run would not load its optimizer / scheduler state
-    optimizer_state: frozenset[str] = frozenset()  # the kinds it holds (`_compat.optimizer_state_kinds`)
+    optimizer_state: frozenset[str] = frozenset()  # the kinds it holds (`checkpoint_files.optimizer_state_kinds`)
 
     @property
     def complete(self) -> bool:
@@ -49,8 +49,8 @@ def inspect_checkpoint(path: str, deepspeed: bool | None = None) -> CheckpointIn
     """What ``path`` holds, and why it is not complete (None when it is). ``deepspeed``: whether the resuming run
     loads optimizer state through DeepSpeed's engine (None, unknown: either kind counts)."""
     problem = _state_problem(path)
-    saved = _compat.saved_training_args(path) or {}
-    kinds = _compat.optimizer_state_kinds(path)
+    saved = checkpoint_files.saved_training_args(path) or {}
+    kinds = checkpoint_files.optimizer_state_kinds(path)
     optimizer = _optimizer_problem(kinds, deepspeed, saved)
     problem = problem or optimizer
     saved_target = saved.get("target_batch_size")

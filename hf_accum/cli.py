@@ -168,7 +168,7 @@ def _run_probe(args: argparse.Namespace) -> int:
     if args.gradient_checkpointing:
         from types import SimpleNamespace
 
-        from ._compat import enable_checkpointing
+        from .compat.gradient_checkpointing import enable_checkpointing
 
         # Switched on as training switches it on (the one helper the tuner uses too), LoRA-safe kind.
         enable_checkpointing(model, SimpleNamespace(gradient_checkpointing=True,
@@ -243,22 +243,22 @@ def _probe_recipe(args: argparse.Namespace) -> int:
 
 def _checkpoint_lever(args: argparse.Namespace, model):
     """--checkpoint-layers: the lever the probe chooses k with ("auto"), or exactly K layers set now."""
-    from . import _compat
     from .checkpointing import Lever
+    from .compat import gradient_checkpointing
 
     if args.checkpoint_layers is None:
         return None
     if args.gradient_checkpointing:
         raise UsageError("--checkpoint-layers and --gradient-checkpointing (every layer) contradict each other: "
                          "give one")
-    levels = _compat.checkpoint_levels(model)
+    levels = gradient_checkpointing.checkpoint_levels(model)
     kwargs = {"use_reentrant": False}  # the LoRA-safe kind, as --gradient-checkpointing
     if args.checkpoint_layers == "auto":
         return Lever(model, levels, kwargs) if levels else None
     if not args.checkpoint_layers.isdigit() or int(args.checkpoint_layers) > levels:
         raise UsageError(f"--checkpoint-layers {args.checkpoint_layers}: give 'auto' or an integer 0..{levels} "
                          f"({type(model).__name__} has {levels} checkpointable layers)")
-    _compat.set_checkpointed_layers(model, int(args.checkpoint_layers), kwargs)
+    gradient_checkpointing.set_checkpointed_layers(model, int(args.checkpoint_layers), kwargs)
     return None
 
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from . import _compat
+from .compat import trainer_internals
 from .loss import LabelSpec
 from .oom import free_memory, is_oom
 from .units import Cutter, detect_unit, make_cutter
@@ -66,7 +66,7 @@ class EvalLoss:
     def step(self, run: Run, batch: Mapping, loss_only: bool) -> tuple:
         """prediction_step's result for ``batch``, recording its exact loss share."""
         cutter = self._cutter(batch)
-        kept, cut = _compat.eval_rows_kept(self.trainer, _rows(batch))
+        kept, cut = trainer_internals.eval_rows_kept(self.trainer, _rows(batch))
         if cut is None:
             pieces = [(batch, kept > 0)]
         elif cutter is not None and cutter.unit == "rows":  # one of the ranks keeps part: every rank cuts there
@@ -88,7 +88,7 @@ class EvalLoss:
             return _join([self._forward(run, c, loss_only, record, cutter) for c in chunks], cutter.unit)
         count = self._count(batch, cutter)
         try:
-            with _compat.prediction_loss_counted(self.trainer, _for_loss(count, self.device)) as seen:
+            with trainer_internals.prediction_loss_counted(self.trainer, _for_loss(count, self.device)) as seen:
                 out = run(batch, loss_only)
         except Exception as exc:
             if not (is_oom(exc) and splittable and units > 1):

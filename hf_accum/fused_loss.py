@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import _compat
+from .compat import deepspeed_integration, torch_features
 from .loss import IGNORE_INDEX, loss_shifts_labels
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def chunked_cross_entropy_sum(hidden, weight, bias, targets, rows: int):
 def implementation_for(hidden: torch.Tensor, weight: torch.Tensor) -> str:
     if IMPLEMENTATION != "auto":
         return IMPLEMENTATION
-    if not _compat.HAS_LINEAR_CROSS_ENTROPY or _compat.is_autocast_enabled(hidden.device.type):
+    if not torch_features.HAS_LINEAR_CROSS_ENTROPY or torch_features.is_autocast_enabled(hidden.device.type):
         return "chunked"
     if hidden.dtype not in (torch.float32, torch.float64) or weight.dtype != hidden.dtype:
         return "chunked"
@@ -92,7 +92,7 @@ def token_loss_sum(hidden, weight, bias, targets):
         return F.linear(hidden, weight, bias).float().sum()
     rows = chunk_rows(weight.shape[0])
     if implementation_for(hidden, weight) == "torch":
-        return _compat.linear_cross_entropy_sum(hidden, weight, bias, targets, rows)
+        return torch_features.linear_cross_entropy_sum(hidden, weight, bias, targets, rows)
     return chunked_cross_entropy_sum(hidden, weight, bias, targets, rows)
 
 
@@ -282,7 +282,7 @@ def _trainer_reason(trainer) -> str | None:
     if getattr(trainer.args, "label_smoothing_factor", 0) > 0:
         return (f"label_smoothing_factor={trainer.args.label_smoothing_factor}: transformers' label smoother "
                 "computes the loss from the full logits")
-    if getattr(trainer, "is_fsdp_enabled", False) or _compat.deepspeed_zero3_enabled():
+    if getattr(trainer, "is_fsdp_enabled", False) or deepspeed_integration.deepspeed_zero3_enabled():
         # The fused loss reads lm_head.weight outside the head's forward, where these keep it sharded.
         return "FSDP / DeepSpeed ZeRO-3 shard the LM head's weight outside its forward"
     if getattr(trainer, "compute_loss_func", None) is not None:
@@ -328,7 +328,7 @@ def _decide(setting, reason, flags=("fused_loss=True", "fused_loss=False")) -> t
 def _describe_implementation() -> str:
     if IMPLEMENTATION != "auto":
         return IMPLEMENTATION
-    if _compat.HAS_LINEAR_CROSS_ENTROPY:
+    if torch_features.HAS_LINEAR_CROSS_ENTROPY:
         return "torch.nn.functional.linear_cross_entropy for float32/64, checkpointed chunks for bf16/fp16"
     return "checkpointed chunks (this torch has no linear_cross_entropy)"
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from . import _compat
+from .compat import parallel, process_group
 from .loss import IGNORE_INDEX, NORMALIZATIONS, LabelSpec, loss_shifts_labels
 from .protocol import Local, Policy, StopTraining, TorchDistributed, WindowProtocol
 from .units import detect_unit, make_cutter
@@ -59,13 +59,13 @@ class Accumulator:
         if normalization not in NORMALIZATIONS[:2]:
             raise ValueError(f"normalization={normalization!r} must be 'tokens' or 'samples'.")
         self.model = model
-        inner = _compat.unwrap_parallel(model)
+        inner = parallel.unwrap_parallel(model)
         shift = loss_shifts_labels(inner) if shift_labels is None else shift_labels
         self.labels = LabelSpec(label_key, ignore_index, shift)
         self.normalization = normalization
         self.unit = unit
-        self.world = _compat.world_size()
-        self.policy = Policy.STOP if _compat.is_fsdp2(model) else Policy.RERUN
+        self.world = process_group.world_size()
+        self.policy = Policy.STOP if parallel.is_fsdp2(model) else Policy.RERUN
         self._engine: WindowEngine | None = None
         self._cut_units: int | None = None  # from `load_state_dict`, until the engine exists
 
@@ -92,7 +92,7 @@ class Accumulator:
 
     def _chunk(self, engine: WindowEngine, chunk, final: bool, loss_fn) -> torch.Tensor:
         share = engine.share(engine.cutter.count(chunk, self.normalization))
-        with contextlib.nullcontext() if final else _compat.no_gradient_sync(self.model):
+        with contextlib.nullcontext() if final else parallel.no_gradient_sync(self.model):
             if final:
                 loss, keep = engine.final_forward(lambda b: loss_fn(self.model, b), chunk)
             else:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from .compat import parallel, torch_features
 
 MiB = 1 << 20
 
@@ -103,7 +103,7 @@ def live_tensor_bytes(*holders: Any, device_type: str | None = "cpu") -> int:
         nonlocal total
         if not isinstance(t, torch.Tensor):
             return
-        t = _compat.local_shard(t)  # a sharded (DTensor) parameter, gradient or state holds only its shard here
+        t = parallel.local_shard(t)  # a sharded (DTensor) parameter, gradient or state holds only its shard here
         if device_type is not None and t.device.type != device_type:
             return
         storage = t.untyped_storage()
@@ -279,7 +279,7 @@ def replay_memory_events(prof: Any) -> tuple[int, int]:
     from torch.profiler import DeviceType
 
     events = [
-        e for e in _compat.kineto_events(prof) if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+        e for e in torch_features.kineto_events(prof) if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
     ]
     events.sort(key=lambda e: e.start_ns())
     current = peak = blocks = peak_blocks = 0

@@ -39,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-from . import _compat
+from .compat import process_group
 
 _COLLECTIVES = "under an engine with collectives in every forward (FSDP, DeepSpeed ZeRO, or a compute_loss that gathers)"
 
@@ -127,12 +127,12 @@ class TorchDistributed:
     # leaves the reason in the process group's key-value store (no collective, nothing to pair), and a rank whose
     # collective then fails because its peer left reads it there (`WindowProtocol.peer_stopped`).
     def announce_stop(self, reason: str) -> None:
-        store = _compat.default_store()
+        store = process_group.default_store()
         if store is not None:
             store.set(_STOP_KEY, reason)
 
     def peer_stop(self) -> str | None:
-        store = _compat.default_store()
+        store = process_group.default_store()
         if store is None or not store.check([_STOP_KEY]):
             return None
         return store.get(_STOP_KEY).decode()

@@ -28,10 +28,11 @@ import weakref
 import torch
 from transformers import Trainer, TrainerCallback
 
-from . import _compat, checkpointing
+from . import checkpointing
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments, explicit_batch_settings, resolve_nonfinite_limit
 from .checkpoints import check_resume
+from .compat import deepspeed_integration, parallel, trainer_internals, trl_internals
 from .evaluation import EvalLoss
 from .fused_loss import with_fused_loss
 from .loss import LabelSpec, label_spec
@@ -90,8 +91,8 @@ class AccumulationMixin:
         self._stop_request = StopRequest()
         self._refuse_unsupported_setups()
         self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
-        if _compat.sharded_at_load(self.model) and not self.args.save_only_model:
-            # transformers cannot checkpoint this model's optimizer state (see `_compat.sharded_at_load`); the
+        if parallel.sharded_at_load(self.model) and not self.args.save_only_model:
+            # transformers cannot checkpoint this model's optimizer state (see `parallel.sharded_at_load`); the
             # checkpoints hf_accum itself writes when it stops (a signal, non-finite losses) then hold the weights
             # and the plan, not an optimizer file that could never be loaded. The stop messages say so.
             self.args.save_only_model = True
@@ -109,7 +110,7 @@ class AccumulationMixin:
 
     def _refuse_unsupported_setups(self) -> None:
         """Every setup hf_accum cannot run exactly fails here, at construction, naming what to set."""
-        _compat.refuse_silent_engine_fallback(self)
+        parallel.refuse_silent_engine_fallback(self)
         checkpointing.check_request(self.model, self.args)
         if self._trl is not None and self._normalization != "model":
             base, mixed = self._trl
@@ -117,7 +118,7 @@ class AccumulationMixin:
             if problem:
                 raise ValueError(f"{type(self).__name__} (hf_accum over {base}): {problem}")
         if hasattr(self.args, "max_nonfinite_steps"):
-            limit, line = resolve_nonfinite_limit(self.args.max_nonfinite_steps, _compat.engine_steps_in_backward(self))
+            limit, line = resolve_nonfinite_limit(self.args.max_nonfinite_steps, deepspeed_integration.engine_steps_in_backward(self))
             self.args.max_nonfinite_steps = limit  # our copy: "auto" resolved for this engine
             if line and self._normalization != "model":
                 (logger.warning if limit is None else logger.info)(line)  # DeepSpeed's: nothing is skipped for you
@@ -174,14 +175,14 @@ class AccumulationMixin:
         """transformers' estimate (6 x parameters x tokens of the main input), over the tokens forwarded for this
         loaded batch: a cut pads each chunk only to its own longest row, and an OOM re-run forwards again."""
         flos = super().floating_point_ops(inputs)
-        loaded = _compat.main_input_tokens(self, inputs)
+        loaded = trainer_internals.main_input_tokens(self, inputs)
         return flos * self._forwarded_tokens / loaded if self._forwarded_tokens and loaded else flos
 
     def _track_num_input_tokens(self, inputs):
         """``include_num_input_tokens_seen="all"`` counts the tokens forwarded (see `floating_point_ops`);
         "non_padding" counts the loaded batch's real tokens, as the Trainer does, the same in either mode."""
         if self.args.include_num_input_tokens_seen == "all" and self._forwarded_tokens:
-            _compat.add_input_tokens_seen(self, self._forwarded_tokens)
+            trainer_internals.add_input_tokens_seen(self, self._forwarded_tokens)
         else:
             super()._track_num_input_tokens(inputs)
 
@@ -201,7 +202,7 @@ class AccumulationMixin:
     def _build_engine(self, batch, world: int) -> WindowEngine:
         cutter = make_cutter(self.batch_unit or detect_unit(batch), self._label_spec())
         collective = TorchDistributed(world, self.args.device) if world > 1 else Local()
-        policy = _compat.window_policy(self, self.collectives_in_compute_loss)
+        policy = parallel.window_policy(self, self.collectives_in_compute_loss)
         engine = WindowEngine(cutter, self._normalization, WindowProtocol(collective, policy),
                               shrink=_weakly(self._planner.after_oom), reset=_weakly(self._zero_grad),
                               shrink_tokens=_weakly(self._planner.after_oom_tokens), device=self.args.device)
@@ -225,19 +226,19 @@ class AccumulationMixin:
         local_for_loss = local.clamp(min=1).to(self.args.device)
         share = engine.share(local)
         scale = share
-        if _compat.trainer_divides_by_accumulation(self, local_for_loss):
-            scale = share * _compat.window_length(self)  # pre-compensate training_step's division
+        if trainer_internals.trainer_divides_by_accumulation(self, local_for_loss):
+            scale = share * trainer_internals.window_length(self)  # pre-compensate training_step's division
         sync = contextlib.nullcontext() if final else self._no_gradient_sync(model)
-        with sync, _compat.engine_boundary(self, final), self._loss_scaled(scale, final) as raw:
+        with sync, deepspeed_integration.engine_boundary(self, final), self._loss_scaled(scale, final) as raw:
             returned = super().training_step(model, inputs, local_for_loss)
-        self._forwarded_tokens += _compat.main_input_tokens(self, inputs)
+        self._forwarded_tokens += trainer_internals.main_input_tokens(self, inputs)
         if not self._post_checked:
             self._check_post_processing(returned, raw, share)
         return returned
 
     def _no_gradient_sync(self, model):
         # FSDP2 applied at load time is no accelerate wrapper: its switch is on the model itself.
-        return _compat.no_gradient_sync(model) if _compat.is_fsdp2(model) else self.accelerator.no_sync(model)
+        return parallel.no_gradient_sync(model) if parallel.is_fsdp2(model) else self.accelerator.no_sync(model)
 
     @contextlib.contextmanager
     def _loss_scaled(self, scale, final: bool):
@@ -266,7 +267,7 @@ class AccumulationMixin:
 
     def _check_post_processing(self, returned, raw, share) -> None:
         # What training_step backpropagated must be the chunk's exact share of the window loss; otherwise
-        # transformers changed its rule and `_compat` needs updating. Checked once: it costs a device sync.
+        # transformers changed its rule and `compat.trainer_internals` needs updating. Checked once: it costs a device sync.
         self._post_checked = True
         if not raw:
             return
@@ -275,14 +276,14 @@ class AccumulationMixin:
         if not math.isclose(got, expected, rel_tol=1e-5, abs_tol=1e-12) and math.isfinite(expected):
             raise RuntimeError(
                 f"hf_accum: transformers' training_step rescaled the loss ({got} != {expected}); this transformers "
-                "version post-processes the loss differently from what hf_accum._compat expects. Please report it; "
+                "version post-processes the loss differently from what hf_accum.compat.trainer_internals expects. Please report it; "
                 "set loss_normalization='model' meanwhile."
             )
 
     def _stop_message(self, reason: str) -> str:
         if self._planner.probing:
             return f"hf_accum: {reason}. Every rank stops before the first optimizer step; no weights were changed."
-        if _compat.sharded_at_load(self.model):
+        if parallel.sharded_at_load(self.model):
             how = "Restart (a new run: a model sharded at load time cannot be resumed) with"
         elif self.args.save_only_model:
             how = "Restart (a new run from the last checkpoint's weights: save_only_model=True saves no optimizer state) with"
@@ -299,7 +300,7 @@ class AccumulationMixin:
         """Put ``plan`` in force (`Planner.apply`: the one writer of the batch settings it implies)."""
         self._planner.apply(plan, in_training_loop=in_training_loop)
 
-    @_compat.trl_metrics_kept
+    @trl_internals.trl_metrics_kept
     @with_fused_loss
     def tune(self) -> Plan:
         """Measure (or reuse the stored plan), plan micro x accumulation x world = target, apply it."""
@@ -331,11 +332,11 @@ class AccumulationMixin:
             raise
         self._made_output_dir = None  # the run started: the folder is its own, and a later refusal keeps it
 
-    @_compat.trl_metrics_kept
+    @trl_internals.trl_metrics_kept
     def _probe_through_engine(self, batch) -> None:
         def train_step(inputs):  # one real step through the engine, which steps its optimizer at the boundary
-            with _compat.engine_boundary(self, True), _compat.window_length_set(self, 1):
-                super(AccumulationMixin, self).training_step(_compat.deepspeed_engine(self), inputs)
+            with deepspeed_integration.engine_boundary(self, True), trainer_internals.window_length_set(self, 1):
+                super(AccumulationMixin, self).training_step(deepspeed_integration.deepspeed_engine(self), inputs)
 
         self._planner.probe_through_engine(self._window_engine(batch), train_step, self._collective())
 
@@ -379,7 +380,7 @@ class AccumulationMixin:
         return resume_from_checkpoint
 
     def _refuse_unresumable(self, resume_from_checkpoint) -> None:
-        if resume_from_checkpoint and _compat.sharded_at_load(self.model):
+        if resume_from_checkpoint and parallel.sharded_at_load(self.model):
             raise ValueError(
                 f"resume_from_checkpoint={resume_from_checkpoint!r} cannot resume exactly: the model was sharded at "
                 "load time (distributed_config=...), and transformers checkpoints no optimizer state for such a "
@@ -391,7 +392,7 @@ class AccumulationMixin:
 
     def _resume_advice(self, where: str) -> str:
         """How to go on from the checkpoint ``where`` after a stop."""
-        if _compat.sharded_at_load(self.model):
+        if parallel.sharded_at_load(self.model):
             return (f"This run cannot be resumed (its model was sharded at load time; transformers saves no optimizer "
                     f"state for it): start a new run from the weights in {where} "
                     "(from_pretrained(CHECKPOINT, distributed_config=...)); the optimizer and schedule start over.")
@@ -430,10 +431,10 @@ class AccumulationMixin:
     def _check_output_dir(self, resume_from_checkpoint):
         """A run's checkpoints belong to its target batch (see `checkpoints.check_resume`). Returns the checkpoint
         to resume (True resolved to the newest complete one) and the plan stored with it."""
-        return check_resume(self.args, resume_from_checkpoint, deepspeed=_compat.deepspeed_enabled(self))
+        return check_resume(self.args, resume_from_checkpoint, deepspeed=deepspeed_integration.deepspeed_enabled(self))
 
     # --- self-check -------------------------------------------------------------------------------------------
-    @_compat.trl_metrics_kept
+    @trl_internals.trl_metrics_kept
     def check_accumulation(self, num_micro_batches: int | None = None, tolerance: float | None = None) -> AccumulationCheck:
         """Compare the gradient of k micro-batches with one pass over the same samples on the real model and data.
 
@@ -470,7 +471,7 @@ class AccumulationMixin:
             self._plan_eval_batch(eval_dataset)
         return super().evaluate(eval_dataset, *args, **kwargs)
 
-    @_compat.trl_metrics_kept  # the measuring steps are not evaluation: TRL's eval metrics must not average them
+    @trl_internals.trl_metrics_kept  # the measuring steps are not evaluation: TRL's eval metrics must not average them
     def _plan_eval_batch(self, dataset) -> None:
         """`auto_eval_batch_size`: measured with the Trainer's own prediction_step (`Planner.plan_eval_batch`)."""
         self._planner.plan_eval_batch(dataset, lambda model, batch, loss_only: super(
@@ -483,7 +484,7 @@ class AccumulationMixin:
             labels = str(exc)
         # An OOM re-run forwards more on one rank: not where forwards run collectives (FSDP, ZeRO, TRL's metrics).
         can_split = (self.accelerator.num_processes == 1
-                     or _compat.window_policy(self, self.collectives_in_compute_loss) is Policy.RERUN)
+                     or parallel.window_policy(self, self.collectives_in_compute_loss) is Policy.RERUN)
         return EvalLoss(self, self._normalization, self.batch_unit, labels, can_split=can_split, cap=self._eval_cap,
                         said=self._eval_said)
 

@@ -35,8 +35,8 @@ try:
 except ImportError as exc:  # pragma: no cover - trl is in the dev extra, optional for users
     raise ImportError(f"hf_accum.trl needs TRL ({exc}): pip install trl") from exc
 
-from . import _compat
 from .args import AccumTrainingArguments
+from .compat import trl_internals
 from .trainer import AccumulationMixin
 
 # TRL's configs default gradient_checkpointing to True; an unset flag (None) lets the tuner choose per layer instead
@@ -63,7 +63,7 @@ class _TRLAccumulation(AccumulationMixin):
     """The mixin as hf_accum's TRL trainers use it. What every TRL trainer needs on top of the plain mixin comes with
     the mixin itself, for a user's own `class MyX(AccumulationMixin, trl.XTrainer)` too: the batch unit and the
     refusals (`TRL_TRAINERS`), no skipped forward on one rank (TRL gathers metrics inside `compute_loss`), and the
-    probe's / accumulation check's steps kept out of TRL's metrics (`_compat.trl_metrics_kept`)."""
+    probe's / accumulation check's steps kept out of TRL's metrics (`trl_internals.trl_metrics_kept`)."""
 
 
 class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
@@ -76,7 +76,7 @@ class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
     metrics are then not logged). A PEFT adapter on `lm_head` is refused: the fused head reads the base weight and
     would leave it untrained (TRL >= 1.16 refuses it itself; `modules_to_save` copies of lm_head are trained)."""
 
-    _lm_head_fused_by = "TRL's fused LM head (trl.trainer.utils.add_fused_lm_head)" if _compat.trl_fuses_lm_head() else None
+    _lm_head_fused_by = "TRL's fused LM head (trl.trainer.utils.add_fused_lm_head)" if trl_internals.trl_fuses_lm_head() else None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -225,6 +225,6 @@ def mixed_into(cls: type) -> tuple[str, MixedInto] | None:
 
 # With TRL's fused head, SFTTrainer.compute_loss reads no logits: resolve_fused_loss must not count it (or ours) as a
 # user override. Older TRL reads the logits for its token accuracy: hf_accum's fused loss stays off there.
-AccumSFTTrainer._fused_compute_loss_classes = (SFTTrainer, AccumSFTTrainer) if _compat.trl_fuses_lm_head() else ()
+AccumSFTTrainer._fused_compute_loss_classes = (SFTTrainer, AccumSFTTrainer) if trl_internals.trl_fuses_lm_head() else ()
 
 __all__ = ["TRL_TRAINERS", "AccumDPOConfig", "AccumDPOTrainer", "AccumSFTConfig", "AccumSFTTrainer", "mixed_into"]

@@ -29,7 +29,7 @@ import transformers  # noqa: E402
 import transformers.trainer  # noqa: E402
 import transformers.trainer_seq2seq  # noqa: E402, F401
 
-from hf_accum import _compat  # noqa: E402, F401
+from hf_accum.compat import trainer_internals  # noqa: E402, F401
 from hf_accum.planning import tuning  # noqa: E402, F401
 from hf_accum.trainer import AccumTrainer  # noqa: E402
 

@@ -38,9 +38,9 @@ def main():
 
 
 def _checkpointed(model):
-    from hf_accum import _compat
+    from hf_accum.compat import gradient_checkpointing
 
-    return _compat.checkpointed_count(model)
+    return gradient_checkpointing.checkpointed_count(model)
 
 
 if __name__ == "__main__":

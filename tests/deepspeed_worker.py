@@ -6,7 +6,7 @@
   through the engine at the first window), recording the weights when the first optimizer step begins, the
   probe's trials and one real step measured after training. Saves per rank the final full weights, the engine's
   batch fields and step count, the plan and the forwards run.
-- single OUT (one process, no launcher; world 1): the `_compat` pieces on a real DeepSpeed setup (the plan filled
+- single OUT (one process, no launcher; world 1): the `compat.deepspeed_integration` pieces on a real DeepSpeed setup (the plan filled
   into the config accelerate builds the engine from, a contradicting explicit field refused when a plan is applied,
   accelerate's backward stepping the engine only when `engine_boundary` says final, the shm op skipped), and an
   out-of-memory error under DeepSpeed stopping a one-process run too (its engine's gradients cannot be cleared).
@@ -231,7 +231,7 @@ def single_mode(out, rank):
     from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
     from deepspeed.comm.torch import build_shm_op
 
-    from hf_accum import _compat
+    from hf_accum.compat import deepspeed_integration
     from hf_accum.planning.plan import Plan
     from hf_accum.protocol import StopTraining
     from tests.test_oom_recovery import OOMAt
@@ -243,7 +243,7 @@ def single_mode(out, rank):
     result["filled"] = {k: config[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                                                "train_batch_size")}
     result["args_config_is_plugins"] = trainer.args.hf_deepspeed_config.config is config
-    result["label"] = _compat.engine_label(trainer)
+    result["label"] = deepspeed_integration.engine_label(trainer)
     result["describe"] = trainer.plan.describe()
     result["args"] = [trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps]
 
@@ -251,7 +251,7 @@ def single_mode(out, rank):
     trainer.accelerator.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(fake)
     loss = torch.ones((), requires_grad=True)
     for final in (False, True):
-        with _compat.engine_boundary(trainer, final):
+        with deepspeed_integration.engine_boundary(trainer, final):
             trainer.accelerator.backward(loss)
     result["engine_calls"] = fake.calls
     result["sync_after"] = trainer.accelerator.sync_gradients

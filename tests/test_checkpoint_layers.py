@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
-from hf_accum import _compat
+from hf_accum.compat import gradient_checkpointing
 
 from .exactness import lm_examples, pad_collate, tiny_llama
 
@@ -67,10 +67,10 @@ def test_causal_lm_gradients_equal_with_k_layers(k, reentrant):
     model, batch = dropout_llama(), padded_batch()
     want = grads(model, batch)
     assert rel_error(grads(model, batch, seed=1), want) > 1e-3  # dropout really is on: another seed differs
-    with _compat.checkpointed_layers(model, k, {"use_reentrant": reentrant}):
-        assert _compat.checkpointed_count(model) == k
+    with gradient_checkpointing.checkpointed_layers(model, k, {"use_reentrant": reentrant}):
+        assert gradient_checkpointing.checkpointed_count(model) == k
         got = grads(model, batch)
-    assert _compat.checkpointed_count(model) == 0
+    assert gradient_checkpointing.checkpointed_count(model) == 0
     assert rel_error(got, want) <= 1e-12
 
 
@@ -78,7 +78,7 @@ def test_the_rng_replay_is_what_makes_it_exact():
     # the negative control: without preserve_rng_state the recompute draws other dropout masks
     model, batch = dropout_llama(), padded_batch()
     want = grads(model, batch)
-    with _compat.checkpointed_layers(model, LAYERS, {"use_reentrant": False, "preserve_rng_state": False}):
+    with gradient_checkpointing.checkpointed_layers(model, LAYERS, {"use_reentrant": False, "preserve_rng_state": False}):
         got = grads(model, batch)
     assert rel_error(got, want) > 1e-6
 
@@ -89,7 +89,7 @@ def test_lora_gradients_equal_with_k_layers(k, reentrant):
     model, batch = lora_llama(), padded_batch()
     want = grads(model, batch)
     assert want and all("lora_" in n for n in want)
-    with _compat.checkpointed_layers(model, k, {"use_reentrant": reentrant}):
+    with gradient_checkpointing.checkpointed_layers(model, k, {"use_reentrant": reentrant}):
         got = grads(model, batch)
     assert rel_error(got, want) <= 1e-12
 
@@ -98,10 +98,10 @@ def test_lora_reentrant_needs_the_input_embedding_hook():
     """The hook transformers' enable installs is what lets a frozen embedding's output carry the gradient into a
     reentrant checkpoint: without it no adapter gets a gradient (every layer checkpointed: the loss has no graph)."""
     model, batch = lora_llama(dropout=0.0), padded_batch()
-    with _compat.checkpointed_layers(model, LAYERS, {"use_reentrant": True}):
-        assert _compat.checkpoint_owner(model)._require_grads_hooks  # installed by transformers' enable
+    with gradient_checkpointing.checkpointed_layers(model, LAYERS, {"use_reentrant": True}):
+        assert gradient_checkpointing.checkpoint_owner(model)._require_grads_hooks  # installed by transformers' enable
         assert rel_error(grads(model, batch), grads_without_checkpointing(batch)) <= 1e-12
-        _compat.checkpoint_owner(model).disable_input_require_grads()
+        gradient_checkpointing.checkpoint_owner(model).disable_input_require_grads()
         with pytest.warns(UserWarning, match="requires_grad"), pytest.raises(RuntimeError, match="require grad"):
             grads(model, batch)
 
@@ -115,7 +115,7 @@ def test_padding_free_gradients_equal_with_k_layers(k):
     model, batch = dropout_llama(), flat_batch()
     assert batch["input_ids"].shape[0] == 1 and int((batch["position_ids"] == 0).sum()) == 6
     want = grads(model, batch)
-    with _compat.checkpointed_layers(model, k):
+    with gradient_checkpointing.checkpointed_layers(model, k):
         got = grads(model, batch)
     assert rel_error(got, want) <= 1e-12
 
@@ -133,19 +133,19 @@ def test_padding_free_checkpointed_equals_each_sequence_alone():
         total = total + hand_loss(logits, labels) * int(labels[:, 1:].ne(-100).sum())
     (total / count).backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    with _compat.checkpointed_layers(model, 2):
+    with gradient_checkpointing.checkpointed_layers(model, 2):
         got = grads(model, batch)
     assert rel_error(got, want) <= 1e-12
 
 
 def test_the_context_restores_an_enabled_model():
     model = dropout_llama()
-    _compat.set_checkpointed_layers(model, LAYERS, {"use_reentrant": False})
-    funcs = [layer._gradient_checkpointing_func for layer in _compat.checkpointable_layers(model)]
-    with _compat.checkpointed_layers(model, 1):
-        assert [layer.gradient_checkpointing for layer in _compat.checkpointable_layers(model)] == [True, False, False]
-    assert _compat.checkpointed_count(model) == LAYERS
-    assert [layer._gradient_checkpointing_func for layer in _compat.checkpointable_layers(model)] == funcs
-    with _compat.checkpointed_layers(model, 0):
-        assert _compat.checkpointed_count(model) == 0
-    assert _compat.checkpointed_count(model) == LAYERS
+    gradient_checkpointing.set_checkpointed_layers(model, LAYERS, {"use_reentrant": False})
+    funcs = [layer._gradient_checkpointing_func for layer in gradient_checkpointing.checkpointable_layers(model)]
+    with gradient_checkpointing.checkpointed_layers(model, 1):
+        assert [layer.gradient_checkpointing for layer in gradient_checkpointing.checkpointable_layers(model)] == [True, False, False]
+    assert gradient_checkpointing.checkpointed_count(model) == LAYERS
+    assert [layer._gradient_checkpointing_func for layer in gradient_checkpointing.checkpointable_layers(model)] == funcs
+    with gradient_checkpointing.checkpointed_layers(model, 0):
+        assert gradient_checkpointing.checkpointed_count(model) == 0
+    assert gradient_checkpointing.checkpointed_count(model) == LAYERS

@@ -7,7 +7,8 @@ import logging
 import pytest
 import torch
 
-from hf_accum import AccumTrainer, AccumTrainingArguments, _compat, checkpointing
+from hf_accum import AccumTrainer, AccumTrainingArguments, checkpointing
+from hf_accum.compat import deepspeed_integration, gradient_checkpointing
 from hf_accum.planning.plan import Plan
 from hf_accum.planning.store import PLAN_FILE
 from hf_accum.probe import NothingFitsError
@@ -46,7 +47,7 @@ def test_auto_measures_both_levels_chooses_verifies_and_applies_k(tmp_path, tok,
     chosen = result.extra["checkpointing"]["chosen"]
     assert any(t.fits and t.micro_batch_size >= chosen["micro"] and t.checkpointed_layers <= chosen["k"]
                for t in result.trials)
-    assert _compat.checkpointed_count(trainer.model) == plan.checkpointed_layers
+    assert gradient_checkpointing.checkpointed_count(trainer.model) == plan.checkpointed_layers
     assert f"checkpointing {plan.checkpointed_layers} of {LAYERS} layers" in caplog.text
     assert "s per optimizer step measured" in caplog.text
     stored = json.loads((tmp_path / PLAN_FILE).read_text())
@@ -67,8 +68,8 @@ def test_a_stored_plans_k_is_reapplied_without_a_probe(tmp_path, tok, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_accum"):
         plan = again.tune()
     assert "stored plan (reused " in caplog.text and again.probe_result is None
-    assert plan.checkpointed_layers == 3 and _compat.checkpointed_count(again.model) == 3
-    assert [layer.gradient_checkpointing for layer in _compat.checkpointable_layers(again.model)] == [True] * 3 + [False]
+    assert plan.checkpointed_layers == 3 and gradient_checkpointing.checkpointed_count(again.model) == 3
+    assert [layer.gradient_checkpointing for layer in gradient_checkpointing.checkpointable_layers(again.model)] == [True] * 3 + [False]
 
 
 def test_whole_window_fits_without_checkpointing_one_level_only(tmp_path, tok):
@@ -76,7 +77,7 @@ def test_whole_window_fits_without_checkpointing_one_level_only(tmp_path, tok):
     plan = trainer.tune()
     assert {t.checkpointed_layers for t in trainer.probe_result.trials} == {0}
     assert (plan.checkpointed_layers, plan.micro_batch_size) == (0, 4)
-    assert _compat.checkpointed_count(trainer.model) == 0
+    assert gradient_checkpointing.checkpointed_count(trainer.model) == 0
 
 
 @pytest.mark.parametrize("flag,count", [(False, 0), (True, LAYERS)])
@@ -85,17 +86,17 @@ def test_an_explicit_flag_is_obeyed(tmp_path, tok, flag, count):
     plan = trainer.tune()
     assert plan.checkpointed_layers is None
     assert {t.checkpointed_layers for t in trainer.probe_result.trials} == {None}
-    assert _compat.checkpointed_count(trainer.model) == count
+    assert gradient_checkpointing.checkpointed_count(trainer.model) == count
 
 
 def test_an_explicit_k_is_probed_and_trained_at(tmp_path, tok):
     trainer = make(tmp_path, tok, checkpoint_layers=2)
     trainer.tune()
-    assert _compat.checkpointed_count(trainer.model) == 2
+    assert gradient_checkpointing.checkpointed_count(trainer.model) == 2
     untuned = make(tmp_path / "off", tok, checkpoint_layers="1", auto_tune=False, per_device_train_batch_size=4,
                    gradient_accumulation_steps=4)
     untuned.train()
-    assert _compat.checkpointed_count(untuned.model) == 1
+    assert gradient_checkpointing.checkpointed_count(untuned.model) == 1
 
 
 def test_nothing_fits_even_with_every_layer_checkpointed(tmp_path, tok):
@@ -120,7 +121,7 @@ def test_checkpointing_asked_of_a_model_that_cannot(tmp_path, tok):
 
 def test_the_lever_is_skipped_under_a_sharded_engine(tmp_path, tok, monkeypatch, caplog):
     trainer = make(tmp_path, tok)
-    monkeypatch.setattr(_compat, "deepspeed_stage", lambda trainer: 3)
+    monkeypatch.setattr(deepspeed_integration, "deepspeed_stage", lambda trainer: 3)
     with caplog.at_level(logging.WARNING, logger="hf_accum"):
         assert checkpointing.lever_for(trainer) is None
     assert "not chosen by the probe under DeepSpeed" in caplog.text
@@ -130,7 +131,7 @@ def test_apply_plan_sets_k():
     model = tiny_llama(torch.float32, num_hidden_layers=3)
     args = AccumTrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
     checkpointing.apply_chosen(model, 2, args)
-    assert _compat.checkpointed_count(model) == 2
+    assert gradient_checkpointing.checkpointed_count(model) == 2
     plan = Plan(2, 4, 1, 8, checkpointed_layers=2, num_layers=3, step_seconds=0.5)
     assert plan.describe().endswith("; checkpointing 2 of 3 layers")
     assert Plan(2, 4, 1, 8).to_dict().keys() == {"micro_batch_size", "gradient_accumulation_steps", "world_size",
@@ -143,7 +144,7 @@ def test_tokens_mode_measures_its_budget_at_the_chosen_level(tmp_path, tok):
     trainer = make(tmp_path, tok, micro_batching="tokens", probe_seq_len=None)
     plan = trainer.tune()
     assert plan.token_budget is not None and plan.num_layers == LAYERS and plan.checkpointed_layers is not None
-    assert _compat.checkpointed_count(trainer.model) == plan.checkpointed_layers
+    assert gradient_checkpointing.checkpointed_count(trainer.model) == plan.checkpointed_layers
     shorter = trainer.probe_result.extra["token_budget"]["short_trials"]
     assert shorter and all(t["checkpointed_layers"] is None for t in shorter)  # probed at k, no second choice
     assert "checkpointing" in trainer.probe_result.extra

@@ -1,4 +1,4 @@
-"""Fails when transformers changes how `Trainer.training_step` post-processes the loss (see hf_accum/_compat.py)."""
+"""Fails when transformers changes how `Trainer.training_step` post-processes the loss (see hf_accum/compat/trainer_internals.py)."""
 
 import itertools
 import os
@@ -7,7 +7,16 @@ import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
-from hf_accum import _compat
+from hf_accum.compat import (
+    checkpoint_files,
+    deepspeed_integration,
+    gradient_checkpointing,
+    parallel,
+    process_group,
+    torch_features,
+    trainer_internals,
+    trl_internals,
+)
 from hf_accum.planning.planner import set_train_batch_size
 
 from .exactness import tiny_llama
@@ -28,11 +37,11 @@ def test_training_step_division_rule(tmp_path, accepts, num_items, loss_func, de
     weight = next(trainer.model.parameters())
     trainer.compute_loss = lambda model, inputs, **kw: (weight.sum() * 0 + 8.0)
     returned = float(trainer.training_step(trainer.model, {"input_ids": torch.ones(1, 2, dtype=torch.long)}, num_items))
-    expected = 2.0 if _compat.trainer_divides_by_accumulation(trainer, num_items) else 8.0
+    expected = 2.0 if trainer_internals.trainer_divides_by_accumulation(trainer, num_items) else 8.0
     assert returned == expected
 
 
-# --- each internal in _compat, pinned: these fail when upstream renames or changes it ----------------------------
+# --- each internal in compat/, pinned: these fail when upstream renames or changes it ----------------------------
 def test_trainer_internals_the_engine_reads(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_train_batch_size=3)
     trainer = Trainer(model=tiny_llama(torch.float32), args=args)
@@ -51,11 +60,11 @@ def test_trainer_internals_the_engine_reads(tmp_path):
     trainer.train_dataset = Five()
     assert trainer.get_train_dataloader().batch_size == 5 or trainer.get_train_dataloader().total_batch_size == 5
     # prepare_inputs moves a batch to the device, as the loop does
-    batch = _compat.prepare_inputs(trainer, {"input_ids": torch.ones(1, 2, dtype=torch.long)})
+    batch = trainer_internals.prepare_inputs(trainer, {"input_ids": torch.ones(1, 2, dtype=torch.long)})
     assert batch["input_ids"].device.type == args.device.type
     # the window length: set outside the loop and restored
-    with _compat.window_length_set(trainer, 7):
-        assert _compat.window_length(trainer) == 7
+    with trainer_internals.window_length_set(trainer, 7):
+        assert trainer_internals.window_length(trainer) == 7
     assert "current_gradient_accumulation_steps" not in trainer.__dict__
 
 
@@ -73,7 +82,7 @@ def test_trl_metrics_are_where_compat_restores_them(tmp_path):
     trainer = SFTTrainer(model=tiny.build_model("causal_lm", tokenizer=tok), args=args, train_dataset=data,
                          processing_class=tok)
     assert isinstance(trainer._metrics, dict) and isinstance(trainer._total_train_tokens, int)
-    with _compat.trl_metrics_untouched(trainer):
+    with trl_internals.trl_metrics_untouched(trainer):
         trainer._metrics["train"]["entropy"].append(1.0)
         trainer._total_train_tokens += 5
     assert not trainer._metrics["train"]["entropy"] and trainer._total_train_tokens == 0
@@ -84,7 +93,7 @@ def test_kineto_memory_events_are_readable():
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.ones(1024, 1024).sum()
-    events = list(_compat.kineto_events(prof))
+    events = list(torch_features.kineto_events(prof))
     assert any(e.name() == "[memory]" and e.nbytes() > 0 for e in events)
 
 
@@ -92,10 +101,10 @@ def test_fsdp2_and_ddp_are_told_apart():
     from torch import nn
 
     model = nn.Linear(2, 2)
-    assert not _compat.is_fsdp2(model) and _compat.unwrap_parallel(model) is model
-    with _compat.no_gradient_sync(model):
+    assert not parallel.is_fsdp2(model) and parallel.unwrap_parallel(model) is model
+    with parallel.no_gradient_sync(model):
         pass
-    assert _compat.world_size() == 1
+    assert process_group.world_size() == 1
 
 def test_training_args_are_saved_before_trainer_state_and_read_without_unpickling_code(tmp_path, monkeypatch):
     # checkpoints.py knows a run's target from training_args.bin even when the plan file written after
@@ -104,7 +113,9 @@ def test_training_args_are_saved_before_trainer_state_and_read_without_unpicklin
 
     from transformers.trainer_callback import TrainerState
 
-    from hf_accum import _compat
+    from hf_accum.compat import (
+        checkpoint_files,
+    )
 
     from .test_checkpoints import trainer_for
 
@@ -112,23 +123,25 @@ def test_training_args_are_saved_before_trainer_state_and_read_without_unpicklin
     original = TrainerState.save_to_json
 
     def save_to_json(self, json_path):
-        seen.append(_compat.saved_training_args(os.path.dirname(json_path)))
+        seen.append(checkpoint_files.saved_training_args(os.path.dirname(json_path)))
         return original(self, json_path)
 
     monkeypatch.setattr(TrainerState, "save_to_json", save_to_json)
     trainer_for(tmp_path / "run", micro=2, accum=2, stop=1).train()
     assert seen and seen[0]["target_batch_size"] == 4 and seen[0]["gradient_accumulation_steps"] == 2
-    assert _compat.saved_training_args(str(tmp_path / "absent")) is None
+    assert checkpoint_files.saved_training_args(str(tmp_path / "absent")) is None
 
 
 def test_attn_implementation_is_read_from_the_config():
-    from hf_accum import _compat
+    from hf_accum.compat import (
+        torch_features,
+    )
     from hf_accum.tiny import build_model
 
     model = build_model()
-    assert _compat.attn_implementation(model) == "sdpa"
+    assert torch_features.attn_implementation(model) == "sdpa"
     model.set_attn_implementation("eager")
-    assert _compat.attn_implementation(model) == "eager"
+    assert torch_features.attn_implementation(model) == "eager"
 
 # --- what hf_accum/fused_loss.py relies on ------------------------------------------------------------------------
 def test_torch_chunked_linear_cross_entropy_contract():
@@ -143,14 +156,14 @@ def test_torch_chunked_linear_cross_entropy_contract():
     y = torch.randint(0, 50, (20,))
     y[::4] = -100
     if Version(torch.__version__.split("+")[0]) >= Version("2.13"):
-        assert _compat.HAS_LINEAR_CROSS_ENTROPY
-    if not _compat.HAS_LINEAR_CROSS_ENTROPY:  # older torch: the fused loss must use its own chunks
+        assert torch_features.HAS_LINEAR_CROSS_ENTROPY
+    if not torch_features.HAS_LINEAR_CROSS_ENTROPY:  # older torch: the fused loss must use its own chunks
         assert fl.implementation_for(h, w) == "chunked"
         return
     assert fl.implementation_for(h, w) == "torch"
     got = [t.clone().requires_grad_() for t in (h, w, b)]
     want = [t.clone().requires_grad_() for t in (h, w, b)]
-    loss = _compat.linear_cross_entropy_sum(*got, y, rows=3)
+    loss = torch_features.linear_cross_entropy_sum(*got, y, rows=3)
     (loss * 0.37).backward()
     ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(*want), y, reduction="sum")
     (ref * 0.37).backward()
@@ -158,7 +171,7 @@ def test_torch_chunked_linear_cross_entropy_contract():
     for g, r in zip(got, want):
         assert torch.allclose(g.grad, r.grad, rtol=1e-10, atol=1e-12)
     with pytest.raises(UserWarning, match="options"):  # torch declining the chunked path is an error, not full logits
-        _compat.linear_cross_entropy_sum(h, w, b, y.int(), rows=3)
+        torch_features.linear_cross_entropy_sum(h, w, b, y.int(), rows=3)
 
 
 def test_transformers_causal_lm_forward_contract():
@@ -193,7 +206,7 @@ def test_trl_fused_lm_head_contract():
     pytest.importorskip("trl")
     from trl.trainer.utils import add_fused_lm_head
 
-    assert _compat.trl_fuses_lm_head()
+    assert trl_internals.trl_fuses_lm_head()
     model = tiny_llama(torch.float64)
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     labels = torch.tensor([[-100, 4, 5, -100, 7]])
@@ -219,7 +232,7 @@ def test_load_time_sharding_is_read_from_the_model_and_transformers_still_cannot
 
     from transformers import PreTrainedModel
 
-    assert _compat.sharded_at_load(tiny_llama(torch.float32)) is False
+    assert parallel.sharded_at_load(tiny_llama(torch.float32)) is False
     if not hasattr(PreTrainedModel, "is_distributed_loading_by_transformers"):
         return  # transformers 5.17: no load-time sharding (tests/test_fsdp2.py is skipped there)
     assert isinstance(inspect.getattr_static(PreTrainedModel, "is_distributed_loading_by_transformers"), property)
@@ -231,10 +244,10 @@ def test_load_time_sharding_is_read_from_the_model_and_transformers_still_cannot
 def test_the_default_process_groups_store_is_reachable(tmp_path):
     import torch.distributed as dist
 
-    assert _compat.default_store() is None  # no process group
+    assert process_group.default_store() is None  # no process group
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
-        store = _compat.default_store()
+        store = process_group.default_store()
         assert not store.check(["hf_accum/test"])
         store.set("hf_accum/test", "why")
         assert store.check(["hf_accum/test"]) and store.get("hf_accum/test") == b"why"
@@ -249,11 +262,11 @@ def test_deepspeed_user_config_keeps_auto_and_never_writes(tmp_path):
     import json
 
     given = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}
-    parsed = _compat.deepspeed_user_config(given)
+    parsed = deepspeed_integration.deepspeed_user_config(given)
     assert parsed == given and parsed is not given
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(given))
-    assert _compat.deepspeed_user_config(str(path)) == given
+    assert deepspeed_integration.deepspeed_user_config(str(path)) == given
 
 
 # --- optimizer state in a checkpoint (checkpoints.py refuses resuming a checkpoint without it) ---------------------
@@ -272,7 +285,7 @@ def test_transformers_still_resumes_a_save_only_model_checkpoint_with_a_fresh_op
     # When this fails, transformers refuses or warns by itself: revisit checkpoints._optimizer_problem.
     _plain_run(tmp_path, max_steps=2).train()
     ckpt = tmp_path / "checkpoint-2"
-    assert _compat.optimizer_state_kinds(str(ckpt)) == frozenset()
+    assert checkpoint_files.optimizer_state_kinds(str(ckpt)) == frozenset()
     resumed = _plain_run(tmp_path, max_steps=3)
     resumed.train(resume_from_checkpoint=str(ckpt))
     weight = next(resumed.model.parameters())
@@ -304,8 +317,8 @@ def test_optimizer_state_kinds_is_what_the_trainer_loads(tmp_path, monkeypatch, 
     monkeypatch.setattr(trainer.lr_scheduler, "load_state_dict", lambda state: loaded.append("scheduler"))
     trainer._load_optimizer_and_scheduler(str(ckpt))
     assert bool(loaded) is loads and (not loads or {"optimizer", "scheduler"} <= set(loaded))
-    assert ("trainer" in _compat.optimizer_state_kinds(str(ckpt))) is loads
-    assert ("deepspeed" in _compat.optimizer_state_kinds(str(ckpt))) is ("global_step2/" in files)
+    assert ("trainer" in checkpoint_files.optimizer_state_kinds(str(ckpt))) is loads
+    assert ("deepspeed" in checkpoint_files.optimizer_state_kinds(str(ckpt))) is ("global_step2/" in files)
 
 
 @pytest.mark.parametrize("deepspeed_folder", [True, False])
@@ -320,7 +333,7 @@ def test_deepspeed_resumes_from_a_global_step_folder_only(tmp_path, deepspeed_fo
     if deepspeed_folder:
         (tmp_path / "global_step2").mkdir()
     engine = Engine()
-    assert ("deepspeed" in _compat.optimizer_state_kinds(str(tmp_path))) is deepspeed_folder
+    assert ("deepspeed" in checkpoint_files.optimizer_state_kinds(str(tmp_path))) is deepspeed_folder
     if deepspeed_folder:
         deepspeed_load_checkpoint(engine, str(tmp_path))
         assert engine.loaded == (str(tmp_path), True, True)  # optimizer and schedule come from the engine's folder
@@ -332,13 +345,13 @@ def test_deepspeed_resumes_from_a_global_step_folder_only(tmp_path, deepspeed_fo
 def test_the_trainer_says_whether_deepspeed_loads_its_checkpoints(tmp_path):
     trainer = Trainer(model=tiny_llama(torch.float32),
                       args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True))
-    assert trainer.is_deepspeed_enabled is False and _compat.deepspeed_enabled(trainer) is False
+    assert trainer.is_deepspeed_enabled is False and deepspeed_integration.deepspeed_enabled(trainer) is False
     trainer.is_deepspeed_enabled = True
-    assert _compat.deepspeed_enabled(trainer) is True
+    assert deepspeed_integration.deepspeed_enabled(trainer) is True
 
 
 def test_deepspeed_bucket_fields_and_their_defaults():
-    """`_compat.deepspeed_buckets` reads these from the live engine's `_config.zero_config` (that attribute is pinned on a
+    """`deepspeed_integration.deepspeed_buckets` reads these from the live engine's `_config.zero_config` (that attribute is pinned on a
     real engine in tests/test_deepspeed.py::test_deepspeed_with_default_arguments); the "nothing fits" advice names
     the config keys."""
     pytest.importorskip("deepspeed")
@@ -361,7 +374,7 @@ def test_prediction_step_computes_its_loss_through_compute_loss_with_num_items(t
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     trainer = Trainer(model=tiny_llama(torch.float32), args=args, compute_loss_func=loss_func)
     batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}
-    with _compat.prediction_loss_counted(trainer, torch.tensor(7)) as seen:
+    with trainer_internals.prediction_loss_counted(trainer, torch.tensor(7)) as seen:
         loss, logits, labels = trainer.prediction_step(trainer.model, batch, prediction_loss_only=False)
         trainer.compute_loss(trainer.model, batch, return_outputs=False)  # TRL's prediction_step passes no count
     assert given == [torch.tensor(7)] * 2 and len(seen) == 2 and float(seen[0]) == float(loss) == 3.0
@@ -381,23 +394,23 @@ def test_gather_for_metrics_keeps_the_first_remainder_rows_of_the_last_batch(tmp
         state = accelerator.gradient_state
         rows = batch["input_ids"][:, 0]
         seen.append((state.end_of_dataloader, state.remainder, accelerator.gather_for_metrics(rows).tolist()))
-        assert _compat.eval_rows_kept(trainer, len(rows)) == (len(rows), None)  # one process: every row counts
+        assert trainer_internals.eval_rows_kept(trainer, len(rows)) == (len(rows), None)  # one process: every row counts
     assert [s[0] for s in seen] == [False, False, True] and seen[-1][1] == 10 % 4
     assert seen[-1][2] == [9, 10]  # the first `remainder` gathered rows: this rank's, not the other's
 
 
 def test_per_layer_checkpointing_flag():
     """transformers checkpoints a `GradientCheckpointingLayer` exactly when its instance flag `gradient_checkpointing`
-    is True (in training), through the `_gradient_checkpointing_func` its enable sets: `_compat.set_checkpointed_layers`
+    is True (in training), through the `_gradient_checkpointing_func` its enable sets: `gradient_checkpointing.set_checkpointed_layers`
     relies on both."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     model = tiny_llama(torch.float32, num_hidden_layers=3)
-    layers = _compat.checkpointable_layers(model)
+    layers = gradient_checkpointing.checkpointable_layers(model)
     assert len(layers) == 3 and all(isinstance(m, GradientCheckpointingLayer) for m in layers)
     assert list(model.model.layers) == layers  # forward order: "the first k" are the first k to run
-    assert GradientCheckpointingLayer.gradient_checkpointing is False and _compat.checkpointed_count(model) == 0
-    _compat.set_checkpointed_layers(model, 2, {"use_reentrant": False})
+    assert GradientCheckpointingLayer.gradient_checkpointing is False and gradient_checkpointing.checkpointed_count(model) == 0
+    gradient_checkpointing.set_checkpointed_layers(model, 2, {"use_reentrant": False})
     assert [m.gradient_checkpointing for m in layers] == [True, True, False]
     calls = []
     for i, layer in enumerate(layers):
@@ -410,8 +423,8 @@ def test_per_layer_checkpointing_flag():
     calls.clear()
     model(input_ids=torch.ones(1, 4, dtype=torch.long))
     assert calls == []  # evaluation never checkpoints
-    _compat.set_checkpointed_layers(model, 0)
-    assert _compat.checkpointed_count(model) == 0
+    gradient_checkpointing.set_checkpointed_layers(model, 0)
+    assert gradient_checkpointing.checkpointed_count(model) == 0
     # the enable method hf_accum calls, by name on the versions it supports
     assert hasattr(model, "activation_checkpointing_enable") or hasattr(model, "gradient_checkpointing_enable")
 
@@ -429,7 +442,7 @@ def test_checkpointing_argument_unset_is_none():
 
 
 def test_the_console_callbacks_can_be_left_out_of_one_log_call(tmp_path, capsys):
-    """`_compat.printers_muted`: `Trainer.log` reaches every callback through `callback_handler.callbacks`; without
+    """`trainer_internals.printers_muted`: `Trainer.log` reaches every callback through `callback_handler.callbacks`; without
     the console ones for that call, the figures are recorded (log_history, other callbacks) and not printed."""
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -444,7 +457,7 @@ def test_the_console_callbacks_can_be_left_out_of_one_log_call(tmp_path, capsys)
     trainer = Trainer(model=tiny_llama(torch.float32), args=args, callbacks=[Listener()])
     assert any(isinstance(c, PrinterCallback | ProgressCallback) for c in trainer.callback_handler.callbacks)
     before = list(trainer.callback_handler.callbacks)
-    with _compat.printers_muted(trainer):
+    with trainer_internals.printers_muted(trainer):
         trainer.log({"hf_accum/figure": 1.0})
     assert trainer.callback_handler.callbacks == before  # restored
     assert seen and seen[-1]["hf_accum/figure"] == 1.0 and trainer.state.log_history[-1]["hf_accum/figure"] == 1.0

@@ -121,7 +121,7 @@ def check_exact(trainer, recorder, initial, mode="tokens", tol=TOL):
 @pytest.mark.parametrize("impl", ["torch", "chunked"])
 @pytest.mark.parametrize("mode", ["tokens", "samples"])
 def test_fused_equals_one_pass_by_hand(impl, mode, tmp_path, monkeypatch, fused_calls):
-    if impl == "torch" and not fl._compat.HAS_LINEAR_CROSS_ENTROPY:
+    if impl == "torch" and not fl.torch_features.HAS_LINEAR_CROSS_ENTROPY:
         pytest.skip("this torch has no F.linear_cross_entropy (the chunked fallback is tested)")
     monkeypatch.setattr(fl, "IMPLEMENTATION", impl)
     monkeypatch.setattr(fl, "chunk_rows", lambda vocab: 7)  # several chunks per micro-batch, a ragged last one
@@ -137,7 +137,7 @@ def test_fused_equals_one_pass_by_hand(impl, mode, tmp_path, monkeypatch, fused_
 
 def test_default_float64_path_is_torch_linear_cross_entropy(tmp_path, fused_calls):
     trainer, _ = train(tiny_llama(), tmp_path)
-    expected = "torch" if fl._compat.HAS_LINEAR_CROSS_ENTROPY else "chunked"
+    expected = "torch" if fl.torch_features.HAS_LINEAR_CROSS_ENTROPY else "chunked"
     assert trainer.fused_loss_active and {c[1] for c in fused_calls} == {expected}
 
 
@@ -466,7 +466,7 @@ def test_probe_cli_switch(capsys):
 
 
 def test_sharded_lm_head_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(fl._compat, "deepspeed_zero3_enabled", lambda: True)
+    monkeypatch.setattr(fl.deepspeed_integration, "deepspeed_zero3_enabled", lambda: True)
     args = AccumTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     trainer = AccumTrainer(model=tiny_llama(torch.float32), args=args)
     assert fl.resolve_fused_loss(trainer) == (False, "FSDP / DeepSpeed ZeRO-3 shard the LM head's weight outside its forward")

@@ -17,7 +17,8 @@ import logging
 import weakref
 from collections.abc import Callable
 
-from .. import _compat, checkpointing
+from .. import checkpointing
+from ..compat import deepspeed_integration, parallel
 from ..protocol import Collective, Policy, StopTraining
 from ..token_budget import TokenBudget
 from . import tuning
@@ -70,7 +71,7 @@ class Planner:
 
     def on_engine(self, plan: Plan) -> Plan:
         """The plan, naming the sharded engine that runs it (DeepSpeed and its ZeRO stage)."""
-        label = _compat.engine_label(self._trainer)
+        label = deepspeed_integration.engine_label(self._trainer)
         return plan if label is None else dataclasses.replace(plan, engine=label)
 
     def given_plan(self) -> Plan:
@@ -91,7 +92,7 @@ class Planner:
         (same samples per window: the effective batch and step count are kept); here the plan is only recorded."""
         trainer, args = self._trainer, self._trainer.args
         plan = self.on_engine(plan)
-        into_deepspeed = not in_training_loop and _compat.deepspeed_stage(trainer) is not None
+        into_deepspeed = not in_training_loop and deepspeed_integration.deepspeed_stage(trainer) is not None
         if into_deepspeed:
             self._check_deepspeed_batch(plan)  # before anything changes
         engine = trainer._engine
@@ -109,7 +110,7 @@ class Planner:
                 engine.cut_units = self.cut(plan)
             if into_deepspeed and args.deepspeed is not None:
                 # the engine, built in train(), gets the plan: "auto" batch fields filled from these arguments
-                _compat.fill_deepspeed_config(trainer)
+                deepspeed_integration.fill_deepspeed_config(trainer)
         if plan.eval_batch_size is not None:  # a stored plan: measured at an earlier run's first evaluation
             args.per_device_eval_batch_size = plan.eval_batch_size
             self.eval_planned = True
@@ -133,7 +134,7 @@ class Planner:
 
         trainer = self._trainer
         user = trainer.args.deepspeed
-        config = _compat.deepspeed_user_config(user) if user is not None else _compat.deepspeed_batch_config(trainer)
+        config = deepspeed_integration.deepspeed_user_config(user) if user is not None else deepspeed_integration.deepspeed_batch_config(trainer)
         problem = batch_contradiction(config, plan.micro_batch_size, plan.gradient_accumulation_steps,
                                       plan.world_size, plan.describe())
         if problem:
@@ -144,7 +145,7 @@ class Planner:
         """The plan train() runs with: probed (or reused from the plan file), given, or the checkpoint's."""
         trainer, args = self._trainer, self._trainer.args
         tunes = getattr(args, "tunes", False)
-        if tunes and self.plan is None and _compat.deepspeed_stage(trainer) is not None:
+        if tunes and self.plan is None and deepspeed_integration.deepspeed_stage(trainer) is not None:
             self._tune_deepspeed()
         elif tunes and self.plan is None:  # a tune() before train() counts
             trainer.tune()
@@ -165,7 +166,7 @@ class Planner:
         trainer = self._trainer
         prepared = tuning.prepare(trainer)
         self.budget_bytes = prepared.budget
-        if prepared.stored is None and _compat.deepspeed_stage(trainer) is not None:
+        if prepared.stored is None and deepspeed_integration.deepspeed_stage(trainer) is not None:
             raise ValueError(
                 "tune() cannot probe a DeepSpeed run before train(): ZeRO partitions the model when train() builds "
                 "the engine, and the probe measures through that engine. Call train() (it probes at the first "
@@ -210,7 +211,7 @@ class Planner:
         self.plan = plan = self.on_engine(plan)
         self.configure(engine)  # each loaded window, cut into the plan's forwards
         # the engine loads whole windows, as the Trainer does; hf_accum sets its boundary per forward
-        _compat.set_deepspeed_batch(trainer, plan.window, 1)
+        deepspeed_integration.set_deepspeed_batch(trainer, plan.window, 1)
 
     # --- after an out-of-memory error -------------------------------------------------------------------------
     def _in_force(self, units: int | None) -> InForce:
@@ -266,7 +267,7 @@ class Planner:
         """Re-running a window needs its gradients cleared; DeepSpeed ZeRO reduces each backward's gradients into its
         own partitions, which `zero_grad` does not clear (and steps inside the final backward). So under DeepSpeed an
         out-of-memory error stops every rank, one process included, with the plan to restart with."""
-        if _compat.engine_steps_in_backward(self._trainer):
+        if deepspeed_integration.engine_steps_in_backward(self._trainer):
             raise StopTraining("out of memory under DeepSpeed, whose engine already holds this window's reduced "
                                "gradients in its own partitions (they cannot be cleared to re-run the window)")
 
@@ -289,7 +290,7 @@ class Planner:
         asked, auto = auto, getattr(trainer.args, "tunes", False) if auto is None else auto
         if not auto or self.eval_planned:
             return False
-        if _compat.deepspeed_enabled(trainer) or (trainer.accelerator.num_processes > 1 and _compat.window_policy(
+        if deepspeed_integration.deepspeed_enabled(trainer) or (trainer.accelerator.num_processes > 1 and parallel.window_policy(
                 trainer, collectives_in_compute_loss) is not Policy.RERUN):
             # Each rank searches on its own: not where forwards run collectives (FSDP, ZeRO, TRL's metrics).
             self.eval_planned = True

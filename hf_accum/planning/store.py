@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat
+from ..compat import checkpoint_files, deepspeed_integration, gradient_checkpointing, torch_features
 from .plan import Plan, plan_for_micro
 
 logger = logging.getLogger(__name__)
@@ -52,14 +52,14 @@ def key_fields(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> di
         "capacity_bytes": int(capacity_bytes),
         "model_class": type(model).__name__,
         "model_config": config.to_diff_dict() if config is not None else None,
-        "attn_implementation": _compat.attn_implementation(model),
+        "attn_implementation": torch_features.attn_implementation(model),
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "peft": {k: v.to_dict() for k, v in peft_config.items()} if peft_config else None,
         "seq_len": int(seq_len),
         "bf16": bool(args.bf16),
         "fp16": bool(args.fp16),
-        "gradient_checkpointing": _compat.checkpointing_enabled(args),
+        "gradient_checkpointing": gradient_checkpointing.checkpointing_enabled(args),
         "checkpoint_layers": getattr(args, "checkpoint_layers", None),  # the request ("auto", k); the plan holds k
         "fused_loss": bool(getattr(trainer, "fused_loss_active", False)),
         "optim": str(args.optim),
@@ -69,7 +69,7 @@ def key_fields(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> di
         "probe_max_micro_batch": args.probe_max_micro_batch,
         "target_batch_size": args.target_batch_size,
         "world_size": args.world_size,
-        "engine": _compat.engine_label(trainer),
+        "engine": deepspeed_integration.engine_label(trainer),
         "optimize": args.auto_tune_optimize,
         "micro_batching": args.micro_batching,
         "versions": {name: _version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes")},
@@ -178,7 +178,7 @@ def restore_plan(checkpoint: str, world_size: int = 1) -> Plan:
 
     The micro-batch is the one the run started with, at most the per-rank target (any cut of a window gives the
     same optimizer steps; only the target matters for exactness). Returns the plan."""
-    saved = _compat.saved_training_args(checkpoint) or {}
+    saved = checkpoint_files.saved_training_args(checkpoint) or {}
     target = saved.get("target_batch_size")
     if not isinstance(target, int) or isinstance(target, bool) or target < 1:
         raise ValueError(f"{checkpoint}: its training_args.bin holds no target_batch_size; nothing to restore from.")

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from .. import _compat, checkpointing
+from .. import checkpointing
+from ..compat import trainer_internals
 from ..loss import loss_shifts_labels
 from ..meters import CpuMeter, CudaMeter, Meter
 from ..probe import ProbeResult, probe_model, random_token_batch, resolve_budget
@@ -360,13 +361,13 @@ class PlanLog(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self._trainer()
         if trainer is not None:
-            with _compat.printers_muted(trainer):  # recorded, not printed a second time (the plan line was)
+            with trainer_internals.printers_muted(trainer):  # recorded, not printed a second time (the plan line was)
                 trainer.log(dict(self.figures))
 
 
 def _log_in_trainer(trainer, figures: dict[str, float], in_loop: bool = False) -> None:
     if in_loop:  # training has begun: its state and `report_to` integrations record them now
-        with _compat.printers_muted(trainer):
+        with trainer_internals.printers_muted(trainer):
             trainer.log(dict(figures))
         return
     trainer.pop_callback(PlanLog)  # a second tune() replaces the figures of the first
@@ -410,7 +411,7 @@ def probe_batches(trainer, shortest: int | None = None,
     rows = _padded_rows(example, collate)
 
     def make_batch(micro: int) -> dict[str, Any]:
-        return _compat.prepare_inputs(trainer, collate(rows(micro)))
+        return trainer_internals.prepare_inputs(trainer, collate(rows(micro)))
 
     first = make_batch(1)
     seq_len = next((v.shape[1] for v in first.values() if torch.is_tensor(v) and v.dim() >= 2), 1)

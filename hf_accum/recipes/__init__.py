@@ -60,7 +60,7 @@ from .config import (
 )
 
 _LAZY = {
-    "checkpointing_enabled": "hf_accum._compat",
+    "checkpointing_enabled": "hf_accum.compat.gradient_checkpointing",
     **dict.fromkeys(["RecipeData", "build_data", "preference_stats", "sft_stats"], "hf_accum.recipes.data"),
     **dict.fromkeys(["add_lora", "build_model", "build_tokenizer", "configure_checkpointing_for_lora"],
                     "hf_accum.recipes.model"),

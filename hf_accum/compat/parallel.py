@@ -1,0 +1,92 @@
+"""How the model is parallelized, read from torch and accelerate: DDP's and FSDP2's gradient-sync switches,
+parameters sharded at load time, and which window-protocol policy an engine allows. Pinned by tests/test_compat.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+def window_policy(trainer, collectives_in_compute_loss: bool):
+    """``stop`` where some forward or backward runs collectives, so one rank may not skip it: FSDP / DeepSpeed
+    (accelerate's distributed type), parameters already sharded as DTensors (FSDP2 applied at load), or a
+    trainer whose `compute_loss` gathers metrics; ``rerun`` otherwise (one process, DDP)."""
+    from accelerate.utils import DistributedType
+
+    from ..protocol import Policy
+
+    sharded_engine = trainer.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    dtensor = any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())
+    return Policy.STOP if sharded_engine or dtensor or collectives_in_compute_loss else Policy.RERUN
+
+
+def is_fsdp2(model) -> bool:
+    """`torch.distributed.fsdp.fully_shard` applied: the model is an `FSDPModule` (its forwards all-gather)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def unwrap_parallel(model):
+    """The module a DDP wrapper holds (FSDP2 shards in place: the model is itself)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model):
+    """Backward without gradient synchronization, for every micro-batch but a window's last: DDP's `no_sync`, or
+    FSDP2's `set_requires_gradient_sync(False)` (restored after)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif is_fsdp2(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def local_shard(t):
+    """The part of a tensor this rank holds: a DTensor's (FSDP2) local shard, any other tensor itself."""
+    return t.to_local() if type(t).__name__ == "DTensor" else t
+
+
+def sharded_at_load(model) -> bool:
+    """Sharded by `from_pretrained(..., distributed_config=DistributedConfig(...))` (transformers > 5.17 sets this
+    property on the model; older versions cannot shard at load). transformers checkpoints such a model's weights
+    but not its optimizer state (`Trainer.__init__` refuses full checkpoints for it: "Resuming is not supported
+    for models sharded at load time"), so no checkpoint of such a run can be resumed exactly."""
+    return bool(getattr(model, "is_distributed_loading_by_transformers", False))
+
+
+def refuse_silent_engine_fallback(trainer) -> None:
+    """accelerate turns an FSDP request into FSDP only for GPU-like devices: on CPU (`use_cpu=True`) two ranks
+    silently run DDP, and with `use_cpu=False` on a machine without GPUs each rank sees world 1 and trains on the
+    same data. Both are refused here, before any work."""
+    import os
+
+    from accelerate.utils import DistributedType
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and trainer.accelerator.num_processes == 1:
+        raise ValueError(
+            f"{launched} processes were launched (WORLD_SIZE={launched}) but training sees world size 1: every rank "
+            "would train on the same data. On a machine without GPUs pass use_cpu=True (and ddp_backend='gloo'); "
+            "otherwise check that each process can see its device."
+        )
+    if trainer.args.fsdp and trainer.accelerator.distributed_type is not DistributedType.FSDP:
+        raise ValueError(
+            f"fsdp={trainer.args.fsdp!r} was asked for, but accelerate runs "
+            f"{trainer.accelerator.distributed_type.value} (it turns an FSDP request into FSDP only on GPU-like "
+            "devices). Unset fsdp to train with DDP on purpose, or shard at load time: "
+            "from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=WORLD_SIZE))."
+        )
