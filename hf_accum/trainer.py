@@ -55,7 +55,7 @@ class AccumulationMixin:
     Subclasses declare what one unit of their batches is (`batch_unit`: None detects rows or padding-free
     sequences from the batch; "pairs" for [chosen; rejected] preference batches) and whether their
     `compute_loss` runs collectives (TRL gathers metrics there), which rules out skipping forwards on one rank.
-    Mixed into a TRL trainer, both come from the TRL class (`hf_accum.trl.TRL_TRAINERS`: DPOTrainer's batches are
+    Mixed into a TRL trainer, both come from the TRL class (`hf_accum.trl_support.TRL_TRAINERS`: DPOTrainer's batches are
     pairs, ...), and a TRL trainer whose batches hf_accum cannot cut exactly (GRPO's generation groups, ...) is
     refused at construction.
     """
@@ -490,11 +490,11 @@ class AccumulationMixin:
 
 
 def _trl_base(cls: type, args) -> tuple[str, object] | None:
-    """The TRL trainer ``cls`` mixes into and what hf_accum does over it (`hf_accum.trl.mixed_into`); raises, naming
+    """The TRL trainer ``cls`` mixes into and what hf_accum does over it (`hf_accum.trl_support.mixed_into`); raises, naming
     what to use, where hf_accum cannot cut its batches exactly."""
     if not any(c.__module__.split(".")[0] == "trl" and issubclass(c, Trainer) for c in cls.__mro__):
         return None
-    from .trl import mixed_into
+    from .trl_support import mixed_into
 
     base, mixed = mixed_into(cls)
     if mixed.refusal and getattr(args, "loss_normalization", None) != "model":

@@ -24,9 +24,7 @@ says (it is turned off, logged, because hf_accum counts across ranks itself).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from transformers import Trainer
 
@@ -38,6 +36,7 @@ except ImportError as exc:  # pragma: no cover - trl is in the dev extra, option
 from .args import AccumTrainingArguments
 from .compat import trl_internals
 from .trainer import AccumulationMixin
+from .trl_support import PER_PAIR_DPO_LOSSES, TRL_TRAINERS, MixedInto, dpo_refusal, mixed_into  # noqa: F401 (public here)
 
 # TRL's configs default gradient_checkpointing to True; an unset flag (None) lets the tuner choose per layer instead
 # (args.AccumTrainingArguments.checkpoint_layers). An explicit True/False is obeyed.
@@ -101,14 +100,6 @@ class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
 
-# DPO losses whose batch loss is the mean over pairs of a term of that pair alone: cutting a window into forwards
-# of whole pairs and re-weighting them by pair count gives the window's mean exactly. The others are refused:
-# "aot"/"aot_unpaired" sort the ratios across the batch, "sft" is a token mean, "bco_pair" (as issue-tracked)
-# is not admitted until tested.
-PER_PAIR_DPO_LOSSES = frozenset({"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "sppo_hard",
-                                 "apo_zero", "apo_down", "discopop", "sigmoid_norm"})
-
-
 @dataclass
 class AccumDPOConfig(DPOConfig, AccumTrainingArguments):
     """`trl.DPOConfig` with hf_accum's fields. ``loss_normalization`` defaults to "samples": DPO's loss is a mean
@@ -124,103 +115,11 @@ class AccumDPOConfig(DPOConfig, AccumTrainingArguments):
             raise ValueError(problem)
 
 
-def dpo_refusal(args, normalization: str) -> str | None:
-    """Why a DPO config cannot be accumulated exactly under ``normalization`` (None: it can). Run by
-    `AccumDPOConfig` when it is built and, for a plain `DPOConfig`, when a class mixing `AccumulationMixin` into
-    `DPOTrainer` is constructed."""
-    if normalization == "tokens":
-        return ("loss_normalization='tokens' does not fit DPO: its loss is a mean over preference pairs, not over "
-                "tokens. Set loss_normalization='samples' (one pair = one sample), or 'model' for TRL's own.")
-    if normalization != "samples":
-        return None
-    refused = sorted(set(args.loss_type) - PER_PAIR_DPO_LOSSES)
-    if refused:
-        return (f"loss_type={refused} is not a mean of per-pair terms, so hf_accum cannot make its accumulation "
-                f"exact. Use one of {sorted(PER_PAIR_DPO_LOSSES)} (e.g. loss_type=['sigmoid']), or set "
-                "loss_normalization='model' to train with TRL's own accumulation.")
-    if args.padding_free:
-        return ("padding_free=True flattens preference pairs into one row, which hf_accum cannot cut into whole "
-                "pairs yet. Set padding_free=False, or loss_normalization='model'.")
-    return None
-
-
 class AccumDPOTrainer(_TRLAccumulation, DPOTrainer):
     """`trl.DPOTrainer` + hf_accum: exact accumulation over the window's preference pairs (DPOTrainer alone
     weights a shorter last window's pairs differently), OOM recovery that cuts whole pairs, the tuner. The batch
     unit (pairs) and the checks come from `TRL_TRAINERS`, as for any class mixing `AccumulationMixin` into
     `DPOTrainer`."""
-
-
-def _dpo_trainer_refusal(trainer) -> str | None:
-    normalization = trainer._normalization
-    problem = dpo_refusal(trainer.args, normalization)
-    if problem is None and normalization != "model" and trainer.aux_loss_enabled:
-        problem = ("This model adds a router auxiliary loss (a token mean) to DPO's per-pair loss, which hf_accum "
-                   "cannot normalize exactly. Set router_aux_loss_coef=0.0, or loss_normalization='model'.")
-    return problem
-
-
-def _reward_trainer_refusal(trainer) -> str | None:
-    if trainer._normalization == "tokens":
-        return ("loss_normalization='tokens' does not fit RewardTrainer: its loss is a mean over preference pairs. "
-                "Set loss_normalization='samples' (one pair = one sample), or 'model' for TRL's own.")
-    return None
-
-
-@dataclass(frozen=True)
-class MixedInto:
-    """What `AccumulationMixin` does over one TRL trainer: ``unit`` of its batches (None: rows, or padding-free
-    sequences, detected from each batch), the loss normalization where the config has no ``loss_normalization``
-    field (a plain TRL config), the check of the constructed trainer (a message when it cannot be exact), or
-    ``refusal``: why hf_accum cannot cut its batches exactly, and what to use instead."""
-
-    unit: str | None = None
-    normalization: str = "tokens"
-    check: Callable[[Any], str | None] | None = None
-    refusal: str | None = None
-
-
-_GENERATION_GROUPS = (
-    "its rows are groups of num_generations completions of one prompt, generated inside the training loop, and its "
-    "advantages and loss normalization span the whole generation batch, so a window cannot be cut into smaller "
-    "forwards exactly ({name} accumulates over its generation batch itself: steps_per_generation). Use {name} "
-    "without AccumulationMixin"
-)
-
-# The TRL trainers (as `trl` exports them; tests/test_trl_mixins.py pins that these are exactly the Trainer
-# classes in trl's namespace) and what the mixin does over each. A TRL class missing here is refused.
-TRL_TRAINERS: dict[str, MixedInto] = {
-    "SFTTrainer": MixedInto(),  # a token mean (or a sample mean with loss_normalization="samples")
-    "DPOTrainer": MixedInto("pairs", "samples", check=_dpo_trainer_refusal),  # [chosen; rejected], per-pair terms
-    "RewardTrainer": MixedInto("pairs", "samples", check=_reward_trainer_refusal),  # per-pair logsigmoid (+ centering)
-    "KTOTrainer": MixedInto(refusal=(
-        "its loss compares each sample with a KL estimate averaged over the whole batch (mismatched prompt/completion "
-        "rows, gathered over ranks), so cutting a batch into smaller forwards changes every sample's term. Use "
-        "KTOTrainer without AccumulationMixin")),
-    "GRPOTrainer": MixedInto(refusal=_GENERATION_GROUPS.format(name="GRPOTrainer")),
-    "RLOOTrainer": MixedInto(refusal=_GENERATION_GROUPS.format(name="RLOOTrainer")),
-    "DistillationTrainer": MixedInto(refusal=(
-        "it generates its completions inside the training loop for a whole accumulation window at once (as GRPO "
-        "does), which hf_accum's window cannot re-cut. Use DistillationTrainer without AccumulationMixin")),
-}
-
-
-def mixed_into(cls: type) -> tuple[str, MixedInto] | None:
-    """The TRL trainer ``cls`` derives from (its most derived TRL class) and what the mixin does over it; None when
-    ``cls`` derives from no TRL class. A TRL class not in `TRL_TRAINERS` (an experimental or newer trainer) is
-    refused: hf_accum does not know the unit of its batches."""
-    import trl
-
-    base = next((c for c in cls.__mro__ if c.__module__.split(".")[0] == "trl" and issubclass(c, Trainer)), None)
-    if base is None:
-        return None
-    name = base.__name__
-    known = TRL_TRAINERS.get(name) if getattr(trl, name, None) is base else None
-    if known is None:
-        return f"{base.__module__}.{name}", MixedInto(refusal=(
-            "hf_accum does not know the unit of its batches (rows, pairs, groups), so it cannot cut them exactly. "
-            f"Use {name} without AccumulationMixin, or a trainer hf_accum supports ({', '.join(TRL_TRAINERS)})"))
-    return f"trl.{name}", known
 
 
 # With TRL's fused head, SFTTrainer.compute_loss reads no logits: resolve_fused_loss must not count it (or ours) as a
