@@ -1,18 +1,21 @@
 """`AccumTrainer`: transformers' `Trainer` with exact loss normalization over the accumulation window, a
 memory-planned micro-batch, and recovery from out-of-memory errors mid-training.
 
-`AccumulationMixin` is a thin adapter: the window engine (`window.py`, which knows no Trainer) cuts and runs
-each window and owns the rank-agreement protocol (`protocol.py`); the overrides below only hand it the Trainer's
+`AccumulationMixin` is a thin adapter. It holds a `Planner` (planning/planner.py: the one writer of the plan and
+of every batch setting it implies) and a window engine (`window.py`, which knows no Trainer: it cuts and runs each
+window and owns the rank-agreement protocol, `protocol.py`). The overrides below only hand them the Trainer's
 pieces, each calling `super()`:
 - `get_batch_samples` begins the window (its count on every rank); under DeepSpeed with auto_tune, the first
-  one first runs the probe through the engine `train()` built (`_probe_through_engine`, `engine_probe.py`);
+  one first runs the planner's probe through the engine `train()` built (`_probe_through_engine`);
 - `training_step` runs one loaded batch through the engine, which calls back `_chunk_step` per chunk;
 - `_chunk_step` is the Trainer's own `training_step` on one chunk, its loss scaled by the chunk's exact share
-  (the one place the user's `compute_loss` is wrapped: `_loss_scaled`);
-- `train` plans (probe or stored plan), optionally checks accumulation, then calls `super().train()`;
+  (the one place the user's `compute_loss` is wrapped: `scaled_loss.loss_scaled`);
+- `train` checks, has the planner plan (probe, stored or given plan), optionally checks accumulation, then calls
+  `super().train()`; what a stopped run says is in `stopping.py`, what is refused at construction in
+  `construction.py`;
 - `evaluation_loop` / `prediction_step` hand each evaluation batch to `evaluation.EvalLoss` (an exact eval_loss in
-  training's unit, and OOM re-runs of the failed batch alone); `evaluate` first plans the eval batch once
-  (`auto_eval_batch_size`, eval_batch.py).
+  training's unit, and OOM re-runs of the failed batch alone); `evaluate` first has the planner measure the eval
+  batch once (`auto_eval_batch_size`, planning/eval_batch.py).
 """
 
 from __future__ import annotations
@@ -21,16 +24,14 @@ import contextlib
 import copy
 import inspect
 import logging
-import math
 import os
 import weakref
 
-import torch
 from transformers import Trainer, TrainerCallback
 
-from . import checkpointing
+from . import checkpointing, construction, scaled_loss, stopping
 from .accumulation_check import AccumulationCheck, run_accumulation_check
-from .args import AccumTrainingArguments, explicit_batch_settings, resolve_nonfinite_limit
+from .args import AccumTrainingArguments, explicit_batch_settings
 from .checkpoints import check_resume
 from .compat import deepspeed_integration, parallel, trainer_internals, trl_internals
 from .evaluation import EvalLoss
@@ -39,7 +40,7 @@ from .loss import LabelSpec, label_spec
 from .planning.plan import Plan
 from .planning.planner import Planner
 from .planning.store import PLAN_FILE
-from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted, StopRequest
+from .preemption import StopRequest
 from .preflight import check_output_dir_writable, check_training_data
 from .protocol import Local, Policy, StopTraining, TorchDistributed, WindowProtocol
 from .units import detect_unit, make_cutter
@@ -68,7 +69,7 @@ class AccumulationMixin:
         bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
         if bound.arguments.get("args") is not None:
             bound.arguments["args"] = copy.copy(bound.arguments["args"])
-        self._trl = _trl_base(type(self), bound.arguments.get("args"))  # before TRL tokenizes the data
+        self._trl = construction.trl_base(type(self), bound.arguments.get("args"))  # before TRL tokenizes the data
         if self._trl is not None:
             self.batch_unit = self.batch_unit or self._trl[1].unit
             self.collectives_in_compute_loss = True  # every TRL trainer gathers metrics in compute_loss
@@ -89,45 +90,13 @@ class AccumulationMixin:
         self._eval_cap: int | None = None  # the most units per evaluation forward known to fit, after an OOM
         self._eval_said: set[str] = set()
         self._stop_request = StopRequest()
-        self._refuse_unsupported_setups()
+        construction.refuse_unsupported_setups(self)
         self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
-        if parallel.sharded_at_load(self.model) and not self.args.save_only_model:
-            # transformers cannot checkpoint this model's optimizer state (see `parallel.sharded_at_load`); the
-            # checkpoints hf_accum itself writes when it stops (a signal, non-finite losses) then hold the weights
-            # and the plan, not an optimizer file that could never be loaded. The stop messages say so.
-            self.args.save_only_model = True
+        construction.adjust_args_copy(self)
         if isinstance(self.args, AccumTrainingArguments) and self._normalization != "model":
             self.add_callback(_StepControl(self))
         if getattr(self.args, "target_batch_size", None):  # only runs with a target have a plan to keep
             self.add_callback(_PlanInCheckpoints(self))
-        if self._normalization != "model" and self.args.average_tokens_across_devices and self.args.world_size > 1:
-            # We count across ranks ourselves; transformers' flag would gather and rescale the loss a second time.
-            logger.info(
-                "hf_accum: loss_normalization=%r normalizes over all ranks exactly; average_tokens_across_devices "
-                "is off for this trainer (the arguments you passed are unchanged).", self._normalization,
-            )
-            self.args.average_tokens_across_devices = False
-
-    def _refuse_unsupported_setups(self) -> None:
-        """Every setup hf_accum cannot run exactly fails here, at construction, naming what to set."""
-        parallel.refuse_silent_engine_fallback(self)
-        checkpointing.check_request(self.model, self.args)
-        if self._trl is not None and self._normalization != "model":
-            base, mixed = self._trl
-            problem = mixed.check(self) if mixed.check else None
-            if problem:
-                raise ValueError(f"{type(self).__name__} (hf_accum over {base}): {problem}")
-        if hasattr(self.args, "max_nonfinite_steps"):
-            limit, line = resolve_nonfinite_limit(self.args.max_nonfinite_steps, deepspeed_integration.engine_steps_in_backward(self))
-            self.args.max_nonfinite_steps = limit  # our copy: "auto" resolved for this engine
-            if line and self._normalization != "model":
-                (logger.warning if limit is None else logger.info)(line)  # DeepSpeed's: nothing is skipped for you
-        if self._normalization != "model" and self.args.n_gpu > 1:
-            raise ValueError(
-                f"loss_normalization={self._normalization!r} does not support torch.nn.DataParallel "
-                f"(n_gpu={self.args.n_gpu}). Launch one process per GPU with `torchrun` or `accelerate launch` "
-                "(DDP/FSDP), or set loss_normalization='model'."
-            )
 
     @property
     def plan(self) -> Plan | None:
@@ -229,71 +198,17 @@ class AccumulationMixin:
         if trainer_internals.trainer_divides_by_accumulation(self, local_for_loss):
             scale = share * trainer_internals.window_length(self)  # pre-compensate training_step's division
         sync = contextlib.nullcontext() if final else self._no_gradient_sync(model)
-        with sync, deepspeed_integration.engine_boundary(self, final), self._loss_scaled(scale, final) as raw:
+        with sync, deepspeed_integration.engine_boundary(self, final), scaled_loss.loss_scaled(self, engine, scale, final) as raw:
             returned = super().training_step(model, inputs, local_for_loss)
         self._forwarded_tokens += trainer_internals.main_input_tokens(self, inputs)
         if not self._post_checked:
-            self._check_post_processing(returned, raw, share)
+            self._post_checked = True
+            scaled_loss.check_post_processing(returned, raw, share)
         return returned
 
     def _no_gradient_sync(self, model):
         # FSDP2 applied at load time is no accelerate wrapper: its switch is on the model itself.
         return parallel.no_gradient_sync(model) if parallel.is_fsdp2(model) else self.accelerator.no_sync(model)
-
-    @contextlib.contextmanager
-    def _loss_scaled(self, scale, final: bool):
-        """The one place the class's `compute_loss` (a user's override included) is wrapped, for one step: its
-        loss is multiplied by ``scale``; the window's final forward runs through the engine so that every rank
-        agrees before the gradient-synchronizing backward."""
-        original = self.compute_loss
-        raw: list[torch.Tensor] = []
-
-        def compute_loss(model, inputs, *args, **kwargs):
-            if final:
-                out, keep = self._engine.final_forward(lambda b, *a, **k: original(model, b, *a, **k), inputs,
-                                                       *args, **kwargs)
-            else:
-                out, keep = original(model, inputs, *args, **kwargs), 1.0
-            loss, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
-            raw.append(loss.detach())
-            loss = loss * scale.to(loss.device, loss.dtype) * keep
-            return (loss, *rest) if rest is not None else loss
-
-        self.compute_loss = compute_loss
-        try:
-            yield raw
-        finally:
-            del self.compute_loss
-
-    def _check_post_processing(self, returned, raw, share) -> None:
-        # What training_step backpropagated must be the chunk's exact share of the window loss; otherwise
-        # transformers changed its rule and `compat.trainer_internals` needs updating. Checked once: it costs a device sync.
-        self._post_checked = True
-        if not raw:
-            return
-        expected = float(raw[0] * share.to(raw[0].device, raw[0].dtype))
-        got = float(returned)
-        if not math.isclose(got, expected, rel_tol=1e-5, abs_tol=1e-12) and math.isfinite(expected):
-            raise RuntimeError(
-                f"hf_accum: transformers' training_step rescaled the loss ({got} != {expected}); this transformers "
-                "version post-processes the loss differently from what hf_accum.compat.trainer_internals expects. Please report it; "
-                "set loss_normalization='model' meanwhile."
-            )
-
-    def _stop_message(self, reason: str) -> str:
-        if self._planner.probing:
-            return f"hf_accum: {reason}. Every rank stops before the first optimizer step; no weights were changed."
-        if parallel.sharded_at_load(self.model):
-            how = "Restart (a new run: a model sharded at load time cannot be resumed) with"
-        elif self.args.save_only_model:
-            how = "Restart (a new run from the last checkpoint's weights: save_only_model=True saves no optimizer state) with"
-        else:
-            how = "Restart (resume from the last checkpoint) with"
-        setting = self._planner.restart_setting()
-        return (
-            f"hf_accum: {reason}; this cannot be recovered without risking diverging or hanging ranks, so every "
-            f"rank stops. Checkpoints in {self.args.output_dir} are intact. {how} {setting}."
-        )
 
     # --- planning ---------------------------------------------------------------------------------------------
     def apply_plan(self, plan: Plan, *, in_training_loop: bool = False) -> None:
@@ -304,7 +219,7 @@ class AccumulationMixin:
     @with_fused_loss
     def tune(self) -> Plan:
         """Measure (or reuse the stored plan), plan micro x accumulation x world = target, apply it."""
-        with self._refusal_leaves_output_dir():
+        with stopping.refusal_leaves_output_dir(self):
             if not self._checked_before_probe:  # train() checked already
                 self._check_before_probe()
             return self._planner.tune()
@@ -317,20 +232,6 @@ class AccumulationMixin:
         check_training_data(self)
         if getattr(self.args, "tunes", False) and self.args.should_save:
             check_output_dir_writable(self.args.output_dir)
-
-    @contextlib.contextmanager
-    def _refusal_leaves_output_dir(self):
-        """A run refused before training leaves output_dir as it found it: the empty folder transformers' __init__
-        made is removed again (nothing else was written: the plan file comes after every check and the probe)."""
-        try:
-            yield
-        except BaseException:
-            made = self._made_output_dir
-            if made is not None and self.args.should_save:  # one process per folder removes it
-                with contextlib.suppress(OSError):  # gone already, or written to since: left as it is
-                    os.rmdir(made)
-            raise
-        self._made_output_dir = None  # the run started: the folder is its own, and a later refusal keeps it
 
     @trl_internals.trl_metrics_kept
     def _probe_through_engine(self, batch) -> None:
@@ -347,7 +248,7 @@ class AccumulationMixin:
     @with_fused_loss
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         try:
-            with self._refusal_leaves_output_dir():
+            with stopping.refusal_leaves_output_dir(self):
                 resume_from_checkpoint = self._check_and_plan(resume_from_checkpoint)
             if getattr(self.args, "check_accumulation", False):
                 self.check_accumulation()
@@ -356,8 +257,8 @@ class AccumulationMixin:
                 with self._stop_request.installed(handle):
                     output = super().train(resume_from_checkpoint, *args, **kwargs)
             except StopTraining as exc:
-                raise StopTraining(self._stop_message(str(exc))) from None
-            self._raise_if_stopped()
+                raise StopTraining(stopping.stop_message(self, str(exc))) from None
+            stopping.raise_if_stopped(self)
             return output
         finally:
             self._planner.probing = False
@@ -371,67 +272,18 @@ class AccumulationMixin:
     def _check_and_plan(self, resume_from_checkpoint):
         """Every check first (`_check_before_probe`, the checkpoint to resume), then the plan: probed, stored or
         given. Returns the checkpoint to resume (True resolved)."""
-        self._refuse_unresumable(resume_from_checkpoint)
+        stopping.refuse_unresumable(self.model, resume_from_checkpoint)
         self._check_before_probe()
-        resume_from_checkpoint, stored = self._check_output_dir(resume_from_checkpoint)
+        # a run's checkpoints belong to its target batch (`checkpoints.check_resume`): True resolved, its plan
+        resume_from_checkpoint, stored = check_resume(self.args, resume_from_checkpoint,
+                                                      deepspeed=deepspeed_integration.deepspeed_enabled(self))
         self._checked_before_probe = True
         checkpointing.apply_requested(self.model, self.args)  # an explicit k (True: Trainer.train sets it)
         self._planner.start(stored, resume_from_checkpoint)
         return resume_from_checkpoint
 
-    def _refuse_unresumable(self, resume_from_checkpoint) -> None:
-        if resume_from_checkpoint and parallel.sharded_at_load(self.model):
-            raise ValueError(
-                f"resume_from_checkpoint={resume_from_checkpoint!r} cannot resume exactly: the model was sharded at "
-                "load time (distributed_config=...), and transformers checkpoints no optimizer state for such a "
-                "model. Train without resume_from_checkpoint: to go on from a checkpoint's weights, load them with "
-                "from_pretrained(CHECKPOINT, distributed_config=...) as a new run (optimizer and schedule start "
-                "over); for an exact resume under FSDP2, use hf_accum.loop with torch.distributed.checkpoint "
-                "(README, \"Scaling out\")."
-            )
-
     def _resume_advice(self, where: str) -> str:
-        """How to go on from the checkpoint ``where`` after a stop."""
-        if parallel.sharded_at_load(self.model):
-            return (f"This run cannot be resumed (its model was sharded at load time; transformers saves no optimizer "
-                    f"state for it): start a new run from the weights in {where} "
-                    "(from_pretrained(CHECKPOINT, distributed_config=...)); the optimizer and schedule start over.")
-        if self.args.save_only_model:
-            return (f"This run cannot be resumed (save_only_model=True: its checkpoints hold no optimizer or scheduler "
-                    f"state): start a new run from the weights in {where} (from_pretrained(CHECKPOINT)); the "
-                    "optimizer and schedule start over.")
-        return (f"Resume with trainer.train(resume_from_checkpoint={where!r}) (or resume_from_checkpoint=True for "
-                f"the newest checkpoint in {self.args.output_dir}).")
-
-    def _raise_if_stopped(self) -> None:
-        """After the Trainer's loop ended early on our request: say where the checkpoint is and how to resume."""
-        where = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
-        limit = getattr(self.args, "max_nonfinite_steps", None)
-        if limit is not None and self._nonfinite_streak > limit:
-            raise RuntimeError(
-                f"hf_accum: {self._nonfinite_streak} optimizer steps in a row had a non-finite loss (NaN/inf), "
-                f"more than max_nonfinite_steps={limit}; training stopped at step {self.state.global_step} with "
-                f"finite weights saved to {where}. Lower the learning rate, check the data around these steps, or "
-                "enable bf16 instead of fp16; then go on from that checkpoint. " + self._resume_advice(where)
-            )
-        request = self._stop_request
-        if self._engine is not None and self._engine.outcome.stop:
-            took = request.seconds_since()
-            late = (f" That took {took:.1f} s, longer than torchrun's {TORCHRUN_GRACE_S} s grace period: under a "
-                    "launcher the processes may be killed before the checkpoint is complete; save more often."
-                    if took > TORCHRUN_GRACE_S else f" ({took:.1f} s after the signal.)")
-            message = (
-                f"hf_accum: stopped by {request.signal_name or 'another rank'} after optimizer step "
-                f"{self.state.global_step}; checkpoint saved to {where}.{late} {self._resume_advice(where)} "
-                f"Exit code {EXIT_PREEMPTED}."
-            )
-            logger.warning(message)  # a SystemExit prints nothing by itself
-            raise Preempted(message)
-
-    def _check_output_dir(self, resume_from_checkpoint):
-        """A run's checkpoints belong to its target batch (see `checkpoints.check_resume`). Returns the checkpoint
-        to resume (True resolved to the newest complete one) and the plan stored with it."""
-        return check_resume(self.args, resume_from_checkpoint, deepspeed=deepspeed_integration.deepspeed_enabled(self))
+        return stopping.resume_advice(self, where)
 
     # --- self-check -------------------------------------------------------------------------------------------
     @trl_internals.trl_metrics_kept
@@ -487,22 +339,6 @@ class AccumulationMixin:
                      or parallel.window_policy(self, self.collectives_in_compute_loss) is Policy.RERUN)
         return EvalLoss(self, self._normalization, self.batch_unit, labels, can_split=can_split, cap=self._eval_cap,
                         said=self._eval_said)
-
-
-def _trl_base(cls: type, args) -> tuple[str, object] | None:
-    """The TRL trainer ``cls`` mixes into and what hf_accum does over it (`hf_accum.trl_support.mixed_into`); raises, naming
-    what to use, where hf_accum cannot cut its batches exactly."""
-    if not any(c.__module__.split(".")[0] == "trl" and issubclass(c, Trainer) for c in cls.__mro__):
-        return None
-    from .trl_support import mixed_into
-
-    base, mixed = mixed_into(cls)
-    if mixed.refusal and getattr(args, "loss_normalization", None) != "model":
-        raise ValueError(f"{cls.__name__} mixes AccumulationMixin into {base}: {mixed.refusal}.")
-    if cls.batch_unit is not None and mixed.unit is not None and cls.batch_unit != mixed.unit:
-        raise ValueError(f"{cls.__name__} declares batch_unit={cls.batch_unit!r}, but {base} collates "
-                         f"{mixed.unit}: set batch_unit={mixed.unit!r} (or leave it unset).")
-    return base, mixed
 
 
 class _StepControl(TrainerCallback):

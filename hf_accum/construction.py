@@ -1,0 +1,72 @@
+"""What `AccumulationMixin` decides when it is constructed: the TRL trainer it is mixed into (and what that means for
+the batch unit), every setup it cannot run exactly (refused here, naming what to set), and what it changes on its
+own copy of the arguments."""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import Trainer
+
+from . import checkpointing
+from .args import resolve_nonfinite_limit
+from .compat import deepspeed_integration, parallel
+
+logger = logging.getLogger("hf_accum.trainer")  # the trainer's messages, under the logger they always had
+
+
+def refuse_unsupported_setups(trainer) -> None:
+    """Every setup hf_accum cannot run exactly fails here, at construction, naming what to set."""
+    parallel.refuse_silent_engine_fallback(trainer)
+    checkpointing.check_request(trainer.model, trainer.args)
+    if trainer._trl is not None and trainer._normalization != "model":
+        base, mixed = trainer._trl
+        problem = mixed.check(trainer) if mixed.check else None
+        if problem:
+            raise ValueError(f"{type(trainer).__name__} (hf_accum over {base}): {problem}")
+    if hasattr(trainer.args, "max_nonfinite_steps"):
+        steps_in_backward = deepspeed_integration.engine_steps_in_backward(trainer)
+        limit, line = resolve_nonfinite_limit(trainer.args.max_nonfinite_steps, steps_in_backward)
+        trainer.args.max_nonfinite_steps = limit  # our copy: "auto" resolved for this engine
+        if line and trainer._normalization != "model":
+            (logger.warning if limit is None else logger.info)(line)  # DeepSpeed's: nothing is skipped for you
+    if trainer._normalization != "model" and trainer.args.n_gpu > 1:
+        raise ValueError(
+            f"loss_normalization={trainer._normalization!r} does not support torch.nn.DataParallel "
+            f"(n_gpu={trainer.args.n_gpu}). Launch one process per GPU with `torchrun` or `accelerate launch` "
+            "(DDP/FSDP), or set loss_normalization='model'."
+        )
+
+
+def adjust_args_copy(trainer) -> None:
+    """What the trainer changes on its own copy of the arguments once constructed (the caller's object is never
+    written to)."""
+    args = trainer.args
+    if parallel.sharded_at_load(trainer.model) and not args.save_only_model:
+        # transformers cannot checkpoint this model's optimizer state (see `parallel.sharded_at_load`); the
+        # checkpoints hf_accum itself writes when it stops (a signal, non-finite losses) then hold the weights
+        # and the plan, not an optimizer file that could never be loaded. The stop messages say so.
+        args.save_only_model = True
+    if trainer._normalization != "model" and args.average_tokens_across_devices and args.world_size > 1:
+        # We count across ranks ourselves; transformers' flag would gather and rescale the loss a second time.
+        logger.info(
+            "hf_accum: loss_normalization=%r normalizes over all ranks exactly; average_tokens_across_devices "
+            "is off for this trainer (the arguments you passed are unchanged).", trainer._normalization,
+        )
+        args.average_tokens_across_devices = False
+
+
+def trl_base(cls: type, args) -> tuple[str, object] | None:
+    """The TRL trainer ``cls`` mixes into and what hf_accum does over it (`hf_accum.trl_support.mixed_into`); raises, naming
+    what to use, where hf_accum cannot cut its batches exactly."""
+    if not any(c.__module__.split(".")[0] == "trl" and issubclass(c, Trainer) for c in cls.__mro__):
+        return None
+    from .trl_support import mixed_into
+
+    base, mixed = mixed_into(cls)
+    if mixed.refusal and getattr(args, "loss_normalization", None) != "model":
+        raise ValueError(f"{cls.__name__} mixes AccumulationMixin into {base}: {mixed.refusal}.")
+    if cls.batch_unit is not None and mixed.unit is not None and cls.batch_unit != mixed.unit:
+        raise ValueError(f"{cls.__name__} declares batch_unit={cls.batch_unit!r}, but {base} collates "
+                         f"{mixed.unit}: set batch_unit={mixed.unit!r} (or leave it unset).")
+    return base, mixed
