@@ -28,6 +28,7 @@ from transformers import Trainer
 
 from .compat import trainer_internals
 from .protocol import Local, Policy, WindowProtocol
+from .settings import Settings
 from .units import UNIT_NAME, IndivisibleBatch
 from .window import WindowEngine, using
 
@@ -134,7 +135,7 @@ def _window_gradient(trainer, engine, model, params, batches) -> list[torch.Tens
 
 
 def _default_tolerance(model: nn.Module, args) -> float:
-    if getattr(args, "bf16", False) or getattr(args, "fp16", False):
+    if Settings(args).bf16 or Settings(args).fp16:
         return DEFAULT_TOLERANCE[torch.bfloat16]
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return max((DEFAULT_TOLERANCE.get(d, 5e-2) for d in dtypes), default=1e-4)

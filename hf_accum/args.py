@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .loss import NORMALIZATIONS
+from .settings import Settings
 
 DEFAULT_MAX_NONFINITE_STEPS = 3  # max_nonfinite_steps="auto" where hf_accum takes the optimizer step
 
@@ -439,8 +440,8 @@ def resolve_nonfinite_limit(value, engine_steps_in_backward: bool) -> tuple[int 
 def checkpointing_flag(args) -> bool | None:
     """The boolean checkpointing flag as given: activation_checkpointing (transformers >= 5.23) or its deprecated alias
     gradient_checkpointing; None when neither is set."""
-    new = getattr(args, "activation_checkpointing", None)
-    return new if new is not None else getattr(args, "gradient_checkpointing", None)
+    new = Settings(args).activation_checkpointing
+    return new if new is not None else Settings(args).gradient_checkpointing
 
 
 def _default(args, name: str):
@@ -451,8 +452,9 @@ def _default(args, name: str):
 def explicit_batch_settings(args) -> dict[str, int]:
     """per_device_train_batch_size / gradient_accumulation_steps where they differ from their class defaults:
     what the user set (a value equal to the default cannot be told apart, and changes nothing either)."""
-    return {name: getattr(args, name) for name in ("per_device_train_batch_size", "gradient_accumulation_steps")
-            if getattr(args, name) != _default(args, name)}
+    given = {"per_device_train_batch_size": args.per_device_train_batch_size,
+             "gradient_accumulation_steps": args.gradient_accumulation_steps}
+    return {name: value for name, value in given.items() if value != _default(args, name)}
 
 
 def _is_number(value) -> bool:

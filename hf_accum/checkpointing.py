@@ -12,13 +12,14 @@ import logging
 from dataclasses import dataclass
 
 from .compat import deepspeed_integration, gradient_checkpointing, parallel
+from .settings import Settings
 
 logger = logging.getLogger(__name__)
 
 
 def requested(args) -> str | int | bool:
     """"auto", k, or True/False; plain `TrainingArguments`: the flag."""
-    setting = getattr(args, "checkpoint_layers", None)
+    setting = Settings(args).checkpoint_layers
     return setting if setting is not None else gradient_checkpointing.checkpointing_enabled(args)
 
 
@@ -75,7 +76,7 @@ def lever_for(trainer) -> Lever | None:
     """The lever when the tuner may choose k: "auto", a model that can checkpoint, no DeepSpeed / FSDP (one log line
     says the lever is skipped there: today's behaviour, no checkpointing unless asked)."""
     args, model = trainer.args, trainer.model
-    if requested(args) != "auto" or not getattr(args, "tunes", False):
+    if requested(args) != "auto" or not Settings(args).tunes:
         return None
     engine = _sharded_engine(trainer)
     if engine is not None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from .compat import checkpoint_files
 from .planning.plan import Plan
 from .planning.store import PLAN_FILE, PlanFileError, load_stored_plan, restore_plan  # noqa: F401 (public here)
+from .settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -108,19 +109,13 @@ def newest_complete_checkpoint(output_dir: str, deepspeed: bool | None = None) -
     return next((p for p in checkpoints_in(output_dir) if inspect_checkpoint(p, deepspeed).complete), None)
 
 
-def current_target(args) -> int:
-    """The effective batch the run is configured for now."""
-    target = getattr(args, "target_batch_size", None)
-    return target or args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-
-
 def check_resume(args, resume_from_checkpoint, deepspeed: bool | None = None) -> tuple[str | bool | None, Plan | None]:
     """Before `train()` does anything: which checkpoint to resume (``True`` becomes the newest complete one,
     named in a warning) and the plan stored with it; or a ValueError when the checkpoint is incomplete (its
     optimizer state is read as a run with or without ``deepspeed`` loads it) or belongs to another target batch.
     Without resuming, the output_dir's newest checkpoint must not belong to another target either. Returns
     ``(resume_from_checkpoint, stored plan)``."""
-    target = current_target(args)
+    target = Settings(args).exact_target()
     # Nothing to resume: refused here, before the probe, in transformers' own words (its tests match them) + the fix.
     if isinstance(resume_from_checkpoint, str) and not os.path.isdir(resume_from_checkpoint):
         raise ValueError(
@@ -185,7 +180,7 @@ def _incomplete_message(info: CheckpointInfo, args, deepspeed: bool | None = Non
     older = next((p for p in checkpoints_in(parent) if os.path.abspath(p) != os.path.abspath(info.path)
                   and inspect_checkpoint(p, deepspeed).complete), None)
     ways = []
-    target = current_target(args)
+    target = Settings(args).exact_target()
     note = ""
     if info.target_batch_size is not None and info.target_batch_size != target:
         note = f" Whichever way, resume with target_batch_size={info.target_batch_size} (the run's), not {target}."

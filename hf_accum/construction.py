@@ -11,6 +11,7 @@ from transformers import Trainer
 from . import checkpointing
 from .args import resolve_nonfinite_limit
 from .compat import deepspeed_integration, parallel
+from .settings import Settings
 
 logger = logging.getLogger("hf_accum.trainer")  # the trainer's messages, under the logger they always had
 
@@ -64,7 +65,7 @@ def trl_base(cls: type, args) -> tuple[str, object] | None:
     from .trl_support import mixed_into
 
     base, mixed = mixed_into(cls)
-    if mixed.refusal and getattr(args, "loss_normalization", None) != "model":
+    if mixed.refusal and Settings(args).loss_normalization != "model":
         raise ValueError(f"{cls.__name__} mixes AccumulationMixin into {base}: {mixed.refusal}.")
     if cls.batch_unit is not None and mixed.unit is not None and cls.batch_unit != mixed.unit:
         raise ValueError(f"{cls.__name__} declares batch_unit={cls.batch_unit!r}, but {base} collates "

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .compat import deepspeed_integration, torch_features
 from .loss import IGNORE_INDEX, loss_shifts_labels
+from .settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ def _verify_forward(inner, head) -> str | None:
 def _trainer_reason(trainer) -> str | None:
     from transformers import Trainer
 
-    if getattr(trainer.args, "label_smoothing_factor", 0) > 0:
+    if Settings(trainer.args).label_smoothing_factor > 0:
         return (f"label_smoothing_factor={trainer.args.label_smoothing_factor}: transformers' label smoother "
                 "computes the loss from the full logits")
     if getattr(trainer, "is_fsdp_enabled", False) or deepspeed_integration.deepspeed_zero3_enabled():
@@ -297,7 +298,7 @@ def _trainer_reason(trainer) -> str | None:
 def resolve_fused_loss(trainer) -> tuple[bool, str]:
     """Whether training uses the fused loss, and why. ``args.fused_loss``: None -> on where supported; True -> a
     ValueError naming the reason where unsupported; False -> off."""
-    setting = getattr(trainer.args, "fused_loss", None)
+    setting = Settings(trainer.args).fused_loss
     by_trainer = getattr(trainer, "_lm_head_fused_by", None)  # e.g. TRL's SFTTrainer fuses its head itself
     if setting is False:
         return False, "fused_loss=False" + (f": {by_trainer} turned off" if by_trainer else "")

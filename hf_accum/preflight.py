@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from .checkpoints import current_target
 from .loss import loss_shifts_labels
+from .settings import Settings
 
 
 def check_training_data(trainer) -> None:
@@ -35,7 +35,7 @@ def check_training_data(trainer) -> None:
     except TypeError:
         return
     args = trainer.args
-    target = current_target(args)
+    target = Settings(args).exact_target()
     if size == 0:
         raise ValueError(
             f"train_dataset is empty (0 rows): there is nothing to train on. Pass a training set with at least "
@@ -64,7 +64,7 @@ def check_training_data(trainer) -> None:
 
 
 def _target_name(args) -> str:
-    if getattr(args, "target_batch_size", None):
+    if Settings(args).target_batch_size:
         return "target_batch_size"
     return "per_device_train_batch_size x gradient_accumulation_steps x world size"
 

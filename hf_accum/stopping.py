@@ -10,6 +10,7 @@ import os
 
 from .compat import parallel
 from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted
+from .settings import Settings
 
 logger = logging.getLogger("hf_accum.trainer")  # the trainer's messages, under the logger they always had
 
@@ -62,7 +63,7 @@ def resume_advice(trainer, where: str) -> str:
 def raise_if_stopped(trainer) -> None:
     """After the Trainer's loop ended early on our request: say where the checkpoint is and how to resume."""
     where = os.path.join(trainer.args.output_dir, f"checkpoint-{trainer.state.global_step}")
-    limit = getattr(trainer.args, "max_nonfinite_steps", None)
+    limit = Settings(trainer.args).max_nonfinite_steps
     if limit is not None and trainer._nonfinite_streak > limit:
         raise RuntimeError(
             f"hf_accum: {trainer._nonfinite_streak} optimizer steps in a row had a non-finite loss (NaN/inf), "

@@ -43,6 +43,7 @@ from .planning.store import PLAN_FILE
 from .preemption import StopRequest
 from .preflight import check_output_dir_writable, check_training_data
 from .protocol import Local, Policy, StopTraining, TorchDistributed, WindowProtocol
+from .settings import Settings
 from .units import detect_unit, make_cutter
 from .window import WindowEngine
 
@@ -91,11 +92,11 @@ class AccumulationMixin:
         self._eval_said: set[str] = set()
         self._stop_request = StopRequest()
         construction.refuse_unsupported_setups(self)
-        self._skips_nonfinite = getattr(self.args, "max_nonfinite_steps", None) is not None
+        self._skips_nonfinite = self.settings.max_nonfinite_steps is not None
         construction.adjust_args_copy(self)
         if isinstance(self.args, AccumTrainingArguments) and self._normalization != "model":
             self.add_callback(_StepControl(self))
-        if getattr(self.args, "target_batch_size", None):  # only runs with a target have a plan to keep
+        if self.settings.target_batch_size:  # only runs with a target have a plan to keep
             self.add_callback(_PlanInCheckpoints(self))
 
     @property
@@ -113,10 +114,15 @@ class AccumulationMixin:
         return self._planner
 
     @property
+    def settings(self) -> Settings:
+        """hf_accum's settings on this trainer's arguments (plain TrainingArguments: hf_accum's defaults)."""
+        return Settings(self.args)
+
+    @property
     def _normalization(self) -> str:
         # plain TrainingArguments: "tokens"; a plain TRL config: what its trainer's loss is a mean over
         trl = getattr(self, "_trl", None)
-        return getattr(self.args, "loss_normalization", trl[1].normalization if trl else "tokens")
+        return self.settings.loss_normalization or (trl[1].normalization if trl else "tokens")
 
     # --- the window ---------------------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -230,7 +236,7 @@ class AccumulationMixin:
         if self._normalization != "model":
             self._label_spec()  # refuses a model whose loss hf_accum cannot drive exactly
         check_training_data(self)
-        if getattr(self.args, "tunes", False) and self.args.should_save:
+        if self.settings.tunes and self.args.should_save:
             check_output_dir_writable(self.args.output_dir)
 
     @trl_internals.trl_metrics_kept
@@ -250,9 +256,9 @@ class AccumulationMixin:
         try:
             with stopping.refusal_leaves_output_dir(self):
                 resume_from_checkpoint = self._check_and_plan(resume_from_checkpoint)
-            if getattr(self.args, "check_accumulation", False):
+            if self.settings.check_accumulation:
                 self.check_accumulation()
-            handle = getattr(self.args, "handle_preemption", False) and self._normalization != "model"
+            handle = self.settings.handle_preemption and self._normalization != "model"
             try:
                 with self._stop_request.installed(handle):
                     output = super().train(resume_from_checkpoint, *args, **kwargs)
@@ -293,7 +299,7 @@ class AccumulationMixin:
         See `accumulation_check.run_accumulation_check`; every gradient, weight and RNG state is restored.
         """
         if tolerance is None:
-            tolerance = getattr(self.args, "check_accumulation_tolerance", None)
+            tolerance = self.settings.check_accumulation_tolerance
         return run_accumulation_check(self, num_micro_batches=num_micro_batches, tolerance=tolerance)
 
     # --- evaluation: an exact eval_loss, OOM re-runs of the failed batch alone (evaluation.py) ---------------------
@@ -380,7 +386,7 @@ class _PlanInCheckpoints(TrainerCallback):
             return
         planner = trainer.planner
         plan = planner.plan
-        if plan is None and getattr(args, "target_batch_size", None):
+        if plan is None and Settings(args).target_batch_size:
             plan = planner.given_plan()
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if plan is not None and args.should_save and os.path.isdir(folder):

@@ -87,14 +87,14 @@ class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
                 "base lm_head weight, so the adapter would stay untrained. Remove lm_head from target_modules (use "
                 "modules_to_save=['lm_head'] to train the head)."
             )
-        if getattr(self.args, "fused_loss", None) is False and self.args.loss_type != "nll":
+        if self.settings.fused_loss is False and self.args.loss_type != "nll":
             raise ValueError(
                 f"fused_loss=False computes the model's own (nll) loss, but loss_type={self.args.loss_type!r} needs "
                 "TRL's fused LM head. Leave fused_loss unset, or set loss_type='nll'."
             )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if getattr(self.args, "fused_loss", None) is False:
+        if self.settings.fused_loss is False:
             inputs = {**inputs, "use_cache": False}
             return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)

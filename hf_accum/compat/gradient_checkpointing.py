@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 
+from ..settings import Settings
+
 
 def checkpointing_enabled(args) -> bool:
     """Gradient checkpointing asked for, under either name (5.23 renamed it "activation checkpointing")."""
-    flag = getattr(args, "activation_checkpointing", None)
+    flag = Settings(args).activation_checkpointing
     return bool(flag if flag is not None else args.gradient_checkpointing)
 
 
@@ -18,7 +20,7 @@ def enable_checkpointing(model, args) -> None:
     the memory training will use. Idempotent."""
     if not checkpointing_enabled(args):
         return
-    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {}
+    kwargs = Settings(args).activation_checkpointing_kwargs or args.gradient_checkpointing_kwargs or {}
     kwargs = {k: v for k, v in kwargs.items() if k not in ("every_n_layers", "offload")}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
@@ -69,8 +71,8 @@ def checkpoint_levels(model) -> int:
 
 def checkpoint_kwargs(args) -> dict:
     """The user's checkpointing kwargs for `torch.utils.checkpoint` (either name), without transformers' own keys."""
-    kwargs = (getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs",
-                                                                                   None) or {})
+    settings = Settings(args)
+    kwargs = settings.activation_checkpointing_kwargs or settings.gradient_checkpointing_kwargs or {}
     return {k: v for k, v in dict(kwargs).items() if k not in ("every_n_layers", "offload")}
 
 

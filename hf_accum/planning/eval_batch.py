@@ -22,6 +22,7 @@ from ..meters import CpuMeter, live_tensor_bytes
 from ..oom import free_memory, is_oom
 from ..probe import modes_and_rng_preserved, resolve_budget
 from ..protocol import Local, TorchDistributed
+from ..settings import Settings
 from . import tuning
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,8 @@ def plan_eval_batch(trainer, dataset, *, budget: int | None, run) -> EvalBatchCh
     if isinstance(meter, CpuMeter):  # the profiler sees no tensor allocated before the step: count those too
         meter = CpuMeter(resident=lambda: live_tensor_bytes(model, trainer.optimizer))
     if budget is None:
-        fraction = None if getattr(args, "memory_budget_bytes", None) is not None else getattr(args, "memory_budget", 0.9)
-        budget = resolve_budget(meter, getattr(args, "memory_budget_bytes", None), fraction,
+        fraction = None if Settings(args).memory_budget_bytes is not None else Settings(args).memory_budget
+        budget = resolve_budget(meter, Settings(args).memory_budget_bytes, fraction,
                                 names=tuning.BUDGET_NAMES)
     loss_only = trainer.compute_metrics is None or args.prediction_loss_only  # what evaluate() asks for
     world = trainer.accelerator.num_processes

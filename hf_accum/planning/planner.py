@@ -20,6 +20,7 @@ from collections.abc import Callable
 from .. import checkpointing
 from ..compat import deepspeed_integration, parallel
 from ..protocol import Collective, Policy, StopTraining
+from ..settings import Settings
 from ..token_budget import TokenBudget
 from . import tuning
 from .engine_probe import probe_through_engine
@@ -60,7 +61,7 @@ class Planner:
 
     def _args_load_windows(self) -> bool:
         args = self._trainer.args
-        return bool(getattr(args, "tunes", False)) or getattr(args, "micro_batching", "samples") == "tokens"
+        return bool(Settings(args).tunes) or Settings(args).micro_batching == "tokens"
 
     def cut(self, plan: Plan | None) -> int | None:
         """The engine's units per forward for ``plan`` (None: each loaded batch is one forward, or a token budget
@@ -144,12 +145,12 @@ class Planner:
     def start(self, stored: Plan | None, resuming) -> None:
         """The plan train() runs with: probed (or reused from the plan file), given, or the checkpoint's."""
         trainer, args = self._trainer, self._trainer.args
-        tunes = getattr(args, "tunes", False)
+        tunes = Settings(args).tunes
         if tunes and self.plan is None and deepspeed_integration.deepspeed_stage(trainer) is not None:
             self._tune_deepspeed()
         elif tunes and self.plan is None:  # a tune() before train() counts
             trainer.tune()
-        elif getattr(args, "micro_batching", "samples") == "tokens" and self.plan is None:
+        elif Settings(args).micro_batching == "tokens" and self.plan is None:
             self.apply(self._given_token_plan())
         elif stored is not None and resuming:
             self.apply(stored)  # the plan in force when the checkpoint was written (maybe downgraded)
@@ -218,9 +219,8 @@ class Planner:
         trainer = self._trainer
         args, engine = trainer.args, trainer._engine
         world = engine.world if engine is not None else trainer.accelerator.num_processes
-        target = getattr(args, "target_batch_size", None) or (
-            args.per_device_train_batch_size * args.gradient_accumulation_steps * world)
-        return InForce(self.plan, units, world, self.loads_windows(), args.per_device_train_batch_size, target)
+        return InForce(self.plan, units, world, self.loads_windows(), args.per_device_train_batch_size,
+                       Settings(args).exact_target(world))
 
     def smaller(self, units: int | None = None) -> Plan | None:
         """The plan the policy lowers to from the cut ``units`` in force (None: the plan's own)."""
@@ -286,8 +286,8 @@ class Planner:
     def wants_eval_batch(self, collectives_in_compute_loss: bool) -> bool:
         """auto_eval_batch_size (default: with auto_tune), not measured yet, and measurable on this setup."""
         trainer = self._trainer
-        auto = getattr(trainer.args, "auto_eval_batch_size", None)
-        asked, auto = auto, getattr(trainer.args, "tunes", False) if auto is None else auto
+        auto = Settings(trainer.args).auto_eval_batch_size
+        asked, auto = auto, Settings(trainer.args).tunes if auto is None else auto
         if not auto or self.eval_planned:
             return False
         if deepspeed_integration.deepspeed_enabled(trainer) or (trainer.accelerator.num_processes > 1 and parallel.window_policy(
@@ -315,7 +315,7 @@ class Planner:
             args.eval_accumulation_steps = choice.accumulation_steps
         if self.plan is not None:
             self.plan = dataclasses.replace(self.plan, eval_batch_size=choice.batch_size)
-            if args.should_save and getattr(args, "target_batch_size", None):
+            if args.should_save and Settings(args).target_batch_size:
                 self.save(args.output_dir)
 
 

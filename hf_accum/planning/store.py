@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..compat import checkpoint_files, deepspeed_integration, gradient_checkpointing, torch_features
+from ..settings import Settings
 from .plan import Plan, plan_for_micro
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class PlanFileError(ValueError):
 
 def requested_budget(args) -> dict[str, Any]:
     """The budget as the user asked for it: what the key stores."""
-    if getattr(args, "memory_budget_bytes", None) is not None:
+    if Settings(args).memory_budget_bytes is not None:
         return {"memory_budget_bytes": int(args.memory_budget_bytes)}
     return {"memory_budget": float(args.memory_budget)}
 
@@ -60,7 +61,7 @@ def key_fields(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> di
         "bf16": bool(args.bf16),
         "fp16": bool(args.fp16),
         "gradient_checkpointing": gradient_checkpointing.checkpointing_enabled(args),
-        "checkpoint_layers": getattr(args, "checkpoint_layers", None),  # the request ("auto", k); the plan holds k
+        "checkpoint_layers": Settings(args).checkpoint_layers,  # the request ("auto", k); the plan holds k
         "fused_loss": bool(getattr(trainer, "fused_loss_active", False)),
         "optim": str(args.optim),
         "optim_args": args.optim_args,

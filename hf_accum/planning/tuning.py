@@ -22,6 +22,7 @@ from ..compat import trainer_internals
 from ..loss import loss_shifts_labels
 from ..meters import CpuMeter, CudaMeter, Meter
 from ..probe import ProbeResult, probe_model, random_token_batch, resolve_budget
+from ..settings import Settings
 from ..token_budget import TokenBudget, cost_model, predicted_peak
 from ..units import detect_unit, make_cutter
 from .plan import Plan
@@ -152,7 +153,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
 def _items(trainer, batch) -> torch.Tensor | None:
     """What a training forward passes as ``num_items_in_batch`` (its own counted labels, as `_chunk_step` does), so a
     ``compute_loss_func`` that divides by it runs in the probe as in training."""
-    mode = getattr(trainer.args, "loss_normalization", "tokens")
+    mode = Settings(trainer.args).loss_normalization or "tokens"
     if mode == "model":
         return None
     return make_cutter(trainer.batch_unit or detect_unit(batch), trainer._label_spec()).count(batch, mode).clamp(min=1)

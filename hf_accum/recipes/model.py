@@ -7,6 +7,7 @@ import logging
 
 from ..compat.gradient_checkpointing import checkpointing_enabled
 from ..loading import hub_unreachable, load_model, not_loadable, require_bitsandbytes
+from ..settings import Settings
 from .config import Recipe, RecipeError, _quiet_deprecations
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def configure_checkpointing_for_lora(args) -> bool:
     """
     if not checkpointing_enabled(args):
         return False
-    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {}
+    kwargs = Settings(args).activation_checkpointing_kwargs or args.gradient_checkpointing_kwargs or {}
     if "use_reentrant" not in kwargs:
         kwargs["use_reentrant"] = False
         logger.info("hf_accum: gradient checkpointing with LoRA: use_reentrant=False")
