@@ -1273,6 +1273,7 @@ def environment(ctx: Ctx, argv: list[str]) -> dict[str, Any]:
                                              "nvidia-ml-py", "matplotlib", "hf-accum")},
         "command": shlex.join(["python", "benchmarks/bench_gpu.py", *argv]),  # as run from the repo root
         "argv": argv, "quick": ctx.quick, "minutes": ctx.s.minutes,
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),  # hf_accum.allocator sets it on import
     }
     if ctx.cuda:
         env["bf16_peak_flops"] = flops.bf16_peak_flops(env["device"])
