@@ -1273,10 +1273,26 @@ def environment(ctx: Ctx, argv: list[str]) -> dict[str, Any]:
                                              "nvidia-ml-py", "matplotlib", "hf-accum")},
         "command": shlex.join(["python", "benchmarks/bench_gpu.py", *argv]),  # as run from the repo root
         "argv": argv, "quick": ctx.quick, "minutes": ctx.s.minutes,
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),  # hf_accum.allocator sets it on import
     }
     if ctx.cuda:
         env["bf16_peak_flops"] = flops.bf16_peak_flops(env["device"])
     return env
+
+
+def with_overrides(settings: Settings, pairs: list[str]) -> Settings:
+    """``FIELD=VALUE`` pairs applied to ``settings``; an int or float field takes a number, ``None`` clears it."""
+    fields = dict(settings.__dict__)
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in fields or isinstance(fields[name], dict | tuple):
+            scalars = sorted(k for k, v in fields.items() if not isinstance(v, dict | tuple))
+            raise SystemExit(f"--set {pair!r}: expected FIELD=VALUE with FIELD one of {', '.join(scalars)}")
+        try:
+            fields[name] = None if text == "None" else (float(text) if name == "minutes" else int(text))
+        except ValueError:
+            raise SystemExit(f"--set {pair!r}: {name} takes a number (or None)") from None
+    return Settings(**fields)
 
 
 def parse_sections(text: str) -> list[int]:
@@ -1315,6 +1331,8 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default="1,2,3,4,5,6", help="which sections, e.g. 2,5 (default: all)")
     parser.add_argument("--minutes", type=float, default=None,
                         help="stop cleanly after this many minutes, writing what was measured (GPU default 8)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
+                        help="override one of the sizes in Settings, e.g. --set steps3=200 --set seq5=2048")
     parser.add_argument("--out", default=os.environ.get("OUT") or os.path.join("runs", "bench_gpu"),
                         help="folder for the JSON and PNG (default: $OUT where set, else runs/bench_gpu)")
     opts = parser.parse_args(argv)
@@ -1325,6 +1343,7 @@ def run(argv: list[str] | None = None) -> int:
     settings = QUICK if opts.quick else GPU
     if opts.minutes is not None:
         settings = Settings(**{**settings.__dict__, "minutes": opts.minutes})
+    settings = with_overrides(settings, opts.overrides)
     os.makedirs(opts.out, exist_ok=True)
     clock = Clock(settings.minutes)
     # Imported once up front, then frozen out of the garbage collector: every free_memory() (the library calls it

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _quiet
+from . import _quiet, allocator  # noqa: F401 - allocator: PYTORCH_CUDA_ALLOC_CONF before any CUDA work
 
 __version__ = "0.1.0"
 

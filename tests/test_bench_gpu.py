@@ -107,6 +107,17 @@ def test_sections_runs_only_those(tmp_path):
         bench.main(["--quick", "--sections", "7", "--out", str(tmp_path)])
 
 
+def test_set_overrides_one_size_and_refuses_what_is_not_a_size():
+    bench = load_script()
+    s = bench.with_overrides(bench.GPU, ["steps3=200", "plans3=1", "seq5=2048", "minutes=4.5", "sweep5=None"])
+    assert (s.steps3, s.plans3, s.seq5, s.minutes, s.sweep5) == (200, 1, 2048, 4.5, None)
+    assert s.target3 == bench.GPU.target3 and s.model == bench.GPU.model
+    for bad, why in (("steps3", "FIELD=VALUE"), ("nope=1", "FIELD=VALUE"), ("model=1", "FIELD=VALUE"),
+                     ("seq5=long", "takes a number")):
+        with pytest.raises(SystemExit, match=why):
+            bench.with_overrides(bench.GPU, [bad])
+
+
 def test_minutes_spent_skips_the_rest_and_still_writes(tmp_path):
     bench = load_script()
     assert bench.main(["--quick", "--minutes", "0", "--sections", "1,2,6", "--out", str(tmp_path)]) == 0

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from .. import checkpointing
+from .. import allocator, checkpointing
 from ..compat import trainer_internals
 from ..loss import loss_shifts_labels
 from ..meters import CpuMeter, CudaMeter, Meter
@@ -88,6 +88,8 @@ def tune(trainer, prepared: Prepared | None = None, probe: Probe | None = None, 
         _log_in_trainer(trainer, figures, in_loop)
         return plan, None, prepared.key
 
+    if args.device.type == "cuda":  # the probe measures under the allocator training uses: say which
+        _show("%s", args, allocator.line(allocator.OUTCOME))
     if in_loop:
         checkpointing.lever_for(trainer)  # through the engine k is not chosen: its one log line says so
     probe = probe or _model_probe(trainer, prepared)
