@@ -2,7 +2,7 @@
 
 The pieces, from the inside out:
 
-* :func:`probe_micro_batches` drives :class:`~hf_accum.plan.MicroBatchSearch` with any ``step_fn(micro)``
+* :func:`probe_micro_batches` drives :class:`~hf_accum.planning.search.MicroBatchSearch` with any ``step_fn(micro)``
   and any :class:`~hf_accum.meters.Meter`: one warm-up step (not a trial: it creates the optimizer's
   state), then the trials the search proposes.  An out-of-memory error means "does not fit".
 * :func:`preserved` is the save/restore context: weights, gradients, RNG streams and training flags are
@@ -27,7 +27,6 @@ from .levers import CheckpointChooser, Choice, Level, fit_time_line, scale_line
 from .meters import CpuMeter, CudaMeter, Meter, live_tensor_bytes
 from .oom import free_memory, is_oom
 from .planning.plan import (
-    MicroBatchSearch,
     Plan,
     choose_fastest,
     forward_breakpoints,
@@ -35,6 +34,7 @@ from .planning.plan import (
     plan_batch,
     plan_for_micro,
 )
+from .planning.search import MicroBatchSearch
 
 StepFn = Callable[[int], Any]
 MakeBatch = Callable[[int], dict[str, Any]]  # micro_batch_size -> collated batch at the worst-case length

@@ -10,8 +10,6 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hf_accum.planning.plan import (
-    GOAL_FRACTION,
-    MicroBatchSearch,
     Plan,
     choose_fastest,
     divisors,
@@ -23,6 +21,7 @@ from hf_accum.planning.plan import (
     plan_batch,
     predict_max_micro,
 )
+from hf_accum.planning.search import GOAL_FRACTION, MicroBatchSearch
 
 MiB = 1 << 20
 
