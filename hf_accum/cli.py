@@ -139,7 +139,8 @@ def _run_probe(args: argparse.Namespace) -> int:
     import torch
 
     from .loading import add_lora, load_model, require_bitsandbytes
-    from .probe import NothingFitsError, probe_model
+    from .probe import probe_model
+    from .probe_loop import NothingFitsError
     from .probe_report import table
 
     quantization = None
@@ -219,7 +220,7 @@ def _probe_recipe(args: argparse.Namespace) -> int:
     from .recipes.config import wants_quantization
 
     _import_bitsandbytes_only_if(args, wants_quantization(args.recipe, args.overrides))
-    from .probe import NothingFitsError
+    from .probe_loop import NothingFitsError
     from .probe_report import table
     from .recipes.run import probe_recipe
 
