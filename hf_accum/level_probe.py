@@ -67,8 +67,21 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
     # every input of the chooser equal on all ranks, so all make the same proposals (and verifying steps, each one
     # collective): the tightest rank's budget with the agreed levels
     chooser = CheckpointChooser(per_rank, num_layers, _tightest_budget(budget_bytes), levels, cap=cap)
+    steps = _verify(chooser, step_fn, meter, MicroBatchSearch(budget_bytes, cap), lever, trials, say)
+    accepted, seconds, checked = _timed_choice(chooser, timed, per_rank, step_fn, meter, lever)
+    base = results[accepted.k] if accepted is not None and accepted.k in results else results[max(results)]
+    result = dataclasses.replace(base, trials=trials, extra=dict(base.extra))
+    result.max_micro_batch_size = accepted.micro if accepted is not None else 0
+    result.chosen_micro_batch_size = None
+    result.extra["checkpointing"] = _record(accepted, seconds, checked, levels, steps, num_layers, say)
+    return result
+
+
+def _verify(chooser: CheckpointChooser, step_fn: StepFn, meter: Meter, verify: MicroBatchSearch, lever: Any,
+            trials: list[Trial], say: Log) -> int:
+    """Real steps at the chooser's proposals no measurement covers, until one is accepted (at most
+    `MAX_VERIFY_STEPS`, then the best measured point). Appends the trials; returns how many steps ran."""
     limit = None if meter.catches_oom else meter.capacity_bytes() - meter.unavailable_bytes()
-    verify = MicroBatchSearch(budget_bytes, cap)
     steps = 0
     choice = chooser.propose()
     while choice is not None and chooser.accepted is None:
@@ -82,11 +95,12 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
         trials.append(trial)
         chooser.record(choice, agree_max_micro_batch(int(trial.fits)) == 1)
         choice = chooser.propose()
-    accepted, seconds, checked = _timed_choice(chooser, timed, per_rank, step_fn, meter, lever)
-    base = results[accepted.k] if accepted is not None and accepted.k in results else results[max(results)]
-    result = dataclasses.replace(base, trials=trials, extra=dict(base.extra))
-    result.max_micro_batch_size = accepted.micro if accepted is not None else 0
-    result.chosen_micro_batch_size = None
+    return steps
+
+
+def _record(accepted: Choice | None, seconds: float, checked: dict[str, Any] | None, levels: list[Level], steps: int,
+            num_layers: int, say: Log) -> dict[str, Any]:
+    """What the level search records in the probe result (``extra["checkpointing"]``), said once."""
     record: dict[str, Any] = {
         "num_layers": num_layers,
         "levels": [dataclasses.asdict(lv) for lv in levels],
@@ -100,8 +114,7 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
         record["chosen"] = dataclasses.asdict(accepted)
         say(f"chosen: {accepted.micro} rows per forward, {accepted.forwards} forwards, checkpointing {accepted.k} of "
             f"{num_layers} layers, ~{record['step_seconds'] or 0.0:.3f} s per optimizer step")
-    result.extra["checkpointing"] = record
-    return result
+    return record
 
 
 def _timed_choice(chooser: CheckpointChooser, timed: tuple[int, int, float] | None, per_rank: int, step_fn: StepFn,

@@ -172,7 +172,37 @@ def probe_model(
     rank's maximum, so the plans agree.  Raises ``ValueError`` before any step for bad input and
     :class:`NothingFitsError` when micro-batch 1 exceeds the budget.
     """
-    # Cheap checks first: no step runs on input that cannot give a plan.
+    per_rank, cap = _checked_window(model, seq_len, target_batch_size, world_size, max_micro_batch)
+    with preserved(model):
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no trainable parameters (requires_grad=False everywhere)")
+        opt = fresh_optimizer_like(optimizer) if optimizer is not None else optimizer_cls(trainable,
+                                                                                           **(optimizer_kwargs or {}))
+        meter = _meter_for(model, opt, meter)
+        budget = resolve_budget(meter, budget_bytes, budget_fraction, names=budget_names)
+        step_fn = make_step_fn(model, opt, make_batch or random_token_batch(model, seq_len), forward=forward,
+                               autocast_dtype=autocast_dtype, max_grad_norm=max_grad_norm)
+        try:
+            result = _search(step_fn, meter, budget, cap, per_rank, optimize=optimize, log=log, lever=lever)
+        finally:
+            opt.state.clear()  # the probe's optimizer state goes now, not whenever the closures die
+    result.extra["seq_len"] = seq_len
+    return result, _with_level(plan_from_result(result, target_batch_size, world_size), result)
+
+
+def _with_level(plan: Plan, result: ProbeResult) -> Plan:
+    """The plan, recording the checkpointing level the level search chose (if it ran)."""
+    chosen = result.extra.get("checkpointing")
+    if chosen is None:
+        return plan
+    return dataclasses.replace(plan, checkpointed_layers=chosen["chosen_k"], num_layers=chosen["num_layers"],
+                               step_seconds=chosen.get("step_seconds"))
+
+
+def _checked_window(model: torch.nn.Module, seq_len: int, target_batch_size: int, world_size: int,
+                    max_micro_batch: int | None) -> tuple[int, int]:
+    """Cheap checks first: no step runs on input that cannot give a plan. Returns (per-rank window, cap)."""
     if target_batch_size < 1 or world_size < 1:
         raise ValueError(f"target_batch_size={target_batch_size} and world_size={world_size} must be >= 1")
     if target_batch_size % world_size:
@@ -193,50 +223,29 @@ def probe_model(
     cap = per_rank if max_micro_batch is None else min(per_rank, max_micro_batch)
     if cap < 1:
         raise ValueError(f"max_micro_batch={max_micro_batch} must be >= 1")
+    return per_rank, cap
 
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    with preserved(model):
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        if not trainable:
-            raise ValueError("the model has no trainable parameters (requires_grad=False everywhere)")
-        opt = (
-            fresh_optimizer_like(optimizer)
-            if optimizer is not None
-            else optimizer_cls(trainable, **(optimizer_kwargs or {}))
-        )
-        if meter is None:
-            meter = CudaMeter(next(model.parameters()).device) if on_cuda else None
-        if meter is None or (isinstance(meter, CpuMeter) and meter.resident is None):
-            meter = CpuMeter(resident=lambda: live_tensor_bytes(model, opt))
-        budget = resolve_budget(meter, budget_bytes, budget_fraction, names=budget_names)
-        step_fn = make_step_fn(
-            model,
-            opt,
-            make_batch or random_token_batch(model, seq_len),
-            forward=forward,
-            autocast_dtype=autocast_dtype,
-            max_grad_norm=max_grad_norm,
-        )
-        try:
-            if lever is None:
-                result = probe_micro_batches(
-                    step_fn, meter, budget, cap, must_resolve=forward_breakpoints(per_rank), optimize=optimize, log=log
-                )
-            else:
-                if optimize == "throughput" and log is not None:  # said, not silently dropped
-                    log("auto_tune_optimize='throughput': the checkpointing lever already chooses rows and layers by "
-                        "measured step time; no separate timing of every size")
-                result = probe_levels(step_fn, meter, budget, cap, per_rank, lever,
-                                      must_resolve=forward_breakpoints(per_rank), log=log)
-        finally:
-            opt.state.clear()  # the probe's optimizer state goes now, not whenever the closures die
-    result.extra["seq_len"] = seq_len
-    plan = plan_from_result(result, target_batch_size, world_size)
-    chosen = result.extra.get("checkpointing")
-    if chosen is not None:
-        plan = dataclasses.replace(plan, checkpointed_layers=chosen["chosen_k"], num_layers=chosen["num_layers"],
-                                   step_seconds=chosen.get("step_seconds"))
-    return result, plan
+
+def _meter_for(model: torch.nn.Module, opt: torch.optim.Optimizer, meter: Meter | None) -> Meter:
+    """The meter given, else CUDA's on a CUDA model; a CPU meter counts the live tensors the profiler cannot see."""
+    if meter is None and next(model.parameters()).device.type == "cuda":
+        meter = CudaMeter(next(model.parameters()).device)
+    if meter is None or (isinstance(meter, CpuMeter) and meter.resident is None):
+        meter = CpuMeter(resident=lambda: live_tensor_bytes(model, opt))
+    return meter
+
+
+def _search(step_fn: StepFn, meter: Meter, budget: int, cap: int, per_rank: int, *, optimize: str, log: Log | None,
+            lever: Any) -> ProbeResult:
+    """The micro-batch search, or with ``lever`` the search across its levels."""
+    if lever is None:
+        return probe_micro_batches(step_fn, meter, budget, cap, must_resolve=forward_breakpoints(per_rank),
+                                   optimize=optimize, log=log)
+    if optimize == "throughput" and log is not None:  # said, not silently dropped
+        log("auto_tune_optimize='throughput': the checkpointing lever already chooses rows and layers by "
+            "measured step time; no separate timing of every size")
+    return probe_levels(step_fn, meter, budget, cap, per_rank, lever, must_resolve=forward_breakpoints(per_rank),
+                        log=log)
 
 
 def plan_from_result(result: ProbeResult, target_batch_size: int, world_size: int) -> Plan:
