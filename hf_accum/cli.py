@@ -290,7 +290,7 @@ def _report_probe(args: argparse.Namespace, result, plan, seq_len: int, *, budge
 
 # --- train -------------------------------------------------------------------------------------------
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
-    from .recipes.config import available_recipes  # reads the recipes folder; imports neither torch nor yaml
+    from .recipes.files import available_recipes  # reads the recipes folder; imports neither torch nor yaml
 
     p = sub.add_parser(
         "train", help="run a recipe (a name from recipes/ or a YAML path) with key=value overrides",

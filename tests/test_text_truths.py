@@ -12,7 +12,8 @@ import pytest
 
 from hf_accum import recipes
 from hf_accum.cli import main
-from hf_accum.recipes.config import available_recipes, valid_keys
+from hf_accum.recipes.config import valid_keys
+from hf_accum.recipes.files import available_recipes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -142,6 +142,16 @@ def read_plan_file(folder: str) -> tuple[Plan, dict[str, Any]] | None:
     return plan_from_record(record, path), record
 
 
+def stored_probe(folder: str) -> dict[str, Any] | None:
+    """What the probe measured, as stored in ``folder``'s plan file (a run that reused it reports it); None when
+    there is no readable plan file."""
+    try:
+        with open(os.path.join(folder, PLAN_FILE)) as f:
+            return json.load(f).get("probe") or {}
+    except (OSError, ValueError):
+        return None
+
+
 def load_stored_plan(folder: str) -> Plan | None:
     """The plan stored in ``folder`` (an output_dir or a checkpoint), whatever its key; None when absent.
     Raises PlanFileError when a plan file is there but corrupt or invalid: never silently ignored."""

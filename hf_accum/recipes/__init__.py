@@ -40,24 +40,17 @@ from typing import Any
 # read a recipe before deciding what to import (bitsandbytes only when the recipe quantizes).
 from .config import (
     ALIASES,
-    RECIPE_DIRS,
-    SECTIONS,
     TASKS,
-    DataSection,
-    ModelSection,
     Recipe,
-    RecipeError,
     apply_overrides,
-    available_recipes,
     format_recipe,
     load_recipe,
-    parse_value,
-    read_yaml,
-    recipe_path,
     resolve_key,
     valid_keys,
     write_recipe,
 )
+from .files import RECIPE_DIRS, SECTIONS, RecipeError, available_recipes, parse_value, read_yaml, recipe_path
+from .sections import DataSection, ModelSection
 
 _LAZY = {
     "checkpointing_enabled": "hf_accum.compat.gradient_checkpointing",

@@ -8,16 +8,16 @@ import contextlib
 import dataclasses
 import difflib
 import os
-import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..loading import KBIT_PREPARATIONS
+from .files import SECTIONS, RecipeError, parse_value, read_yaml, recipe_path
+from .sections import DataSection, ModelSection
 
-SECTIONS = ("model", "data", "lora", "training")
 ALIASES = {"model": "model.name", "dataset": "data.dataset"}
 # model.task -> the peft task type of its LoRA. "dpo" trains a causal LM on preference pairs.
 TASKS = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS", "dpo": "CAUSAL_LM"}
@@ -29,71 +29,6 @@ TRAINING_CLASSES = {
     "dpo": ("hf_accum.trl", "AccumDPOConfig"),
 }
 
-_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # hf_accum/
-# Packaged copy first (a wheel ships recipes/ as hf_accum/recipes_data), then the repository's own directory.
-RECIPE_DIRS = (_PACKAGE_DIR / "recipes_data", _PACKAGE_DIR.parent / "recipes")
-
-
-class RecipeError(ValueError):
-    """A recipe or an override that cannot be used; the message names the key and what to set instead."""
-
-
-# --- sections ------------------------------------------------------------------------------------------------
-@dataclass
-class ModelSection:
-    name: str = "tiny"
-    """"tiny" (a small Llama built from config, offline), a hub id, or a local directory."""
-    task: str = "causal_lm"
-    """"causal_lm" (AutoModelForCausalLM, SFT), "dpo" (AutoModelForCausalLM, preference pairs through
-    `AccumDPOTrainer`) or "seq_cls" (AutoModelForSequenceClassification)."""
-    dtype: str | None = None
-    """dtype of the weights that are not quantized: float32 (None), bfloat16, float16, or "auto" (the checkpoint's)."""
-    num_labels: int | None = None
-    """seq_cls: number of classes; None: from the data."""
-    quantization: dict[str, Any] | None = None
-    """`transformers.BitsAndBytesConfig` keyword arguments (QLoRA: load_in_4bit, bnb_4bit_quant_type nf4, ...)."""
-    kbit_preparation: str = "light"
-    """Quantized bases only. "light": freeze, input grads, non-reentrant checkpointing, no upcast (the default);
-    "peft": `peft.prepare_model_for_kbit_training`, which also upcasts every non-quantized weight to float32."""
-    revision: str | None = None
-    trust_remote_code: bool = False
-    attn_implementation: str | None = None
-    tiny: dict[str, Any] = field(default_factory=dict)
-    """name=tiny: keyword arguments of `hf_accum.tiny.build_model` (hidden_size, num_layers, num_heads, seed)."""
-    cpu_threads: int | None = None
-    """On CPU: torch.set_num_threads for the run (restored after); None: torch's default (one per core). A tiny
-    model's matmuls are too small to split: 1 thread is fastest, and on shared cores 2 were 10-100x slower."""
-
-
-@dataclass
-class DataSection:
-    dataset: str = "tiny"
-    """"tiny" (generated tasks, offline), a hub id, a dataset directory, or a local .json/.jsonl/.csv/.parquet file."""
-    subset: str | None = None
-    """Hub dataset configuration name."""
-    split: str = "train"
-    num_examples: int | None = None
-    """tiny: how many examples to generate (default 2000); otherwise: use the first N rows (None: all)."""
-    eval_examples: int = 0
-    """Rows held out for evaluation: the last N of them (0: none). The run evaluates them after training (and every
-    training.eval_steps with training.eval_strategy=steps); eval_loss is the exact mean over every target token (a
-    pair for dpo, an example for seq_cls), whatever the eval batch."""
-    max_length: int = 512
-    """seq_cls: tokens per example after truncation (the end is cut). causal_lm and dpo: TRL truncates, so the
-    length is `training.max_length`; setting data.max_length there is an error that says so."""
-    seed: int = 0
-    """Seed of the generated tiny data."""
-    prompt_field: str = "prompt"
-    response_field: str = "response"
-    messages_field: str = "messages"
-    """SFT rows are {prompt_field, response_field} pairs, or chat `messages` whose last turn (assistant) is the target;
-    both become TRL prompt-completion rows (completion-only loss), in chat form where the tokenizer has a template."""
-    chosen_field: str = "chosen"
-    rejected_field: str = "rejected"
-    """dpo rows are {prompt_field, chosen_field, rejected_field}: strings, or chat messages (TRL's formats)."""
-    text_field: str = "text"
-    label_field: str = "label"
-    """seq_cls rows are {text_field, label_field}; string labels are mapped to ids in sorted order."""
 
 
 _SECTION_CLASSES = {"model": ModelSection, "data": DataSection}
@@ -131,7 +66,7 @@ def valid_keys(task: str = "causal_lm") -> dict[str, list[str]]:
 # --- the key lists, cached: reading them imports peft, TRL and transformers (seconds), so a mistyped key would take
 # that long to report. They are stored per installed version of those libraries and of hf_accum's own field
 # definitions; the first run after an install or upgrade reads them from the classes.
-_KEY_SOURCES = ("args.py", "trl.py", "tiny.py", "recipes/config.py")
+_KEY_SOURCES = ("args.py", "trl.py", "tiny.py", "recipes/config.py", "recipes/sections.py")
 
 
 def _keys_cache_file() -> Path | None:
@@ -211,90 +146,6 @@ def _tiny_keys() -> set[str]:
 
 
 _NESTED_KEYS.update({("model", "quantization"): _bnb_keys, ("model", "tiny"): _tiny_keys})
-
-
-# --- YAML ---------------------------------------------------------------------------------------------------
-def _yaml_loader():
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        """PyYAML follows YAML 1.1, where `1e-4` is a string and `no` / `off` are false; recipes mean what YAML 1.2
-        means: the float, and the strings (`save_strategy=no`)."""
-
-    Loader.yaml_implicit_resolvers = {
-        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
-        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-    }
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-    )
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(
-            r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-            |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-            |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-            |[-+]?\.(?:inf|Inf|INF)
-            |\.(?:nan|NaN|NAN))$""",
-            re.X,
-        ),
-        list("-+0123456789."),
-    )
-    return Loader
-
-
-def parse_value(text: str) -> Any:
-    """An override's value as a YAML scalar (or flow list/mapping): "1e-4" -> 1e-4, "null" -> None."""
-    import yaml
-
-    try:
-        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
-    except yaml.YAMLError:
-        return text
-
-
-def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    import yaml
-
-    with open(path) as f:
-        try:
-            data = yaml.load(f, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise RecipeError(f"recipe file {str(path)!r}{where}: not valid YAML ({problem}); fix that line") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise RecipeError(f"{path}: a recipe is a mapping with sections {list(SECTIONS)}, not {type(data).__name__}")
-    return data
-
-
-# --- finding a recipe ---------------------------------------------------------------------------------------
-def available_recipes() -> list[str]:
-    names: set[str] = set()
-    for d in RECIPE_DIRS:
-        if d.is_dir():
-            names.update(p.stem for p in d.glob("*.yaml"))
-    return sorted(names)
-
-
-def recipe_path(recipe: str | os.PathLike) -> Path:
-    """The YAML file of a recipe name (from the shipped recipes) or a path."""
-    p = Path(recipe)
-    if p.suffix in (".yaml", ".yml") or p.is_file():  # a folder named like a recipe (its output_dir) is not one
-        if not p.is_file():
-            raise RecipeError(f"recipe file {str(p)!r} does not exist; known recipes: {', '.join(available_recipes())}")
-        return p
-    for d in RECIPE_DIRS:
-        candidate = d / f"{recipe}.yaml"
-        if candidate.is_file():
-            return candidate
-    raise RecipeError(
-        f"unknown recipe {str(recipe)!r}: give one of {', '.join(available_recipes()) or '(none found)'} "
-        f"or the path of a YAML file (searched {', '.join(str(d) for d in RECIPE_DIRS)})"
-    )
 
 
 # --- overrides ------------------------------------------------------------------------------------------------
@@ -590,7 +441,6 @@ def _quiet_deprecations():
         yield
 
 
-
 def format_recipe(recipe: Recipe) -> str:
     """The resolved recipe as YAML (every key, overrides applied): what `recipe.yaml` in output_dir holds."""
     import yaml
@@ -602,4 +452,3 @@ def format_recipe(recipe: Recipe) -> str:
 def write_recipe(recipe: Recipe, path: str) -> None:
     with open(path, "w") as f:
         f.write(format_recipe(recipe))
-

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ..loading import hub_unreachable
-from .config import DATA_FILE_BUILDERS, DataSection, Recipe, RecipeError
+from .config import DATA_FILE_BUILDERS, Recipe, RecipeError
+from .sections import DataSection
 
 
 @dataclass

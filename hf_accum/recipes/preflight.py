@@ -18,7 +18,7 @@ import re
 
 from .config import RecipeError
 
-PLAN_FILE = "hf_accum_plan.json"  # plan_store.PLAN_FILE, without importing torch for it
+PLAN_FILE = "hf_accum_plan.json"  # planning.store.PLAN_FILE, without importing torch for it
 _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 
 

@@ -16,6 +16,7 @@ from . import preflight
 from .config import Recipe, RecipeError, _quiet_deprecations, load_recipe, write_recipe
 from .data import build_data, preference_stats, sft_stats
 from .model import add_lora, build_model, build_tokenizer
+from .summary import describe, run_summary
 
 SUMMARY_FILE = "run_summary.json"
 RECIPE_FILE = "recipe.yaml"
@@ -180,13 +181,6 @@ def _configured_plan(args) -> dict[str, Any]:
     }
 
 
-def _describe(plan: dict[str, Any]) -> str:
-    """The plan as every line shows it (`Plan.describe`)."""
-    from ..planning.plan import Plan
-
-    return Plan(**plan).describe()
-
-
 # --- probe ------------------------------------------------------------------------------------------------------
 @dataclass
 class RecipeProbe:
@@ -283,12 +277,12 @@ def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float,
     if plan_dict is None:
         _say_plan(say, built, final)
     elif _training_plan(final) != _training_plan(plan_dict):  # out of memory mid-run: a smaller micro
-        say(f"the plan was lowered during training (out of memory): {_describe(final)}")
+        say(f"the plan was lowered during training (out of memory): {describe(final)}")
     with _quiet():
         trainer.save_model(args.output_dir)  # adapter (adapter_config.json + weights, modules_to_save too) + tokenizer
     evaluation = _evaluate(built, say)
 
-    summary = _summary(built, result, final, resume, cuda_peak() if cuda_peak else None, start, started)
+    summary = run_summary(built, result, final, resume, cuda_peak() if cuda_peak else None, start, started)
     summary.update(evaluation)
     if main_process and args.should_save:
         with open(os.path.join(args.output_dir, SUMMARY_FILE), "w") as f:
@@ -334,7 +328,7 @@ def _plan_in_force(trainer) -> dict[str, Any]:
 def _say_plan(say, built: Built, plan: dict[str, Any]) -> None:
     """The plan line, unless the tuner just showed it (`tuning.plan_line`, the same line), then tokens per step."""
     if built.trainer.probe_result is None and not built.args.tunes:
-        say(f"hf_accum plan: {_describe(plan)}")
+        say(f"hf_accum plan: {describe(plan)}")
     _say_tokens(say, plan["target_batch_size"], built.data, _unit(built.recipe), built.args)
 
 
@@ -350,50 +344,6 @@ def _train_start():
             self.step, self.tokens = state.global_step, state.num_input_tokens_seen or 0
 
     return TrainStart()
-
-
-def _summary(built: Built, result, plan: dict[str, Any], resume: str | None, cuda_peak: int | None,
-             start: float, started) -> dict[str, Any]:
-    """What `run_summary.json` holds."""
-    recipe, args, trainer, data = built.recipe, built.args, built.trainer, built.data
-    per_step = plan["target_batch_size"]
-    probe = _probe_summary(trainer, plan["micro_batch_size"])
-    train_seconds = result.metrics.get("train_runtime")
-    losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h and "step" in h]
-    steps_this_run = trainer.state.global_step - started.step
-    tokens = (getattr(trainer.state, "num_input_tokens_seen", 0) or 0) - started.tokens or None
-    if tokens is None:  # include_num_input_tokens_seen is off: estimate from the data
-        tokens = round(steps_this_run * per_step * data.mean_tokens)
-    return {
-        "recipe": recipe.name,
-        "recipe_path": recipe.path,
-        "plan": plan,
-        "plan_description": _describe(plan),
-        "reused_stored_plan": bool(probe.get("reused_stored_plan")),
-        "resumed_from": resume,
-        "tokens_per_optimizer_step": per_step * data.mean_tokens,
-        "targets_per_optimizer_step": per_step * data.mean_targets,
-        "loss_normalization": args.loss_normalization,
-        "peak_memory_bytes": probe.get("peak_bytes"),
-        "probe": probe,
-        "training_peak_memory_bytes": cuda_peak,
-        "trainable_parameters": built.trainable,
-        "total_parameters": built.total,
-        "examples": len(data.dataset),
-        "steps": trainer.state.global_step,
-        "steps_this_run": steps_this_run,
-        "tokens_seen": tokens,
-        "train_seconds": train_seconds,
-        "tokens_per_second": tokens / train_seconds if train_seconds else None,
-        "train_loss": result.metrics.get("train_loss"),  # mean over the steps of this call
-        "first_loss": losses[0][1] if losses else None,
-        "last_loss": losses[-1][1] if losses else None,
-        "losses": [{"step": s, "loss": v} for s, v in losses],
-        "wall_seconds": time.perf_counter() - start,
-        "output_dir": os.path.abspath(args.output_dir),
-        "config": recipe.to_dict(),
-        "versions": _versions(),
-    }
 
 
 def _say_tokens(say, per_step: int, data, unit: str, args) -> None:
@@ -450,40 +400,6 @@ def _count_parameters(model) -> tuple[int, int]:
     return trainable, total
 
 
-def _probe_summary(trainer, micro: int) -> dict[str, Any]:
-    """What the probe measured (this run, or the run whose stored plan was reused), and the peak at ``micro``."""
-    from ..planning.store import PLAN_FILE
-
-    if trainer.probe_result is not None:
-        probe, reused = trainer.probe_result.to_dict(), False
-    else:
-        try:
-            with open(os.path.join(trainer.args.output_dir, PLAN_FILE)) as f:
-                probe, reused = json.load(f).get("probe") or {}, True
-        except (OSError, ValueError):
-            return {}
-    trials = [
-        {k: t.get(k) for k in ("micro_batch_size", "peak_bytes", "seconds", "status")} for t in probe.get("trials", [])
-    ]
-    out = {
-        "reused_stored_plan": reused,
-        "device": probe.get("device"),
-        "budget_bytes": probe.get("budget_bytes"),
-        "max_micro_batch_size": probe.get("max_micro_batch_size"),
-        "trials": trials,
-        "peak_bytes": None,
-        "peak_source": None,
-    }
-    measured = [t for t in trials if t["micro_batch_size"] == micro and t["peak_bytes"] is not None]
-    fitted = probe.get("fitted")
-    if measured:
-        out["peak_bytes"], out["peak_source"] = measured[0]["peak_bytes"], f"measured by the probe at micro {micro}"
-    elif fitted:
-        out["peak_bytes"] = int(fitted["a_bytes"] + fitted["b_bytes_per_sample"] * micro)
-        out["peak_source"] = "the probe's line through its measurements"
-    return out
-
-
 def _reset_cuda_peak(model) -> Callable[[], int] | None:
     import torch
 
@@ -512,12 +428,6 @@ def _mib(n: float | None) -> str:
     if n is None:
         return "?"
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
-
-
-def _versions() -> dict[str, str | None]:
-    from ..planning.store import _version
-
-    return {name: _version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes", "trl")}
 
 
 __all__ = ["RECIPE_FILE", "SUMMARY_FILE", "Built", "RecipeProbe", "RecipeRun", "build", "load_trained", "probe_recipe",
