@@ -231,3 +231,15 @@ def test_the_gpu_model_is_a_1b_llama_and_its_sizes_fit_it():
     assert model.config.num_hidden_layers == 16
     assert max(gpu.seqs + (gpu.seq5, gpu.seq6)) <= model.config.max_position_embeddings
     assert gpu.minutes is not None and gpu.minutes < 9
+
+
+def test_fused_chunks_quick_writes_every_size(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_fused_chunks",
+                                                  os.path.join(ROOT, "benchmarks", "bench_fused_chunks.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert module.main(["--quick", "--rows", "16,64", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "fused_chunks.json").read_text())
+    assert set(data["fused"]) == {"16", "64"} and data["unfused"]["peak_bytes"] > 0
+    assert all(m["seconds_per_step"] > 0 and m["peak_bytes"] > 0 for m in data["fused"].values())
