@@ -29,7 +29,7 @@ import weakref
 import torch
 from transformers import Trainer, TrainerCallback
 
-from . import _compat, checkpointing, tuning
+from . import _compat, checkpointing, router_aux, tuning
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments, explicit_batch_settings, resolve_nonfinite_limit
 from .checkpoints import check_resume
@@ -222,11 +222,12 @@ class AccumulationMixin:
         # Clamped so an all-masked chunk gives 0 instead of 0/0 on paths that divide by it.
         local_for_loss = local.clamp(min=1).to(self.args.device)
         share = engine.share(local)
-        scale = share
+        scale, undo = share, 1
         if _compat.trainer_divides_by_accumulation(self, local_for_loss):
-            scale = share * _compat.window_length(self)  # pre-compensate training_step's division
+            undo = _compat.window_length(self)
+            scale = share * undo  # pre-compensate training_step's division
         sync = contextlib.nullcontext() if final else self._no_gradient_sync(model)
-        with sync, _compat.engine_boundary(self, final), self._loss_scaled(scale, final) as raw:
+        with sync, _compat.engine_boundary(self, final), self._loss_scaled(scale, final, undo) as raw:
             returned = super().training_step(model, inputs, local_for_loss)
         self._forwarded_tokens += _compat.main_input_tokens(self, inputs)
         if not self._post_checked:
@@ -238,22 +239,29 @@ class AccumulationMixin:
         return _compat.no_gradient_sync(model) if _compat.is_fsdp2(model) else self.accelerator.no_sync(model)
 
     @contextlib.contextmanager
-    def _loss_scaled(self, scale, final: bool):
+    def _loss_scaled(self, scale, final: bool, undo=1):
         """The one place the class's `compute_loss` (a user's override included) is wrapped, for one step: its
         loss is multiplied by ``scale``; the window's final forward runs through the engine so that every rank
-        agrees before the gradient-synchronizing backward."""
+        agrees before the gradient-synchronizing backward. A TRL MoE router loss is taken out and added back as
+        its mean over the window's forwards (router_aux.py; ``undo`` pre-compensates training_step's division)."""
         original = self.compute_loss
         raw: list[torch.Tensor] = []
 
         def compute_loss(model, inputs, *args, **kwargs):
-            if final:
-                out, keep = self._engine.final_forward(lambda b, *a, **k: original(model, b, *a, **k), inputs,
-                                                       *args, **kwargs)
-            else:
-                out, keep = original(model, inputs, *args, **kwargs), 1.0
+            with router_aux.taken_out(self, model) as captured:
+                if final:
+                    out, keep = self._engine.final_forward(lambda b, *a, **k: original(model, b, *a, **k), inputs,
+                                                           *args, **kwargs)
+                else:
+                    out, keep = original(model, inputs, *args, **kwargs), 1.0
             loss, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
             raw.append(loss.detach())
-            loss = loss * scale.to(loss.device, loss.dtype) * keep
+            loss = loss * scale.to(loss.device, loss.dtype)
+            term = router_aux.term(self, captured, self._engine.forwards())
+            if term is not None:
+                raw.append(term.detach())  # the expected returned value gains it (_check_post_processing)
+                loss = loss + term.to(loss.dtype) * undo
+            loss = loss * keep
             return (loss, *rest) if rest is not None else loss
 
         self.compute_loss = compute_loss
@@ -268,7 +276,7 @@ class AccumulationMixin:
         self._post_checked = True
         if not raw:
             return
-        expected = float(raw[0] * share.to(raw[0].device, raw[0].dtype))
+        expected = float(raw[0] * share.to(raw[0].device, raw[0].dtype) + sum(raw[1:]))
         got = float(returned)
         if not math.isclose(got, expected, rel_tol=1e-5, abs_tol=1e-12) and math.isfinite(expected):
             raise RuntimeError(

@@ -35,7 +35,7 @@ try:
 except ImportError as exc:  # pragma: no cover - trl is in the dev extra, optional for users
     raise ImportError(f"hf_accum.trl needs TRL ({exc}): pip install trl") from exc
 
-from . import _compat
+from . import _compat, router_aux
 from .args import AccumTrainingArguments
 from .trainer import AccumulationMixin
 
@@ -92,6 +92,12 @@ class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
             raise ValueError(
                 f"fused_loss=False computes the model's own (nll) loss, but loss_type={self.args.loss_type!r} needs "
                 "TRL's fused LM head. Leave fused_loss unset, or set loss_type='nll'."
+            )
+        if getattr(self.args, "fused_loss", None) is False and router_aux.enabled(self):
+            raise ValueError(
+                "fused_loss=False computes the model's own loss, which adds the MoE router loss inside each forward's "
+                "token mean, so hf_accum cannot give it TRL's weight (its mean over the window's forwards). Leave "
+                "fused_loss unset, or set router_aux_loss_coef=0.0."
             )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -152,12 +158,8 @@ class AccumDPOTrainer(_TRLAccumulation, DPOTrainer):
 
 
 def _dpo_trainer_refusal(trainer) -> str | None:
-    normalization = trainer._normalization
-    problem = dpo_refusal(trainer.args, normalization)
-    if problem is None and normalization != "model" and trainer.aux_loss_enabled:
-        problem = ("This model adds a router auxiliary loss (a token mean) to DPO's per-pair loss, which hf_accum "
-                   "cannot normalize exactly. Set router_aux_loss_coef=0.0, or loss_normalization='model'.")
-    return problem
+    # An MoE router loss is not refused: it is averaged over the window's forwards, as TRL does (router_aux.py).
+    return dpo_refusal(trainer.args, trainer._normalization)
 
 
 def _reward_trainer_refusal(trainer) -> str | None:

@@ -94,6 +94,11 @@ class WindowEngine:
     def share(self, local_count: torch.Tensor) -> torch.Tensor:
         return self.window.scale(local_count)
 
+    def forwards(self) -> int:
+        """Forwards this window runs, agreed over ranks (a per-forward term such as the MoE router loss is
+        averaged over them: router_aux.py)."""
+        return sum(self._forwards) if self._forwards else len(self._batches)
+
     def step(self, batch, run_chunk) -> torch.Tensor:
         """One loaded batch of the window (the next one): its chunks' summed returned losses."""
         index = self._index
