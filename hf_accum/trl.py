@@ -13,7 +13,8 @@ CLI flag for `HfArgumentParser` and a YAML key; both `__post_init__` checks run)
 `class MyTrainer(AccumulationMixin, trl.SomeTrainer)` gets what `TRL_TRAINERS` says of that trainer: its batch unit
 (DPOTrainer and RewardTrainer: whole pairs) and checks, or a refusal at construction naming what to use instead.
 
-`AccumDPOTrainer` / `AccumDPOConfig` do the same for `DPOTrainer`: batches are cut into whole preference pairs
+`AccumRewardTrainer` / `AccumRewardConfig` do the same for `RewardTrainer` (whole pairs, the mean over the window's
+pairs). `AccumDPOTrainer` / `AccumDPOConfig` do the same for `DPOTrainer`: batches are cut into whole preference pairs
 (row i with row B+i), the loss is normalized over the window's pairs ("samples"), and loss types that are not a
 mean of per-pair terms are refused.
 
@@ -31,7 +32,7 @@ from typing import Any
 from transformers import Trainer
 
 try:
-    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 except ImportError as exc:  # pragma: no cover - trl is in the dev extra, optional for users
     raise ImportError(f"hf_accum.trl needs TRL ({exc}): pip install trl") from exc
 
@@ -162,11 +163,35 @@ def _dpo_trainer_refusal(trainer) -> str | None:
     return dpo_refusal(trainer.args, trainer._normalization)
 
 
-def _reward_trainer_refusal(trainer) -> str | None:
-    if trainer._normalization == "tokens":
+def _reward_refusal(normalization: str) -> str | None:
+    if normalization == "tokens":
         return ("loss_normalization='tokens' does not fit RewardTrainer: its loss is a mean over preference pairs. "
                 "Set loss_normalization='samples' (one pair = one sample), or 'model' for TRL's own.")
     return None
+
+
+def _reward_trainer_refusal(trainer) -> str | None:
+    return _reward_refusal(trainer._normalization)
+
+
+@dataclass
+class AccumRewardConfig(RewardConfig, AccumTrainingArguments):
+    """`trl.RewardConfig` with hf_accum's fields. ``loss_normalization`` defaults to "samples": the reward loss
+    (-logsigmoid of the margin, plus the optional centering term) is a mean over preference pairs."""
+
+    loss_normalization: str = "samples"
+    gradient_checkpointing: bool | None = field(default=None, metadata=_FLAG_METADATA)
+
+    def __post_init__(self):
+        super().__post_init__()
+        problem = _reward_refusal(self.loss_normalization)
+        if problem:
+            raise ValueError(problem)
+
+
+class AccumRewardTrainer(_TRLAccumulation, RewardTrainer):
+    """`trl.RewardTrainer` + hf_accum: exact accumulation over the window's preference pairs (whole pairs per
+    forward, also after an OOM), the tuner. As for any class mixing `AccumulationMixin` into `RewardTrainer`."""
 
 
 @dataclass(frozen=True)
@@ -229,4 +254,5 @@ def mixed_into(cls: type) -> tuple[str, MixedInto] | None:
 # user override. Older TRL reads the logits for its token accuracy: hf_accum's fused loss stays off there.
 AccumSFTTrainer._fused_compute_loss_classes = (SFTTrainer, AccumSFTTrainer) if _compat.trl_fuses_lm_head() else ()
 
-__all__ = ["TRL_TRAINERS", "AccumDPOConfig", "AccumDPOTrainer", "AccumSFTConfig", "AccumSFTTrainer", "mixed_into"]
+__all__ = ["TRL_TRAINERS", "AccumDPOConfig", "AccumDPOTrainer", "AccumRewardConfig", "AccumRewardTrainer",
+           "AccumSFTConfig", "AccumSFTTrainer", "AccumulationMixin", "mixed_into"]
