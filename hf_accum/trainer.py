@@ -29,7 +29,7 @@ import weakref
 import torch
 from transformers import Trainer, TrainerCallback
 
-from . import _compat, checkpointing, finite_grads, router_aux, tuning
+from . import _compat, checkpointing, dpo_sft, finite_grads, router_aux, tuning
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments, explicit_batch_settings, resolve_nonfinite_limit
 from .checkpoints import check_resume
@@ -253,7 +253,7 @@ class AccumulationMixin:
         raw: list[torch.Tensor] = []
 
         def compute_loss(model, inputs, *args, **kwargs):
-            with router_aux.taken_out(self, model) as captured:
+            with router_aux.taken_out(self, model) as captured, dpo_sft.reweighted(self, inputs, scale / undo):
                 if final:
                     out, keep = self._engine.final_forward(lambda b, *a, **k: original(model, b, *a, **k), inputs,
                                                            *args, **kwargs)

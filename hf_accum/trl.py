@@ -109,11 +109,11 @@ class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
 
 
 # DPO losses whose batch loss is the mean over pairs of a term of that pair alone: cutting a window into forwards
-# of whole pairs and re-weighting them by pair count gives the window's mean exactly. The others are refused:
-# "aot"/"aot_unpaired" sort the ratios across the batch, "sft" is a token mean, "bco_pair" (as issue-tracked)
-# is not admitted until tested.
+# of whole pairs and re-weighting them by pair count gives the window's mean exactly; "sft", a token mean over the
+# chosen completions, gets its own count over the window (dpo_sft.py). The others are refused: "aot"/"aot_unpaired"
+# sort the ratios across the batch, "bco_pair" (as issue-tracked) is not admitted until tested.
 PER_PAIR_DPO_LOSSES = frozenset({"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "sppo_hard",
-                                 "apo_zero", "apo_down", "discopop", "sigmoid_norm"})
+                                 "apo_zero", "apo_down", "discopop", "sigmoid_norm", "sft"})
 
 
 @dataclass
