@@ -56,3 +56,18 @@ def term(trainer, captured: list[torch.Tensor], forwards: int) -> torch.Tensor |
     """``coef * aux / forwards`` for the training forward captured (None when none was; the last one when a
     forward that ran out of memory was completed on a sliver, whose loss then counts 0)."""
     return captured[-1] * (trainer.router_aux_loss_coef / forwards) if captured else None
+
+
+@contextlib.contextmanager
+def off(trainer):
+    """No router term at all (TRL's weight 0): the accumulation check compares one forward over a batch with the
+    same batch cut into forwards, and the router term, a statistic of each forward's batch, differs by design."""
+    if not enabled(trainer):
+        yield
+        return
+    coef = trainer.router_aux_loss_coef
+    trainer.router_aux_loss_coef = 0.0
+    try:
+        yield
+    finally:
+        trainer.router_aux_loss_coef = coef

@@ -110,3 +110,14 @@ def test_trl_still_names_its_router_loss_as_router_aux_reads_it(tmp_path):
     assert trainer.aux_loss_enabled is True and trainer.router_aux_loss_coef == COEF
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "output_router_logits": True}
     assert model(**batch).aux_loss.requires_grad
+
+
+def test_check_accumulation_on_an_moe_model_compares_the_token_loss(tmp_path):
+    # one forward over 4 rows vs 2 forwards of 2: the router term differs by design (a per-forward statistic), so
+    # the check leaves it out of both passes; the token loss must agree
+    tok = tiny.build_tokenizer()
+    args = AccumSFTConfig(output_dir=str(tmp_path), auto_tune=False, **{**COMMON, "per_device_train_batch_size": 4})
+    trainer = AccumSFTTrainer(model=tiny_moe(tok), args=args, train_dataset=_sft_data(), processing_class=tok)
+    result = trainer.check_accumulation(num_micro_batches=2)
+    assert result.passed and result.relative_error < 1e-4, result
+    assert trainer.router_aux_loss_coef == COEF
