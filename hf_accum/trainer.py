@@ -29,7 +29,7 @@ import weakref
 import torch
 from transformers import Trainer, TrainerCallback
 
-from . import _compat, checkpointing, tuning
+from . import _compat, checkpointing, dpo_sft, finite_grads, router_aux, tuning
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments, explicit_batch_settings, resolve_nonfinite_limit
 from .checkpoints import check_resume
@@ -187,8 +187,11 @@ class AccumulationMixin:
         gradients still move AdamW's moments and weights); `_StepControl` stops after too many in a row."""
         model.zero_grad(set_to_none=True)
         self._nonfinite_streak += 1
-        logger.warning("hf_accum: the loss of the window of optimizer step %d is not finite; that step is skipped "
-                       "(gradients dropped; %d in a row)", self.state.global_step + 1, self._nonfinite_streak)
+        logger.warning("hf_accum: the loss or gradients of the window of optimizer step %d are not finite; that step "
+                       "is skipped (gradients dropped; %d in a row)", self.state.global_step + 1, self._nonfinite_streak)
+
+    def _gradients_finite(self):
+        return finite_grads.gradients_finite(self.model.parameters())
 
     def _window_engine(self, batch) -> WindowEngine:
         if self._engine is None:
@@ -205,6 +208,8 @@ class AccumulationMixin:
         engine.token_budget = _token_budget(self.plan)
         engine.cut_units = self._plan_cut(self.plan)
         engine.stop_requested = self._stop_request.__bool__
+        if self._skips_nonfinite and self.accelerator.scaler is None:  # fp16 AMP: its scaler skips overflows itself
+            engine.gradients_finite = _weakly(self._gradients_finite)
         return engine
 
     def _zero_grad(self) -> None:
@@ -222,11 +227,12 @@ class AccumulationMixin:
         # Clamped so an all-masked chunk gives 0 instead of 0/0 on paths that divide by it.
         local_for_loss = local.clamp(min=1).to(self.args.device)
         share = engine.share(local)
-        scale = share
+        scale, undo = share, 1
         if _compat.trainer_divides_by_accumulation(self, local_for_loss):
-            scale = share * _compat.window_length(self)  # pre-compensate training_step's division
+            undo = _compat.window_length(self)
+            scale = share * undo  # pre-compensate training_step's division
         sync = contextlib.nullcontext() if final else self._no_gradient_sync(model)
-        with sync, _compat.engine_boundary(self, final), self._loss_scaled(scale, final) as raw:
+        with sync, _compat.engine_boundary(self, final), self._loss_scaled(scale, final, undo) as raw:
             returned = super().training_step(model, inputs, local_for_loss)
         self._forwarded_tokens += _compat.main_input_tokens(self, inputs)
         if not self._post_checked:
@@ -238,22 +244,29 @@ class AccumulationMixin:
         return _compat.no_gradient_sync(model) if _compat.is_fsdp2(model) else self.accelerator.no_sync(model)
 
     @contextlib.contextmanager
-    def _loss_scaled(self, scale, final: bool):
+    def _loss_scaled(self, scale, final: bool, undo=1):
         """The one place the class's `compute_loss` (a user's override included) is wrapped, for one step: its
         loss is multiplied by ``scale``; the window's final forward runs through the engine so that every rank
-        agrees before the gradient-synchronizing backward."""
+        agrees before the gradient-synchronizing backward. A TRL MoE router loss is taken out and added back as
+        its mean over the window's forwards (router_aux.py; ``undo`` pre-compensates training_step's division)."""
         original = self.compute_loss
         raw: list[torch.Tensor] = []
 
         def compute_loss(model, inputs, *args, **kwargs):
-            if final:
-                out, keep = self._engine.final_forward(lambda b, *a, **k: original(model, b, *a, **k), inputs,
-                                                       *args, **kwargs)
-            else:
-                out, keep = original(model, inputs, *args, **kwargs), 1.0
+            with router_aux.taken_out(self, model) as captured, dpo_sft.reweighted(self, inputs, scale / undo):
+                if final:
+                    out, keep = self._engine.final_forward(lambda b, *a, **k: original(model, b, *a, **k), inputs,
+                                                           *args, **kwargs)
+                else:
+                    out, keep = original(model, inputs, *args, **kwargs), 1.0
             loss, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
             raw.append(loss.detach())
-            loss = loss * scale.to(loss.device, loss.dtype) * keep
+            loss = loss * scale.to(loss.device, loss.dtype)
+            term = router_aux.term(self, captured, self._engine.forwards())
+            if term is not None:
+                raw.append(term.detach())  # the expected returned value gains it (_check_post_processing)
+                loss = loss + term.to(loss.dtype) * undo
+            loss = loss * keep
             return (loss, *rest) if rest is not None else loss
 
         self.compute_loss = compute_loss
@@ -268,7 +281,7 @@ class AccumulationMixin:
         self._post_checked = True
         if not raw:
             return
-        expected = float(raw[0] * share.to(raw[0].device, raw[0].dtype))
+        expected = float(raw[0] * share.to(raw[0].device, raw[0].dtype) + sum(raw[1:]))
         got = float(returned)
         if not math.isclose(got, expected, rel_tol=1e-5, abs_tol=1e-12) and math.isfinite(expected):
             raise RuntimeError(
@@ -594,16 +607,25 @@ class AccumulationMixin:
         per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
         return Plan(per_rank, 1, world, per_rank * world, token_budget=args.max_tokens_per_forward)
 
+    def _saved_weights_said(self) -> str:
+        # Non-finite steps are never taken, but an optimizer can make NaN from finite gradients (AdamW's eps
+        # underflows to 0 in fp16 weights): the claim is checked, not assumed.
+        if finite_grads.weights_finite(self.model.parameters()):
+            return "finite weights"
+        return ("weights that are NOT finite (an optimizer step with finite gradients made them NaN/inf, e.g. AdamW "
+                "on fp16 weights; load them in float32 or bf16)")
+
     def _raise_if_stopped(self) -> None:
         """After the Trainer's loop ended early on our request: say where the checkpoint is and how to resume."""
         where = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
         limit = getattr(self.args, "max_nonfinite_steps", None)
         if limit is not None and self._nonfinite_streak > limit:
             raise RuntimeError(
-                f"hf_accum: {self._nonfinite_streak} optimizer steps in a row had a non-finite loss (NaN/inf), "
-                f"more than max_nonfinite_steps={limit}; training stopped at step {self.state.global_step} with "
-                f"finite weights saved to {where}. Lower the learning rate, check the data around these steps, or "
-                "enable bf16 instead of fp16; then go on from that checkpoint. " + self._resume_advice(where)
+                f"hf_accum: {self._nonfinite_streak} optimizer steps in a row had a non-finite loss or gradients "
+                f"(NaN/inf), more than max_nonfinite_steps={limit}; training stopped at step "
+                f"{self.state.global_step} with {self._saved_weights_said()} saved to {where}. Lower the learning "
+                "rate, check the data around these steps, or enable bf16 instead of fp16; then go on from that "
+                "checkpoint. " + self._resume_advice(where)
             )
         request = self._stop_request
         if self._engine is not None and self._engine.outcome.stop:

@@ -13,7 +13,8 @@ CLI flag for `HfArgumentParser` and a YAML key; both `__post_init__` checks run)
 `class MyTrainer(AccumulationMixin, trl.SomeTrainer)` gets what `TRL_TRAINERS` says of that trainer: its batch unit
 (DPOTrainer and RewardTrainer: whole pairs) and checks, or a refusal at construction naming what to use instead.
 
-`AccumDPOTrainer` / `AccumDPOConfig` do the same for `DPOTrainer`: batches are cut into whole preference pairs
+`AccumRewardTrainer` / `AccumRewardConfig` do the same for `RewardTrainer` (whole pairs, the mean over the window's
+pairs). `AccumDPOTrainer` / `AccumDPOConfig` do the same for `DPOTrainer`: batches are cut into whole preference pairs
 (row i with row B+i), the loss is normalized over the window's pairs ("samples"), and loss types that are not a
 mean of per-pair terms are refused.
 
@@ -31,11 +32,11 @@ from typing import Any
 from transformers import Trainer
 
 try:
-    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 except ImportError as exc:  # pragma: no cover - trl is in the dev extra, optional for users
     raise ImportError(f"hf_accum.trl needs TRL ({exc}): pip install trl") from exc
 
-from . import _compat
+from . import _compat, router_aux
 from .args import AccumTrainingArguments
 from .trainer import AccumulationMixin
 
@@ -93,6 +94,12 @@ class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
                 f"fused_loss=False computes the model's own (nll) loss, but loss_type={self.args.loss_type!r} needs "
                 "TRL's fused LM head. Leave fused_loss unset, or set loss_type='nll'."
             )
+        if getattr(self.args, "fused_loss", None) is False and router_aux.enabled(self):
+            raise ValueError(
+                "fused_loss=False computes the model's own loss, which adds the MoE router loss inside each forward's "
+                "token mean, so hf_accum cannot give it TRL's weight (its mean over the window's forwards). Leave "
+                "fused_loss unset, or set router_aux_loss_coef=0.0."
+            )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if getattr(self.args, "fused_loss", None) is False:
@@ -102,11 +109,11 @@ class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
 
 
 # DPO losses whose batch loss is the mean over pairs of a term of that pair alone: cutting a window into forwards
-# of whole pairs and re-weighting them by pair count gives the window's mean exactly. The others are refused:
-# "aot"/"aot_unpaired" sort the ratios across the batch, "sft" is a token mean, "bco_pair" (as issue-tracked)
-# is not admitted until tested.
+# of whole pairs and re-weighting them by pair count gives the window's mean exactly; "sft", a token mean over the
+# chosen completions, gets its own count over the window (dpo_sft.py). The others are refused: "aot"/"aot_unpaired"
+# sort the ratios across the batch, "bco_pair" (as issue-tracked) is not admitted until tested.
 PER_PAIR_DPO_LOSSES = frozenset({"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "sppo_hard",
-                                 "apo_zero", "apo_down", "discopop", "sigmoid_norm"})
+                                 "apo_zero", "apo_down", "discopop", "sigmoid_norm", "sft"})
 
 
 @dataclass
@@ -152,19 +159,39 @@ class AccumDPOTrainer(_TRLAccumulation, DPOTrainer):
 
 
 def _dpo_trainer_refusal(trainer) -> str | None:
-    normalization = trainer._normalization
-    problem = dpo_refusal(trainer.args, normalization)
-    if problem is None and normalization != "model" and trainer.aux_loss_enabled:
-        problem = ("This model adds a router auxiliary loss (a token mean) to DPO's per-pair loss, which hf_accum "
-                   "cannot normalize exactly. Set router_aux_loss_coef=0.0, or loss_normalization='model'.")
-    return problem
+    # An MoE router loss is not refused: it is averaged over the window's forwards, as TRL does (router_aux.py).
+    return dpo_refusal(trainer.args, trainer._normalization)
 
 
-def _reward_trainer_refusal(trainer) -> str | None:
-    if trainer._normalization == "tokens":
+def _reward_refusal(normalization: str) -> str | None:
+    if normalization == "tokens":
         return ("loss_normalization='tokens' does not fit RewardTrainer: its loss is a mean over preference pairs. "
                 "Set loss_normalization='samples' (one pair = one sample), or 'model' for TRL's own.")
     return None
+
+
+def _reward_trainer_refusal(trainer) -> str | None:
+    return _reward_refusal(trainer._normalization)
+
+
+@dataclass
+class AccumRewardConfig(RewardConfig, AccumTrainingArguments):
+    """`trl.RewardConfig` with hf_accum's fields. ``loss_normalization`` defaults to "samples": the reward loss
+    (-logsigmoid of the margin, plus the optional centering term) is a mean over preference pairs."""
+
+    loss_normalization: str = "samples"
+    gradient_checkpointing: bool | None = field(default=None, metadata=_FLAG_METADATA)
+
+    def __post_init__(self):
+        super().__post_init__()
+        problem = _reward_refusal(self.loss_normalization)
+        if problem:
+            raise ValueError(problem)
+
+
+class AccumRewardTrainer(_TRLAccumulation, RewardTrainer):
+    """`trl.RewardTrainer` + hf_accum: exact accumulation over the window's preference pairs (whole pairs per
+    forward, also after an OOM), the tuner. As for any class mixing `AccumulationMixin` into `RewardTrainer`."""
 
 
 @dataclass(frozen=True)
@@ -227,4 +254,5 @@ def mixed_into(cls: type) -> tuple[str, MixedInto] | None:
 # user override. Older TRL reads the logits for its token accuracy: hf_accum's fused loss stays off there.
 AccumSFTTrainer._fused_compute_loss_classes = (SFTTrainer, AccumSFTTrainer) if _compat.trl_fuses_lm_head() else ()
 
-__all__ = ["TRL_TRAINERS", "AccumDPOConfig", "AccumDPOTrainer", "AccumSFTConfig", "AccumSFTTrainer", "mixed_into"]
+__all__ = ["TRL_TRAINERS", "AccumDPOConfig", "AccumDPOTrainer", "AccumRewardConfig", "AccumRewardTrainer",
+           "AccumSFTConfig", "AccumSFTTrainer", "AccumulationMixin", "mixed_into"]
