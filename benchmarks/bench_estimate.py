@@ -1,7 +1,7 @@
 """The estimate (fake tensors: nothing allocated, nothing loaded) beside the probe's measured CPU peak, like for like.
 
     python benchmarks/bench_estimate.py            # Llama, GPT-2, Qwen2 x full / LoRA at seq 256 (~3 min, 2 cores)
-    python benchmarks/bench_estimate.py --seq-len 512 --budget-mib 96
+    python benchmarks/bench_estimate.py --seq-len 512 --budget-mib 400
 
 Each row: a size the real probe measured (CpuMeter: the profiler's allocation events), its measured peak, the
 estimate's predicted peak for `--device cpu` at the same size, and the error; then both searches' largest fitting
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--budget-mib", type=float, default=64)
+    ap.add_argument("--budget-mib", type=float, default=200)
     ap.add_argument("--target", type=int, default=32)
     ap.add_argument("--only", default=None, help="configurations whose name contains this")
     args = ap.parse_args(argv)

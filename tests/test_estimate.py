@@ -73,3 +73,56 @@ def test_parse_size(text, expected):
 def test_parse_size_refuses(text):
     with pytest.raises(ValueError, match="--device-memory"):
         parse_size(text)
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpt2")
+    _config("gpt2").save_pretrained(folder)  # config.json only: no weights exist to load
+    return str(folder)
+
+
+def test_cli_estimate_writes_the_plan_with_every_peak(gpt2_folder, tmp_path, capsys):
+    from hf_accum.cli import main
+
+    out = tmp_path / "plan.json"
+    code = main(["probe", "--estimate", "--model", gpt2_folder, "--device", "cpu", "--device-memory", "1GiB",
+                 "--seq-len", "64", "--target-batch", "8", "--budget-bytes", str(8 * MiB), "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["estimated"] is True
+    largest = data["max_micro_batch_size"]
+    assert 1 <= largest < 8
+    peaks = {int(k): v for k, v in data["peaks"].items()}
+    assert sorted(peaks) == list(range(1, largest + 2))
+    assert peaks[largest] <= 8 * MiB < peaks[largest + 1]
+    assert all(peaks[m] < peaks[m + 1] for m in range(1, largest + 1))
+    assert "predicted peak per micro-batch" in capsys.readouterr().out
+
+
+def test_cuda_estimate_on_a_cpu_build_says_its_assumptions(gpt2_folder):
+    from hf_accum import estimate
+
+    kwargs = dict(seq_len=64, target_batch_size=4, device_memory="1GiB", budget_bytes=512 * MiB)
+    cuda = estimate(gpt2_folder, device="cuda", **kwargs)
+    cpu = estimate(gpt2_folder, device="cpu", **kwargs)
+    assert cuda.assumptions and not cpu.assumptions
+    assert torch.cuda.is_available() or cuda.result.device.startswith("cuda")
+    # the same step, each block rounded up to the CUDA allocator's 512 bytes: never less
+    assert all(cuda.peaks[m] >= cpu.peaks[m] for m in cpu.peaks)
+    assert cuda.plan.micro_batch_size == cpu.plan.micro_batch_size == 4
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--device-memory", "lots"], "--device-memory"),
+    (["--load-in-4bit"], "4-bit"),
+    (["--device", "cuda"], "--device-memory"),
+    (["--gradient-checkpointing"], "checkpointing"),
+])
+def test_cli_estimate_refuses_in_one_line(gpt2_folder, capsys, flags, words):
+    from hf_accum.cli import main
+
+    code = main(["probe", "--estimate", "--model", gpt2_folder, *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and words in err
