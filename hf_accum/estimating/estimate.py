@@ -139,6 +139,22 @@ def estimate_model(
     return Estimate(result, plan, seq_len, device, peaks, assumptions)
 
 
+def estimate_peaks(build, sizes: tuple[int, ...], *, seq_len: int, device: str = "cuda",
+                   bf16: bool = False) -> dict[int, int]:
+    """Only the predicted peaks at ``sizes`` (no search, no plan): one warm-up step, then one step per size, as
+    a benchmark measures the real ones."""
+    with torch.device("meta"):
+        model = build()
+    with fake_session(CUDA_GRANULE if device == "cuda" else 1) as counter:
+        to_fake(model)
+        meter = PaperMeter(counter, model, 1, device)
+        try:
+            peaks = every_peak(model, meter, seq_len, 0, torch.bfloat16 if bf16 else None, tuple(sizes))
+            return {m: peaks[m] for m in sizes}
+        finally:
+            meter.close()
+
+
 MEASURE_EVERY_UP_TO = 16  # above this many sizes, the sizes between measured ones are read off the line between them
 
 
