@@ -97,6 +97,7 @@ def test_cli_estimate_writes_the_plan_with_every_peak(gpt2_folder, tmp_path, cap
     assert sorted(peaks) == list(range(1, largest + 2))
     assert peaks[largest] <= 8 * MiB < peaks[largest + 1]
     assert all(peaks[m] < peaks[m + 1] for m in range(1, largest + 1))
+    assert data["trials"] and all(t["seconds"] is None for t in data["trials"])  # fake steps time nothing
     assert "predicted peak per micro-batch" in capsys.readouterr().out
 
 

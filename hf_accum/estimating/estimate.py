@@ -25,7 +25,8 @@ CUDA_GRANULE = 512  # the CUDA caching allocator's smallest block: every allocat
 #: What `--device cuda` assumes of the card, said in every report (the estimate runs on CPU kernels).
 CUDA_ASSUMPTIONS = (
     "attention: SDPA with a fused kernel (flash / memory-efficient: no seq x seq scores kept), as CPU SDPA",
-    "bf16: autocast casts the same ops as on CUDA (weights and optimizer state stay float32)",
+    "bf16: CPU autocast's op lists stand in for CUDA's (weights keep the dtype the config builds them in)",
+    "AdamW: the foreach kernels, torch's default on CUDA (their temporaries span all parameters of a dtype)",
     f"allocator: every block rounded up to {CUDA_GRANULE} bytes; cached, fragmented segments not modelled "
     "(reserved memory can be a few percent higher)",
     "CUDA context and cuBLAS workspaces not counted: the budget is a fraction of --device-memory",
@@ -130,10 +131,13 @@ def estimate_model(
             result, plan = probe_model(
                 model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
                 budget_bytes=budget_bytes, make_batch=estimate_batch(model, seq_len), autocast_dtype=autocast,
-                max_micro_batch=max_micro_batch, meter=meter, log=log)
-            peaks = every_peak(model, meter, seq_len, result.max_micro_batch_size, autocast, also)
+                max_micro_batch=max_micro_batch, meter=meter, log=log, optimizer_kwargs=optimizer_kwargs(device))
+            peaks = every_peak(model, meter, seq_len, result.max_micro_batch_size, autocast, also, device)
         finally:
             meter.close()
+    for trial in result.trials:  # a step on fake tensors takes no device time: its seconds would mislead
+        trial.seconds = None
+    result.warmup_seconds = None
     result.extra.update({"estimated": True, "peaks": peaks})
     assumptions = CUDA_ASSUMPTIONS if device == "cuda" else ()
     return Estimate(result, plan, seq_len, device, peaks, assumptions)
@@ -149,17 +153,23 @@ def estimate_peaks(build, sizes: tuple[int, ...], *, seq_len: int, device: str =
         to_fake(model)
         meter = PaperMeter(counter, model, 1, device)
         try:
-            peaks = every_peak(model, meter, seq_len, 0, torch.bfloat16 if bf16 else None, tuple(sizes))
+            peaks = every_peak(model, meter, seq_len, 0, torch.bfloat16 if bf16 else None, tuple(sizes), device)
             return {m: peaks[m] for m in sizes}
         finally:
             meter.close()
+
+
+def optimizer_kwargs(device: str) -> dict[str, Any]:
+    """AdamW as torch picks it for the device: on CUDA the foreach kernels (their temporaries span every parameter of
+    a dtype at once), on CPU one parameter at a time. Fake tensors sit on the CPU, so CUDA's choice is made here."""
+    return {"foreach": True} if device == "cuda" else {}
 
 
 MEASURE_EVERY_UP_TO = 16  # above this many sizes, the sizes between measured ones are read off the line between them
 
 
 def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest: int,
-               autocast: torch.dtype | None, also: tuple[int, ...] = ()) -> dict[int, int]:
+               autocast: torch.dtype | None, also: tuple[int, ...] = (), device: str = "cpu") -> dict[int, int]:
     """The predicted peak at every micro-batch 1 .. largest + 1 (the probe measured only the sizes its search
     proposed). Up to `MEASURE_EVERY_UP_TO` sizes each is run; beyond, 1, 2, the probe's sizes and the last two are
     run and those between are interpolated: a step's memory grows linearly with its rows between the sizes measured
@@ -171,7 +181,7 @@ def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest:
     missing = sorted(m for m in wanted if m not in known and m >= 1)
     if missing:
         trainable = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(trainable)
+        opt = torch.optim.AdamW(trainable, **optimizer_kwargs(device))
         step = make_step_fn(model, opt, estimate_batch(model, seq_len), autocast_dtype=autocast)
         step(1)  # creates the optimizer state, as the probe's warm-up does
         for micro in missing:
