@@ -12,10 +12,12 @@ __version__ = "0.1.0"
 _quiet.install()  # a few exact messages of other libraries that no user can act on (see _quiet.py)
 
 # Imported on first use: `import hf_accum` (and so `hf-accum --help`) must not pay for torch and transformers.
-_LAZY = {"AccumTrainer": ".trainer", "AccumTrainingArguments": ".args", "AccumulationMixin": ".trainer"}
+_LAZY = {"AccumTrainer": ".trainer", "AccumTrainingArguments": ".args", "AccumulationMixin": ".trainer",
+         "estimate": ".estimating"}
 
 if TYPE_CHECKING:
     from .args import AccumTrainingArguments
+    from .estimating import estimate
     from .trainer import AccumTrainer, AccumulationMixin
 
 
@@ -29,4 +31,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-__all__ = ["AccumTrainer", "AccumTrainingArguments", "AccumulationMixin", "__version__"]
+__all__ = ["AccumTrainer", "AccumTrainingArguments", "AccumulationMixin", "__version__", "estimate"]
