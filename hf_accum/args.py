@@ -304,7 +304,8 @@ class AccumTrainingArguments(TrainingArguments):
         if setting is not None and flag is True:
             raise ValueError(
                 f"checkpoint_layers={setting!r} and gradient_checkpointing=True (every layer) contradict each other. "
-                "Leave gradient_checkpointing unset to have checkpoint_layers decide, or drop checkpoint_layers."
+                "Leave gradient_checkpointing unset (on the hf-accum command line: gradient_checkpointing=null) to have "
+                "checkpoint_layers decide, or drop checkpoint_layers."
             )
         self.checkpoint_layers = setting
         if flag is None and not _FLAG_DEFAULT_IS_NONE:
