@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 
 from .checkpoints import current_target
 from .loss import loss_shifts_labels
+from .paths import can_create_in, nearest_existing
 
 logger = logging.getLogger(__name__)
 
@@ -175,10 +176,8 @@ def check_output_dir_writable(output_dir: str) -> None:
     """The plan file goes to ``output_dir`` after the probe: a place that cannot be written fails first."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"output_dir={output_dir!r} is a file; pass output_dir=DIR with a directory.")
-    parent = os.path.abspath(output_dir)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.access(parent, os.W_OK):
+    parent = nearest_existing(output_dir)
+    if not can_create_in(parent):
         raise ValueError(f"output_dir={output_dir!r} cannot be written ({parent} is not writable); pass a "
                          "writable output_dir.")
 

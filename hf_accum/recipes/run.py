@@ -15,7 +15,7 @@ from typing import Any
 from . import preflight
 from .config import Recipe, RecipeError, _quiet_deprecations, load_recipe, write_recipe
 from .data import build_data, preference_stats, sft_stats
-from .model import add_lora, build_model, build_tokenizer
+from .model import add_lora, build_model, build_tokenizer, check_layers_requested
 
 SUMMARY_FILE = "run_summary.json"
 RECIPE_FILE = "recipe.yaml"
@@ -118,6 +118,7 @@ def build(recipe: Recipe, args, say: Callable[[str], None], callbacks: Sequence[
 
     # Seeded before the model is built: the LoRA matrices (and a new head) are initialized from the global RNG,
     # which the Trainer only seeds later, in its __init__. Without this two runs of a recipe differ.
+    check_layers_requested(recipe, args)
     set_seed(args.seed)
     tokenizer = build_tokenizer(recipe)
     data = build_data(recipe, tokenizer)
