@@ -64,6 +64,7 @@ class AccumulationMixin:
     """
 
     batch_unit: str | None = None
+    resume_command: str | None = None  # how a stopped run is continued, where not from Python (`hf-accum train`)
     collectives_in_compute_loss: bool = False
 
     def __init__(self, *args, **kwargs):
@@ -585,6 +586,8 @@ class AccumulationMixin:
             return (f"This run cannot be resumed (save_only_model=True: its checkpoints hold no optimizer or scheduler "
                     f"state): start a new run from the weights in {where} (from_pretrained(CHECKPOINT)); the "
                     "optimizer and schedule start over.")
+        if self.resume_command:
+            return f"Resume with: {self.resume_command}"
         return (f"Resume with trainer.train(resume_from_checkpoint={where!r}) (or resume_from_checkpoint=True for "
                 f"the newest checkpoint in {self.args.output_dir}).")
 

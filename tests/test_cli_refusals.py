@@ -47,3 +47,28 @@ def test_a_fitting_checkpoint_layers_passes_the_early_check(tmp_path):
 
     recipe = load_recipe("lora_sft", ["checkpoint_layers=2", f"output_dir={tmp_path}"])
     check_layers_requested(recipe, recipe.validate())  # 2 of 2 layers: no error
+
+
+def test_a_stopped_cli_run_says_the_cli_command_that_resumes_it(tmp_path, monkeypatch, caplog):
+    import signal
+
+    from transformers import TrainerCallback
+
+    from hf_accum.preemption import EXIT_PREEMPTED
+    from hf_accum.recipes import run
+
+    class StopAtStep2(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    plain = run.run_recipe
+    monkeypatch.setattr(run, "run_recipe", lambda *a, **k: plain(*a, callbacks=[StopAtStep2()], **k))
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "lora_sft", f"output_dir={out}", "max_steps=4", "data.num_examples=64"])
+    assert stopped.value.code == EXIT_PREEMPTED
+    message = str(stopped.value)
+    assert f"Resume with: hf-accum train lora_sft output_dir={out} max_steps=4 data.num_examples=64 " \
+           "resume_from_checkpoint=true" in message
+    assert "trainer.train(" not in message
