@@ -266,16 +266,12 @@ class AccumTrainingArguments(TrainingArguments):
     def _check_schedule(self) -> None:
         """Values transformers accepts and then trains nothing with, or torch refuses after the model is built."""
         if self.max_steps == -1 and _is_number(self.num_train_epochs) and self.num_train_epochs <= 0:
-            raise ValueError(
-                f"num_train_epochs={self.num_train_epochs} with max_steps=-1 trains nothing (0 optimizer steps, an "
-                "untrained model saved): set num_train_epochs > 0, or max_steps=N for N optimizer steps."
-            )
-        if not (_is_number(self.learning_rate) and math.isfinite(self.learning_rate)):
-            raise ValueError(f"learning_rate={self.learning_rate!r} is not a finite number: set e.g. "
-                             "learning_rate=2e-4.")
-        if self.learning_rate < 0:
-            raise ValueError(f"learning_rate={self.learning_rate} is negative (the optimizer would climb the "
-                             "loss): set a positive learning_rate, e.g. learning_rate=2e-4.")
+            raise ValueError(f"num_train_epochs={self.num_train_epochs} with max_steps=-1 trains nothing (0 optimizer "
+                             "steps, an untrained model saved): set num_train_epochs > 0, or max_steps=N.")
+        if not (_is_number(self.learning_rate) and math.isfinite(self.learning_rate)) or self.learning_rate < 0:
+            what = "is negative" if _is_number(self.learning_rate) and self.learning_rate < 0 else \
+                "is not a finite number"
+            raise ValueError(f"learning_rate={self.learning_rate!r} {what}: set a positive learning_rate, e.g. 2e-4.")
 
     def _resolve_checkpoint_layers(self) -> None:
         """checkpoint_layers: "auto", an int k >= 0, or None (the boolean flag decides), from what the user set; read

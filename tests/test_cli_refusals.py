@@ -2,8 +2,6 @@
 data is tokenized or the model built."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 

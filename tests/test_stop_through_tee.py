@@ -1,7 +1,6 @@
 """Ctrl-C reaches the whole process group: `hf-accum train ... | tee log` loses tee with it, and the run's next
 print must not kill it before the checkpoint is saved (issue 34 item 2)."""
 
-import os
 import signal
 import subprocess
 import time
