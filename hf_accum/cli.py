@@ -333,8 +333,17 @@ def _run_train(args: argparse.Namespace) -> int:
         return 0
     from .recipes.run import run_recipe
 
-    run_recipe(recipe)
+    run_recipe(recipe, resume_command=resume_command(args.recipe, args.overrides))
     return 0
+
+
+def resume_command(recipe: str, overrides: list[str]) -> str:
+    """The command line that continues this run from its newest checkpoint."""
+    import shlex
+
+    kept = [o for o in overrides if o.partition("=")[0].strip() not in ("resume_from_checkpoint",
+                                                                          "training.resume_from_checkpoint")]
+    return shlex.join(["hf-accum", "train", recipe, *kept, "resume_from_checkpoint=true"])
 
 
 # --- shared ------------------------------------------------------------------------------------------

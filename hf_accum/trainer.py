@@ -64,6 +64,7 @@ class AccumulationMixin:
     """
 
     batch_unit: str | None = None
+    resume_command: str | None = None  # how a stopped run is continued, where not from Python (`hf-accum train`)
     collectives_in_compute_loss: bool = False
 
     def __init__(self, *args, **kwargs):
@@ -84,6 +85,7 @@ class AccumulationMixin:
         self._given_batch = explicit_batch_settings(self.args) if isinstance(self.args, AccumTrainingArguments) else {}
         self._checked_before_probe = False
         self.plan: Plan | None = None
+        self._plan_given = False  # self.plan only records the sizes as given (auto_tune off): never stored
         self.probe_result = None
         self._plan_key: dict | None = None
         self._engine: WindowEngine | None = None
@@ -433,7 +435,7 @@ class AccumulationMixin:
             self._eval_batch_planned = True
         if plan.checkpointed_layers is not None and not in_training_loop:
             checkpointing.apply_chosen(self.model, plan.checkpointed_layers, self.args)  # a stored plan's k too
-        self.plan = plan
+        self.plan, self._plan_given = plan, False
         if in_training_loop and self.args.should_save:  # tune() saved the plan it applies, with its probe
             save_plan(self.args.output_dir, self._plan_key or {}, plan, None)
 
@@ -563,6 +565,8 @@ class AccumulationMixin:
         """Every check first (`_check_before_probe`, the checkpoint to resume), then the plan: probed, stored or
         given. Returns the checkpoint to resume (True resolved)."""
         self._refuse_unresumable(resume_from_checkpoint)
+        if self._plan_given:  # recorded by an earlier train(): the arguments may have changed since
+            self.plan, self._plan_given = None, False
         self._check_before_probe()
         resume_from_checkpoint, stored = self._check_output_dir(resume_from_checkpoint)
         self._checked_before_probe = True
@@ -575,6 +579,10 @@ class AccumulationMixin:
             self.apply_plan(self._given_token_plan())
         elif stored is not None and resume_from_checkpoint:
             self.apply_plan(stored)  # the plan in force when the checkpoint was written (maybe downgraded)
+        if self.plan is None:  # the sizes as given are the plan in force: trainer.plan.describe() works
+            world = self.accelerator.num_processes
+            micro, accumulation = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
+            self.plan, self._plan_given = Plan(micro, accumulation, world, micro * accumulation * world), True
         return resume_from_checkpoint
 
     def _refuse_unresumable(self, resume_from_checkpoint) -> None:
@@ -598,6 +606,8 @@ class AccumulationMixin:
             return (f"This run cannot be resumed (save_only_model=True: its checkpoints hold no optimizer or scheduler "
                     f"state): start a new run from the weights in {where} (from_pretrained(CHECKPOINT)); the "
                     "optimizer and schedule start over.")
+        if self.resume_command:
+            return f"Resume with: {self.resume_command}"
         return (f"Resume with trainer.train(resume_from_checkpoint={where!r}) (or resume_from_checkpoint=True for "
                 f"the newest checkpoint in {self.args.output_dir}).")
 
@@ -715,7 +725,7 @@ class AccumulationMixin:
             self.args.eval_accumulation_steps = choice.accumulation_steps
         if self.plan is not None:
             self.plan = dataclasses.replace(self.plan, eval_batch_size=choice.batch_size)
-            if self.args.should_save and getattr(self.args, "target_batch_size", None):
+            if self.args.should_save and getattr(self.args, "target_batch_size", None) and not self._plan_given:
                 probe = self.probe_result.to_dict() if self.probe_result is not None else None
                 save_plan(self.args.output_dir, self._plan_key or {}, self.plan, probe)
 
@@ -791,7 +801,7 @@ class _PlanInCheckpoints(TrainerCallback):
         trainer = self._trainer()
         if trainer is None:
             return
-        plan = trainer.plan
+        plan = None if trainer._plan_given else trainer.plan  # a recorded given plan: as before, from the args
         if plan is None and getattr(args, "target_batch_size", None):
             plan = trainer._on_engine(Plan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
                                            args.world_size, args.target_batch_size))
