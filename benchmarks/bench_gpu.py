@@ -64,8 +64,8 @@ MiB = 1 << 20
 GiB = 1 << 30
 JSON_NAME, PNG_NAME = "bench_gpu.json", "bench_gpu.png"
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SECTION_NAMES = {1: "model", 2: "probe", 3: "train", 4: "oom", 5: "throughput", 6: "tokens"}
-SHARES = {1: 0.04, 2: 0.42, 3: 0.20, 4: 0.08, 5: 0.14, 6: 0.12}  # of the time left, among the sections left
+SECTION_NAMES = {1: "model", 2: "probe", 3: "train", 4: "oom", 5: "throughput", 6: "tokens", 7: "estimate"}
+SHARES = {1: 0.04, 2: 0.38, 3: 0.19, 4: 0.08, 5: 0.13, 6: 0.11, 7: 0.07}  # of the time left, among the sections left
 
 
 @dataclass
@@ -1135,8 +1135,82 @@ def section_tokens(ctx: Ctx) -> dict[str, Any]:
     return {"figures": figures, "goals": goals}
 
 
+# --- section 7: the estimate beside the measurement ------------------------------------------------------------
+def estimate_builder(ctx: Ctx, method: str):
+    """The section's model as `Ctx.method_model` builds it, for the estimate to build on the meta device."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def build():
+        model = LlamaForCausalLM(LlamaConfig(**ctx.s.model)).to(ctx.dtype)
+        if method == "full":
+            return model
+        from peft import LoraConfig
+
+        from hf_accum.loading import add_lora
+
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_MODULES, task_type="CAUSAL_LM")
+        return add_lora(model, lora, checkpointing=True)
+
+    return build
+
+
+def measured_peaks(ctx: Ctx, method: str, seq: int, sizes: tuple[int, ...]) -> dict[int, tuple[int, int | None]]:
+    """(peak allocated, peak reserved) of one real step at each size, after a warm-up step (None: out of memory)."""
+    model = ctx.method_model(method)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    step = make_step_fn(model, opt, random_token_batch(model, seq))
+    out: dict[int, tuple[int, int | None]] = {}
+    try:
+        step(1)
+        for micro in sizes:
+            try:
+                m = ctx.meter(model, opt).measure(lambda micro=micro: step(micro))
+            except torch.OutOfMemoryError:
+                break
+            out[micro] = (m.peak_bytes, m.reserved_bytes)
+    finally:
+        opt.state.clear()
+        release(model, opt)
+    return out
+
+
+def section_estimate(ctx: Ctx) -> dict[str, Any]:
+    """`hf-accum probe --estimate` (fake tensors, nothing allocated) against the meter at the same sizes: CUDA's
+    peak reserved and allocated on a GPU, the CPU meter's peak under --quick (there the estimate is for "cpu")."""
+    from hf_accum.estimating.estimate import estimate_peaks
+
+    sizes = (1, 2) if ctx.quick else (1, 2, 4)
+    device = "cuda" if ctx.cuda else "cpu"
+    rows, worst = [], []
+    for method in ("lora", "full"):
+        for seq in ctx.s.seqs:
+            if ctx.clock.out():
+                break
+            start = time.perf_counter()
+            predicted = estimate_peaks(estimate_builder(ctx, method), sizes, seq_len=seq, device=device)
+            seconds = time.perf_counter() - start
+            for micro, (allocated, reserved) in measured_peaks(ctx, method, seq, sizes).items():
+                charged = reserved if reserved is not None else allocated
+                error = predicted[micro] / charged - 1
+                worst.append(abs(error))
+                rows.append({"method": method, "seq": seq, "micro": micro, "estimate_bytes": predicted[micro],
+                             "max_allocated_bytes": allocated, "max_reserved_bytes": reserved,
+                             "error_vs_reserved" if reserved is not None else "error_vs_peak": error,
+                             "estimate_seconds": seconds})
+                print(f"  {method} seq {seq} micro {micro}: estimate {_mib(predicted[micro])}, allocated "
+                      f"{_mib(allocated)}, reserved {_mib(reserved)}, error {error:+.1%}", flush=True)
+    figures = {"rows": rows, "device_estimated": device}
+    against = "reserved" if ctx.cuda else "CPU meter's peak"
+    bound = 0.10 if ctx.cuda else 0.05
+    value = max(worst) if worst else None
+    goals = [goal(f"worst |estimate / {against} - 1|", value, f"<= {bound:.0%}",
+                  value <= bound if value is not None else None)]
+    return {"figures": figures, "goals": goals}
+
+
 SECTIONS: dict[int, Callable[[Ctx], dict[str, Any]]] = {
     1: section_model, 2: section_probe, 3: section_train, 4: section_oom, 5: section_throughput, 6: section_tokens,
+    7: section_estimate,
 }
 
 
@@ -1299,11 +1373,11 @@ def parse_sections(text: str) -> list[int]:
     try:
         chosen = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise SystemExit(f"--sections={text!r}: give section numbers 1-6 separated by commas, e.g. 2,5") from None
+        raise SystemExit(f"--sections={text!r}: give section numbers 1-7 separated by commas, e.g. 2,5") from None
     bad = [n for n in chosen if n not in SECTIONS]
     if bad or not chosen:
         names = ", ".join(f"{k} {v}" for k, v in SECTION_NAMES.items())
-        raise SystemExit(f"--sections={text!r}: sections are 1-6 ({names})")
+        raise SystemExit(f"--sections={text!r}: sections are 1-7 ({names})")
     return chosen
 
 
@@ -1328,7 +1402,7 @@ def run(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU, a tiny Llama: every section in well under a minute")
-    parser.add_argument("--sections", default="1,2,3,4,5,6", help="which sections, e.g. 2,5 (default: all)")
+    parser.add_argument("--sections", default="1,2,3,4,5,6,7", help="which sections, e.g. 2,5 (default: all)")
     parser.add_argument("--minutes", type=float, default=None,
                         help="stop cleanly after this many minutes, writing what was measured (GPU default 8)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",

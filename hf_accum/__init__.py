@@ -12,11 +12,13 @@ __version__ = "0.1.0"
 _quiet.install()  # a few exact messages of other libraries that no user can act on (see _quiet.py)
 
 # Imported on first use: `import hf_accum` (and so `hf-accum --help`) must not pay for torch and transformers.
-_LAZY = {"AccumTrainer": ".trainer", "AccumTrainingArguments": ".args"}
+_LAZY = {"AccumTrainer": ".trainer", "AccumTrainingArguments": ".args", "AccumulationMixin": ".trainer",
+         "estimate": ".estimating"}
 
 if TYPE_CHECKING:
     from .args import AccumTrainingArguments
-    from .trainer import AccumTrainer
+    from .estimating import estimate
+    from .trainer import AccumTrainer, AccumulationMixin
 
 
 def __getattr__(name: str) -> Any:
@@ -29,4 +31,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-__all__ = ["AccumTrainer", "AccumTrainingArguments", "__version__"]
+__all__ = ["AccumTrainer", "AccumTrainingArguments", "AccumulationMixin", "__version__", "estimate"]

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from . import router_aux
 from .compat import trainer_internals
 from .protocol import Local, Policy, WindowProtocol
 from .settings import Settings
@@ -89,7 +90,7 @@ def run_accumulation_check(trainer, num_micro_batches: int | None = None, tolera
             result = AccumulationCheck(None, tolerance, [size], size, True, reason)
             logger.warning(str(result))
             return result
-        with _dropout_off(model), trainer.accelerator.autocast(), using(trainer, engine):
+        with _dropout_off(model), trainer.accelerator.autocast(), using(trainer, engine), router_aux.off(trainer):
             one_pass = _window_gradient(trainer, engine, model, params, [batch])
             accumulated = _window_gradient(trainer, engine, model, params, chunks)
 

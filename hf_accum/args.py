@@ -7,6 +7,7 @@ every check runs in `__post_init__`, before a model is loaded, and its message n
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -241,6 +242,7 @@ class AccumTrainingArguments(TrainingArguments):
                 f"max_steps={self.max_steps} is not a number of steps: set a positive max_steps to stop after that "
                 "many optimizer steps, or -1 (the default) to train num_train_epochs epochs."
             )
+        self._check_schedule()
         if self.micro_batching not in ("samples", "tokens"):
             raise ValueError(f"micro_batching={self.micro_batching!r} must be 'samples' or 'tokens'.")
         if self.max_tokens_per_forward is not None:
@@ -262,11 +264,21 @@ class AccumTrainingArguments(TrainingArguments):
         if self.deepspeed:
             self._check_deepspeed_batch(world=self.world_size)
 
+    def _check_schedule(self) -> None:
+        """Values transformers accepts and then trains nothing with, or torch refuses after the model is built."""
+        if self.max_steps == -1 and _is_number(self.num_train_epochs) and self.num_train_epochs <= 0:
+            raise ValueError(f"num_train_epochs={self.num_train_epochs} with max_steps=-1 trains nothing (0 optimizer "
+                             "steps, an untrained model saved): set num_train_epochs > 0, or max_steps=N.")
+        if not (_is_number(self.learning_rate) and math.isfinite(self.learning_rate)) or self.learning_rate < 0:
+            what = "is negative" if _is_number(self.learning_rate) and self.learning_rate < 0 else \
+                "is not a finite number"
+            raise ValueError(f"learning_rate={self.learning_rate!r} {what}: set a positive learning_rate, e.g. 2e-4.")
+
     def _resolve_checkpoint_layers(self) -> None:
         """checkpoint_layers: "auto", an int k >= 0, or None (the boolean flag decides), from what the user set; read
         before `TrainingArguments.__post_init__` resolves an unset flag to False. A copy of resolved arguments
         (`dataclasses.replace`) resolves to the same setting: "auto" with the flag False stays "auto"."""
-        flag = checkpointing_flag(self)
+        flag = Settings(self).checkpointing_flag()
         setting = self.checkpoint_layers
         if isinstance(setting, str):
             text = setting.strip().lower()
@@ -289,7 +301,8 @@ class AccumTrainingArguments(TrainingArguments):
         if setting is not None and flag is True:
             raise ValueError(
                 f"checkpoint_layers={setting!r} and gradient_checkpointing=True (every layer) contradict each other. "
-                "Leave gradient_checkpointing unset to have checkpoint_layers decide, or drop checkpoint_layers."
+                "Leave gradient_checkpointing unset (on the hf-accum command line: gradient_checkpointing=null) to have "
+                "checkpoint_layers decide, or drop checkpoint_layers."
             )
         self.checkpoint_layers = setting
         if flag is None and not _FLAG_DEFAULT_IS_NONE:
@@ -300,7 +313,7 @@ class AccumTrainingArguments(TrainingArguments):
         """What the user asked for: "auto" (the tuner chooses k), an int k, or True/False (every layer / none)."""
         if self.checkpoint_layers is not None:
             return self.checkpoint_layers
-        return bool(checkpointing_flag(self))
+        return bool(Settings(self).checkpointing_flag())
 
     @property
     def tunes(self) -> bool:
@@ -435,13 +448,6 @@ def resolve_nonfinite_limit(value, engine_steps_in_backward: bool) -> tuple[int 
             "DeepSpeed) or set it to None."
         )
     return value, None
-
-
-def checkpointing_flag(args) -> bool | None:
-    """The boolean checkpointing flag as given: activation_checkpointing (transformers >= 5.23) or its deprecated alias
-    gradient_checkpointing; None when neither is set."""
-    new = Settings(args).activation_checkpointing
-    return new if new is not None else Settings(args).gradient_checkpointing
 
 
 def _default(args, name: str):

@@ -76,6 +76,10 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-micro-batch", type=int, default=None, help="largest micro-batch to try")
     p.add_argument("--optimize", choices=["memory", "throughput"], default="memory")
     p.add_argument("--json", default=None, help="write the measurements and plan to this JSON file")
+    e = p.add_argument_group("estimate (no weights loaded: the model from its config, on fake tensors)")
+    e.add_argument("--estimate", action="store_true", help="plan without loading the model or using a device")
+    e.add_argument("--device", choices=["cpu", "cuda"], default="cuda", help="the device to estimate for")
+    e.add_argument("--device-memory", default=None, metavar="SIZE", help="the card's memory, e.g. 80GiB")
     p.add_argument("--plot", default=None, help="write a PNG of the memory curve to this file")
     p.set_defaults(func=_run_probe)
 
@@ -133,6 +137,8 @@ def _check_probe_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
 def _run_probe(args: argparse.Namespace) -> int:
     _check_probe_args(args, args.parser)  # before any model is loaded
+    if args.estimate:
+        return _estimate(args)
     if args.recipe is not None:
         return _probe_recipe(args)
     _import_bitsandbytes_only_if(args, args.load_in_4bit or args.load_in_8bit)
@@ -207,6 +213,20 @@ def _bare_model(args: argparse.Namespace):
         enable_checkpointing(model, SimpleNamespace(gradient_checkpointing=True,
                                                     gradient_checkpointing_kwargs={"use_reentrant": False}))
     return model
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from .estimating import command
+
+    why = command.refusal(args)
+    try:
+        if args.device_memory:
+            command.parse_size(args.device_memory)
+        if why is not None:
+            raise ValueError(why)
+        return command.run(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _bare_model_budget(args: argparse.Namespace) -> tuple[int | None, str, str]:
@@ -323,8 +343,17 @@ def _run_train(args: argparse.Namespace) -> int:
         return 0
     from .recipes.run import run_recipe
 
-    run_recipe(recipe)
+    run_recipe(recipe, resume_command=resume_command(args.recipe, args.overrides))
     return 0
+
+
+def resume_command(recipe: str, overrides: list[str]) -> str:
+    """The command line that continues this run from its newest checkpoint."""
+    import shlex
+
+    kept = [o for o in overrides if o.partition("=")[0].strip() not in ("resume_from_checkpoint",
+                                                                          "training.resume_from_checkpoint")]
+    return shlex.join(["hf-accum", "train", recipe, *kept, "resume_from_checkpoint=true"])
 
 
 # --- shared ------------------------------------------------------------------------------------------

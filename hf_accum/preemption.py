@@ -20,6 +20,8 @@ import signal
 import threading
 import time
 
+from .output_guard import OutputGuard
+
 logger = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, what a process killed by SIGTERM reports: schedulers requeue on it
@@ -43,6 +45,7 @@ class StopRequest:
     def __init__(self):
         self.signal_name: str | None = None
         self.at: float | None = None
+        self._output = OutputGuard()
 
     def __bool__(self) -> bool:
         return self.signal_name is not None
@@ -50,6 +53,7 @@ class StopRequest:
     def _handle(self, signum, frame):
         if self.signal_name is None:
             self.signal_name, self.at = signal.Signals(signum).name, time.monotonic()
+            self._output.start()  # before the line below: a Ctrl-C may have taken `| tee` down with us
             logger.warning("hf_accum: %s received: finishing the optimizer step in progress, then saving a "
                            "checkpoint and stopping (a second Ctrl-C stops at once).", self.signal_name)
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -69,6 +73,7 @@ class StopRequest:
         finally:
             for s, handler in saved.items():
                 signal.signal(s, handler)
+            self._output.stop()
 
     def seconds_since(self) -> float:
         return time.monotonic() - self.at if self.at is not None else 0.0

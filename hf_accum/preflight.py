@@ -14,16 +14,22 @@ silently different effective batch, or fail mid-run, is refused first with the a
   collator gives none): every window would fail at its first step, after the probe. Read through the trainer's
   own collator, stopping at the first batch that counts a label, with the RNG streams left as they were.
 
-Iterable datasets have no length and cannot be read ahead; they are not checked here.
+Iterable datasets have no length and cannot be read ahead; they are not checked here. A Trainer subclass whose
+`get_train_dataloader` returns its own iterable is read through the batches it yields (or, with no length, skipped
+with one log line).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .loss import loss_shifts_labels
+from .paths import can_create_in, nearest_existing
 from .settings import Settings
+
+logger = logging.getLogger(__name__)
 
 
 def check_training_data(trainer) -> None:
@@ -124,15 +130,16 @@ def _check_some_label_counts(trainer, rows_per_batch: int = 64) -> None:
     from .preserve import modes_and_rng_preserved
 
     loader = trainer.get_train_dataloader()
-    dataset, collate = loader.dataset, loader.collate_fn
-    try:
-        size = len(dataset)
-    except TypeError:
-        return
     spec = trainer._label_spec()
     with modes_and_rng_preserved(trainer.model):  # a collator may draw random numbers (masking): none consumed
-        for start in range(0, size, rows_per_batch):
-            batch = collate([dataset[i] for i in range(start, min(size, start + rows_per_batch))])
+        batches = _batches(loader, rows_per_batch)
+        if batches is None:
+            return
+        for batch in batches:
+            if not isinstance(batch, Mapping):
+                logger.info("hf_accum: the training labels are not checked before the probe (the loader yields "
+                            "%s, not a mapping of tensors).", type(batch).__name__)
+                return
             if int(spec.count(batch)):
                 return
     raise ValueError(
@@ -143,14 +150,34 @@ def _check_some_label_counts(trainer, rows_per_batch: int = 64) -> None:
     )
 
 
+def _batches(loader, rows_per_batch: int):
+    """The training set's batches as the trainer's collator gives them: read from the loader's dataset in order
+    where it has one (no sampler, no shuffling), else the batches a custom loader yields; None, said in one line,
+    where neither can be read ahead (a loader with no length may never end)."""
+    dataset, collate = getattr(loader, "dataset", None), getattr(loader, "collate_fn", None)
+    if dataset is not None and collate is not None:
+        try:
+            size = len(dataset)
+        except TypeError:
+            return None
+        return (collate([dataset[i] for i in range(start, min(size, start + rows_per_batch))])
+                for start in range(0, size, rows_per_batch))
+    try:
+        len(loader)
+    except TypeError:
+        logger.info("hf_accum: the training data is not checked before the probe (%s has no length, so it cannot "
+                    "be read ahead); a batch with no counted label is refused when it is trained.",
+                    type(loader).__name__)
+        return None
+    return loader
+
+
 def check_output_dir_writable(output_dir: str) -> None:
     """The plan file goes to ``output_dir`` after the probe: a place that cannot be written fails first."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"output_dir={output_dir!r} is a file; pass output_dir=DIR with a directory.")
-    parent = os.path.abspath(output_dir)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.access(parent, os.W_OK):
+    parent = nearest_existing(output_dir)
+    if not can_create_in(parent):
         raise ValueError(f"output_dir={output_dir!r} cannot be written ({parent} is not writable); pass a "
                          "writable output_dir.")
 

@@ -62,6 +62,12 @@ class Settings:
     def __init__(self, args):
         self.args = args
 
+    def checkpointing_flag(self) -> bool | None:
+        """The boolean checkpointing flag as given: activation_checkpointing (transformers >= 5.23) or its deprecated
+        alias gradient_checkpointing; None when neither is set."""
+        new = self.activation_checkpointing
+        return new if new is not None else self.gradient_checkpointing
+
     def exact_target(self, world: int | None = None) -> int:
         """The effective batch the run is configured for now: target_batch_size, or what the batch settings give
         over ``world`` ranks (default: the arguments' world size). The one place this is derived."""

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 
+from . import finite_grads
 from .compat import parallel
 from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted
 from .settings import Settings
@@ -56,8 +57,19 @@ def resume_advice(trainer, where: str) -> str:
         return (f"This run cannot be resumed (save_only_model=True: its checkpoints hold no optimizer or scheduler "
                 f"state): start a new run from the weights in {where} (from_pretrained(CHECKPOINT)); the "
                 "optimizer and schedule start over.")
+    if trainer.resume_command:
+        return f"Resume with: {trainer.resume_command}"
     return (f"Resume with trainer.train(resume_from_checkpoint={where!r}) (or resume_from_checkpoint=True for "
             f"the newest checkpoint in {trainer.args.output_dir}).")
+
+
+def _saved_weights_said(trainer) -> str:
+    # Non-finite steps are never taken, but an optimizer can make NaN from finite gradients (AdamW's eps
+    # underflows to 0 in fp16 weights): the claim is checked, not assumed.
+    if finite_grads.weights_finite(trainer.model.parameters()):
+        return "finite weights"
+    return ("weights that are NOT finite (an optimizer step with finite gradients made them NaN/inf, e.g. AdamW "
+            "on fp16 weights; load them in float32 or bf16)")
 
 
 def raise_if_stopped(trainer) -> None:
@@ -66,10 +78,11 @@ def raise_if_stopped(trainer) -> None:
     limit = Settings(trainer.args).max_nonfinite_steps
     if limit is not None and trainer._nonfinite_streak > limit:
         raise RuntimeError(
-            f"hf_accum: {trainer._nonfinite_streak} optimizer steps in a row had a non-finite loss (NaN/inf), "
-            f"more than max_nonfinite_steps={limit}; training stopped at step {trainer.state.global_step} with "
-            f"finite weights saved to {where}. Lower the learning rate, check the data around these steps, or "
-            "enable bf16 instead of fp16; then go on from that checkpoint. " + resume_advice(trainer, where)
+            f"hf_accum: {trainer._nonfinite_streak} optimizer steps in a row had a non-finite loss or gradients "
+            f"(NaN/inf), more than max_nonfinite_steps={limit}; training stopped at step "
+            f"{trainer.state.global_step} with {_saved_weights_said(trainer)} saved to {where}. Lower the learning "
+            "rate, check the data around these steps, or enable bf16 instead of fp16; then go on from that "
+            "checkpoint. " + resume_advice(trainer, where)
         )
     request = trainer._stop_request
     if trainer._engine is not None and trainer._engine.outcome.stop:

@@ -29,7 +29,7 @@ import weakref
 
 from transformers import Trainer, TrainerCallback
 
-from . import checkpointing, construction, evaluation, scaled_loss, stopping
+from . import checkpointing, construction, evaluation, finite_grads, scaled_loss, stopping
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments, explicit_batch_settings
 from .checkpoints import check_resume
@@ -63,6 +63,7 @@ class AccumulationMixin:
     """
 
     batch_unit: str | None = None
+    resume_command: str | None = None  # how a stopped run is continued, where not from Python (`hf-accum train`)
     collectives_in_compute_loss: bool = False
 
     def __init__(self, *args, **kwargs):
@@ -166,8 +167,11 @@ class AccumulationMixin:
         gradients still move AdamW's moments and weights); `_StepControl` stops after too many in a row."""
         model.zero_grad(set_to_none=True)
         self._nonfinite_streak += 1
-        logger.warning("hf_accum: the loss of the window of optimizer step %d is not finite; that step is skipped "
-                       "(gradients dropped; %d in a row)", self.state.global_step + 1, self._nonfinite_streak)
+        logger.warning("hf_accum: the loss or gradients of the window of optimizer step %d are not finite; that step "
+                       "is skipped (gradients dropped; %d in a row)", self.state.global_step + 1, self._nonfinite_streak)
+
+    def _gradients_finite(self):
+        return finite_grads.gradients_finite(self.model.parameters())
 
     def _window_engine(self, batch) -> WindowEngine:
         if self._engine is None:
@@ -183,6 +187,8 @@ class AccumulationMixin:
                               shrink_tokens=_weakly(self._planner.after_oom_tokens), device=self.args.device)
         self._planner.configure(engine)
         engine.stop_requested = self._stop_request.__bool__
+        if self._skips_nonfinite and self.accelerator.scaler is None:  # fp16 AMP: its scaler skips overflows itself
+            engine.gradients_finite = _weakly(self._gradients_finite)
         return engine
 
     def _zero_grad(self) -> None:
@@ -200,11 +206,13 @@ class AccumulationMixin:
         # Clamped so an all-masked chunk gives 0 instead of 0/0 on paths that divide by it.
         local_for_loss = local.clamp(min=1).to(self.args.device)
         share = engine.share(local)
-        scale = share
+        scale, undo = share, 1
         if trainer_internals.trainer_divides_by_accumulation(self, local_for_loss):
-            scale = share * trainer_internals.window_length(self)  # pre-compensate training_step's division
+            undo = trainer_internals.window_length(self)
+            scale = share * undo  # pre-compensate training_step's division
         sync = contextlib.nullcontext() if final else self._no_gradient_sync(model)
-        with sync, deepspeed_integration.engine_boundary(self, final), scaled_loss.loss_scaled(self, engine, scale, final) as raw:
+        scaled = scaled_loss.loss_scaled(self, engine, scale, final, undo)
+        with sync, deepspeed_integration.engine_boundary(self, final), scaled as raw:
             returned = super().training_step(model, inputs, local_for_loss)
         self._forwarded_tokens += trainer_internals.main_input_tokens(self, inputs)
         if not self._post_checked:
@@ -374,7 +382,7 @@ class _PlanInCheckpoints(TrainerCallback):
         if trainer is None:
             return
         planner = trainer.planner
-        plan = planner.plan
+        plan = None if planner.plan_given else planner.plan  # a recorded given plan: as before, from the args
         if plan is None and Settings(args).target_batch_size:
             plan = planner.given_plan()
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

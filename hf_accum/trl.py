@@ -13,7 +13,8 @@ CLI flag for `HfArgumentParser` and a YAML key; both `__post_init__` checks run)
 `class MyTrainer(AccumulationMixin, trl.SomeTrainer)` gets what `TRL_TRAINERS` says of that trainer: its batch unit
 (DPOTrainer and RewardTrainer: whole pairs) and checks, or a refusal at construction naming what to use instead.
 
-`AccumDPOTrainer` / `AccumDPOConfig` do the same for `DPOTrainer`: batches are cut into whole preference pairs
+`AccumRewardTrainer` / `AccumRewardConfig` do the same for `RewardTrainer` (whole pairs, the mean over the window's
+pairs). `AccumDPOTrainer` / `AccumDPOConfig` do the same for `DPOTrainer`: batches are cut into whole preference pairs
 (row i with row B+i), the loss is normalized over the window's pairs ("samples"), and loss types that are not a
 mean of per-pair terms are refused.
 
@@ -29,14 +30,22 @@ from dataclasses import dataclass, field
 from transformers import Trainer
 
 try:
-    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 except ImportError as exc:  # pragma: no cover - trl is in the dev extra, optional for users
     raise ImportError(f"hf_accum.trl needs TRL ({exc}): pip install trl") from exc
 
+from . import router_aux
 from .args import AccumTrainingArguments
 from .compat import trl_internals
 from .trainer import AccumulationMixin
-from .trl_support import PER_PAIR_DPO_LOSSES, TRL_TRAINERS, MixedInto, dpo_refusal, mixed_into  # noqa: F401 (public here)
+from .trl_support import (  # noqa: F401 (public here)
+    PER_PAIR_DPO_LOSSES,
+    TRL_TRAINERS,
+    MixedInto,
+    dpo_refusal,
+    mixed_into,
+    reward_refusal,
+)
 
 # TRL's configs default gradient_checkpointing to True; an unset flag (None) lets the tuner choose per layer instead
 # (args.AccumTrainingArguments.checkpoint_layers). An explicit True/False is obeyed.
@@ -92,6 +101,12 @@ class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
                 f"fused_loss=False computes the model's own (nll) loss, but loss_type={self.args.loss_type!r} needs "
                 "TRL's fused LM head. Leave fused_loss unset, or set loss_type='nll'."
             )
+        if self.settings.fused_loss is False and router_aux.enabled(self):
+            raise ValueError(
+                "fused_loss=False computes the model's own loss, which adds the MoE router loss inside each forward's "
+                "token mean, so hf_accum cannot give it TRL's weight (its mean over the window's forwards). Leave "
+                "fused_loss unset, or set router_aux_loss_coef=0.0."
+            )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.settings.fused_loss is False:
@@ -122,8 +137,29 @@ class AccumDPOTrainer(_TRLAccumulation, DPOTrainer):
     `DPOTrainer`."""
 
 
+@dataclass
+class AccumRewardConfig(RewardConfig, AccumTrainingArguments):
+    """`trl.RewardConfig` with hf_accum's fields. ``loss_normalization`` defaults to "samples": the reward loss
+    (-logsigmoid of the margin, plus the optional centering term) is a mean over preference pairs."""
+
+    loss_normalization: str = "samples"
+    gradient_checkpointing: bool | None = field(default=None, metadata=_FLAG_METADATA)
+
+    def __post_init__(self):
+        super().__post_init__()
+        problem = reward_refusal(self.loss_normalization)
+        if problem:
+            raise ValueError(problem)
+
+
+class AccumRewardTrainer(_TRLAccumulation, RewardTrainer):
+    """`trl.RewardTrainer` + hf_accum: exact accumulation over the window's preference pairs (whole pairs per
+    forward, also after an OOM), the tuner. As for any class mixing `AccumulationMixin` into `RewardTrainer`."""
+
+
 # With TRL's fused head, SFTTrainer.compute_loss reads no logits: resolve_fused_loss must not count it (or ours) as a
 # user override. Older TRL reads the logits for its token accuracy: hf_accum's fused loss stays off there.
 AccumSFTTrainer._fused_compute_loss_classes = (SFTTrainer, AccumSFTTrainer) if trl_internals.trl_fuses_lm_head() else ()
 
-__all__ = ["TRL_TRAINERS", "AccumDPOConfig", "AccumDPOTrainer", "AccumSFTConfig", "AccumSFTTrainer", "mixed_into"]
+__all__ = ["TRL_TRAINERS", "AccumDPOConfig", "AccumDPOTrainer", "AccumRewardConfig", "AccumRewardTrainer",
+           "AccumSFTConfig", "AccumSFTTrainer", "AccumulationMixin", "mixed_into"]

@@ -14,11 +14,11 @@ from typing import Any
 from transformers import Trainer
 
 # DPO losses whose batch loss is the mean over pairs of a term of that pair alone: cutting a window into forwards
-# of whole pairs and re-weighting them by pair count gives the window's mean exactly. The others are refused:
-# "aot"/"aot_unpaired" sort the ratios across the batch, "sft" is a token mean, "bco_pair" (as issue-tracked)
-# is not admitted until tested.
+# of whole pairs and re-weighting them by pair count gives the window's mean exactly; "sft", a token mean over the
+# chosen completions, gets its own count over the window (dpo_sft.py). The others are refused: "aot"/"aot_unpaired"
+# sort the ratios across the batch, "bco_pair" (as issue-tracked) is not admitted until tested.
 PER_PAIR_DPO_LOSSES = frozenset({"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "sppo_hard",
-                                 "apo_zero", "apo_down", "discopop", "sigmoid_norm"})
+                                 "apo_zero", "apo_down", "discopop", "sigmoid_norm", "sft"})
 
 
 def dpo_refusal(args, normalization: str) -> str | None:
@@ -42,19 +42,20 @@ def dpo_refusal(args, normalization: str) -> str | None:
 
 
 def _dpo_trainer_refusal(trainer) -> str | None:
-    normalization = trainer._normalization
-    problem = dpo_refusal(trainer.args, normalization)
-    if problem is None and normalization != "model" and trainer.aux_loss_enabled:
-        problem = ("This model adds a router auxiliary loss (a token mean) to DPO's per-pair loss, which hf_accum "
-                   "cannot normalize exactly. Set router_aux_loss_coef=0.0, or loss_normalization='model'.")
-    return problem
+    # An MoE router loss is not refused: it is averaged over the window's forwards, as TRL does (router_aux.py).
+    return dpo_refusal(trainer.args, trainer._normalization)
 
 
-def _reward_trainer_refusal(trainer) -> str | None:
-    if trainer._normalization == "tokens":
+def reward_refusal(normalization: str) -> str | None:
+    """Why RewardTrainer's loss cannot be accumulated exactly under ``normalization`` (None: it can)."""
+    if normalization == "tokens":
         return ("loss_normalization='tokens' does not fit RewardTrainer: its loss is a mean over preference pairs. "
                 "Set loss_normalization='samples' (one pair = one sample), or 'model' for TRL's own.")
     return None
+
+
+def _reward_trainer_refusal(trainer) -> str | None:
+    return reward_refusal(trainer._normalization)
 
 
 @dataclass(frozen=True)

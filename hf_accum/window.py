@@ -48,6 +48,7 @@ class WindowEngine:
         self._index = 0
         self._returned: list[torch.Tensor] = []
         self.stop_requested: Callable[[], bool] = lambda: False  # e.g. a signal arrived (preemption.py)
+        self.gradients_finite: Callable[[], torch.Tensor | None] = lambda: None  # checked with the loss when done
         self.outcome = WindowOutcome()
 
     @property
@@ -94,6 +95,11 @@ class WindowEngine:
     def share(self, local_count: torch.Tensor) -> torch.Tensor:
         return self.window.scale(local_count)
 
+    def forwards(self) -> int:
+        """Forwards this window runs, agreed over ranks (a per-forward term such as the MoE router loss is
+        averaged over them: router_aux.py)."""
+        return sum(self._forwards) if self._forwards else len(self._batches)
+
     def step(self, batch, run_chunk) -> torch.Tensor:
         """One loaded batch of the window (the next one): its chunks' summed returned losses."""
         index = self._index
@@ -118,7 +124,11 @@ class WindowEngine:
 
     def _done(self) -> None:
         loss = sum(self._returned[1:], self._returned[0])
-        nonfinite = not bool(torch.isfinite(loss).all())  # one host sync per optimizer step, none per micro-step
+        finite = torch.isfinite(loss).all()
+        grads = self.gradients_finite()  # on the device: still one host sync (finite_grads.py)
+        if grads is not None:
+            finite = finite & grads.to(finite.device)
+        nonfinite = not bool(finite)  # one host sync per optimizer step, none per micro-step
         skip, stop = self.protocol.done(nonfinite, self.stop_requested())
         self.outcome = WindowOutcome(skip=skip, stop=stop, loss=loss.detach())
 
@@ -211,7 +221,7 @@ class WindowEngine:
 class WindowOutcome:
     """What the ranks agreed when the window's gradients were complete."""
 
-    skip: bool = False  # some rank's window loss was not finite: no optimizer step on this window
+    skip: bool = False  # some rank's window loss or gradients were not finite: no optimizer step on this window
     stop: bool = False  # some rank was asked to stop: every rank stops after this step
     loss: torch.Tensor | None = None  # this rank's share of the window loss
 

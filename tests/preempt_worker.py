@@ -4,6 +4,7 @@
   signal from outside (to this process, or to torchrun, which forwards it to every rank).
 - `resume`: resume_from_checkpoint=True and finish.
 - `plain`: an uninterrupted run.
+A last argument `print` keeps transformers' PrinterCallback: every step prints its logs to stdout.
 Runs under plain `python` or `torchrun --nproc_per_node 2` (gloo)."""
 
 import os
@@ -51,7 +52,8 @@ def main():
     trainer = AccumTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_examples(96, seed=6),
                            data_collator=pad_collate, compute_loss_func=sum_over_items_loss,
                            callbacks=[Signals(mode, step, out)])
-    trainer.remove_callback(PrinterCallback)
+    if sys.argv[-1] != "print":
+        trainer.remove_callback(PrinterCallback)
     trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
     rank = trainer.args.process_index
     torch.save({k: v.clone() for k, v in trainer.model.state_dict().items()},

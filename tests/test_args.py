@@ -50,11 +50,20 @@ def test_cli_flags_and_yaml(tmp_path):
         ({"target_batch_size": 32.0}, "target_batch_size=32.0 must be a positive integer"),
         ({"check_accumulation": "yes"}, "check_accumulation='yes' must be True or False"),
         ({"loss_normalization": None}, "loss_normalization=None is not one of"),
+        ({"num_train_epochs": 0}, "num_train_epochs=0 with max_steps=-1 trains nothing"),
+        ({"num_train_epochs": -2.5}, "num_train_epochs=-2.5 with max_steps=-1 trains nothing"),
+        ({"learning_rate": -1}, "learning_rate=-1 is negative"),
+        ({"learning_rate": float("nan")}, "learning_rate=nan is not a finite number"),
     ],
 )
 def test_bad_arguments_say_the_fix(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         make(tmp_path, **kwargs)
+
+
+def test_zero_epochs_are_fine_when_max_steps_decides(tmp_path):
+    assert make(tmp_path, num_train_epochs=0, max_steps=3).max_steps == 3  # max_steps overrides the epochs
+    assert make(tmp_path, learning_rate=0.0).learning_rate == 0.0  # frozen weights: a valid (if odd) run
 
 
 def test_consistent_target_is_accepted(tmp_path):

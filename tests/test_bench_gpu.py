@@ -18,7 +18,7 @@ from hf_accum import flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_gpu.py")
-SECTIONS = ["1_model", "2_probe", "3_train", "4_oom", "5_throughput", "6_tokens"]
+SECTIONS = ["1_model", "2_probe", "3_train", "4_oom", "5_throughput", "6_tokens", "7_estimate"]
 
 
 def load_script():
@@ -91,6 +91,12 @@ def test_quick_run_writes_every_section_with_its_figures(quick_run):
     assert tok["modes"]["tokens"]["padded_over_real_tokens"] <= tok["modes"]["samples"]["padded_over_real_tokens"]
     assert tok["fused_loss"]["on"]["peak_bytes"] > 0 and tok["fused_loss"]["off"]["peak_bytes"] > 0
 
+    est = s["7_estimate"]
+    assert est["device_estimated"] == "cpu"
+    assert {(r["method"], r["seq"], r["micro"]) for r in est["rows"]} == {
+        (m, seq, micro) for m in ("lora", "full") for seq in (64, 32) for micro in (1, 2)}
+    assert all(abs(r["error_vs_peak"]) <= 0.05 and r["estimate_bytes"] > 0 for r in est["rows"])
+
     png = out / "bench_gpu.png"
     assert data["png"] and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| section | status |" in stdout  # the table
@@ -103,8 +109,8 @@ def test_sections_runs_only_those(tmp_path):
     assert list(data["sections"]) == ["1_model"]
     assert all(s["status"] == "ok" for s in data["sections"].values())
     assert data["png"] is None and "section 2 not selected" in data["png_null_reason"]
-    with pytest.raises(SystemExit, match="sections are 1-6"):
-        bench.main(["--quick", "--sections", "7", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="sections are 1-7"):
+        bench.main(["--quick", "--sections", "8", "--out", str(tmp_path)])
 
 
 def test_set_overrides_one_size_and_refuses_what_is_not_a_size():

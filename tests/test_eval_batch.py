@@ -71,6 +71,8 @@ def test_the_chosen_eval_batch_is_the_largest_that_fits_and_is_stored(tmp_path, 
     largest = max(b for b, p in peaks.items() if p <= budget)
     assert largest == 10 and trainer.args.per_device_eval_batch_size == largest
     assert "eval batch 10 per rank" in caplog.text and metrics["eval_rows"] == 24
+    # the value given is named, with how to keep it
+    assert "replaces per_device_eval_batch_size=2 (auto_eval_batch_size=False keeps the value given)" in caplog.text
     kept = 10 * 40 * model.config.vocab_size * 4  # the logits of one batch at the longest example
     assert trainer.args.eval_accumulation_steps == max(1, (budget - peaks[10]) // (kept + 10 * 40 * 8))
     assert caplog.text.count("eval batch") == 1

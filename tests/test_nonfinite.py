@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from transformers.trainer_callback import PrinterCallback
+from transformers.trainer_callback import PrinterCallback, TrainerCallback
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
 
@@ -36,8 +36,9 @@ def run(out, nan_calls, max_steps=6, **kw):
     model = tiny_gpt2()
     args = AccumTrainingArguments(
         output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, target_batch_size=4,
-        auto_tune=False, max_steps=max_steps, learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True,
-        seed=0, disable_tqdm=True, remove_unused_columns=False, logging_steps=1, optim="adamw_torch", **kw,
+        auto_tune=False, max_steps=max_steps, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+        disable_tqdm=True, remove_unused_columns=False, logging_steps=1,
+        **{"optim": "adamw_torch", "learning_rate": 1e-2, **kw},
     )
     trainer = AccumTrainer(model=model, args=args, train_dataset=lm_examples(48, seed=6), data_collator=pad_collate,
                            compute_loss_func=sum_over_items_loss)
@@ -61,7 +62,7 @@ def test_a_nan_step_is_skipped_and_training_goes_on(tmp_path, caplog):
     trainer.model.register_forward_pre_hook(before)
     with caplog.at_level(logging.WARNING, logger="hf_accum"):
         trainer.train()
-    assert "optimizer step 3 is not finite; that step is skipped" in caplog.text
+    assert "optimizer step 3 are not finite; that step is skipped" in caplog.text
     assert trainer.state.global_step == 6  # the step counter (and the scheduler) advanced
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     # AdamW did not move on the skipped step: gradients were None, not zero
@@ -82,7 +83,7 @@ def test_nan_on_one_rank_makes_both_skip(tmp_path):
     proc = _torchrun("nan_worker.py", tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     out = proc.stdout + proc.stderr
-    assert out.count("optimizer step 3 is not finite") == 2  # rank 1's NaN: both ranks skip
+    assert out.count("optimizer step 3 are not finite") == 2  # rank 1's NaN: both ranks skip
     w0, w1 = (torch.load(tmp_path / f"final.rank{r}.pt") for r in (0, 1))
     assert all(torch.equal(w0[k], w1[k]) and not math.isnan(float(w0[k].sum())) for k in w0)
 
@@ -158,3 +159,55 @@ def test_max_nonfinite_steps_from_a_recipe(overrides, value):
     from hf_accum.recipes.config import load_recipe
 
     assert load_recipe("lora_sft", overrides).training_args().max_nonfinite_steps == value
+
+
+class InfGradAt:
+    """Makes one weight's gradient infinite from the given (1-based) optimizer step on: the loss stays finite (as
+    with fp16 weights and a large learning rate, whose backward overflows)."""
+
+    def __init__(self, trainer, param, from_step):
+        self.trainer, self.from_step = trainer, from_step
+        param.register_hook(self)
+
+    def __call__(self, grad):
+        if self.trainer.state.global_step + 1 >= self.from_step:
+            return grad * float("inf")
+        return grad
+
+
+def test_a_finite_loss_with_non_finite_gradients_is_skipped_and_the_stop_checkpoint_is_finite(tmp_path, caplog):
+    from safetensors.torch import load_file
+
+    trainer = run(tmp_path, nan_calls=[], max_nonfinite_steps=1, optim="sgd", learning_rate=0.1)
+    trainer.model.half()  # fp16 weights, as TRL's test_train_model_dtype trains them
+    InfGradAt(trainer, trainer.model.transformer.wte.weight, from_step=3)
+    after_step_2 = {}
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                after_step_2.update({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+
+    trainer.add_callback(Snapshot())
+    with caplog.at_level(logging.WARNING, logger="hf_accum"), pytest.raises(
+            RuntimeError, match=r"2 optimizer steps in a row had a non-finite loss or gradients.*stopped at step 4 "
+                                r"with finite weights saved to .*checkpoint-4"):
+        trainer.train()
+    assert "optimizer step 3 are not finite; that step is skipped" in caplog.text
+    assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)  # the loss never was
+    saved = load_file(tmp_path / "checkpoint-4" / "model.safetensors")
+    assert saved and all(torch.isfinite(t).all() for t in saved.values())
+    # steps 3 and 4 were skipped: the checkpoint holds the weights after step 2
+    params = dict(trainer.model.named_parameters())
+    assert all(torch.equal(params[n].detach(), after_step_2[n]) for n in after_step_2)
+    assert all(torch.equal(saved[n], after_step_2[n]) for n in saved if n in after_step_2)
+
+
+def test_weights_an_optimizer_made_non_finite_are_not_called_finite(tmp_path):
+    # AdamW on fp16 weights: eps underflows to 0, so a step with finite gradients (grad norm ~1.7) makes NaN weights;
+    # the steps after it are skipped (NaN loss), and the stop message must not claim finite weights
+    trainer = run(tmp_path, nan_calls=[], max_nonfinite_steps=1)
+    trainer.model.half()
+    with pytest.raises(RuntimeError, match=r"stopped at step 3 with weights that are NOT finite \(an optimizer step"):
+        trainer.train()
+    assert not all(torch.isfinite(p).all() for p in trainer.model.parameters())

@@ -151,6 +151,18 @@ def test_save_steps_without_save_strategy_means_steps():
     assert load_recipe("lora_sft").training_args().save_strategy == "no"  # the recipe's own setting
 
 
+@pytest.mark.parametrize("overrides", [["checkpoint_layers=1"], ["checkpoint_layers=1", "gradient_checkpointing=null"],
+                                       ["training.checkpoint_layers=1"]])
+def test_checkpoint_layers_as_an_integer_wins_over_the_recipes_every_layer(overrides):
+    args = load_recipe("lora_sft", overrides).training_args()
+    assert args.checkpointing_choice == 1  # exactly one layer, not every layer (the recipe's gradient_checkpointing)
+
+
+def test_checkpoint_layers_with_the_flag_on_the_command_line_too_is_refused():
+    with pytest.raises(ValueError, match="contradict each other.*gradient_checkpointing=null"):
+        load_recipe("lora_sft", ["checkpoint_layers=1", "gradient_checkpointing=true"]).validate()
+
+
 @pytest.mark.parametrize("content,suffix,message", [
     ("", ".jsonl", "the file is empty"),
     ("\n\n", ".jsonl", "the file is empty"),

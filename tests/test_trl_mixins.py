@@ -86,7 +86,7 @@ def dpo_exact(tmp_path, caplog, config_cls=trl.DPOConfig, **config):
     return max_relative_error(recorder.grads, ref)
 
 
-def reward_exact(tmp_path, caplog):
+def reward_exact(tmp_path, caplog, config_cls=trl.RewardConfig, trainer_cls=None):
     """Plain RewardConfig with reward centering, 20 pairs, windows of 3 x 2 pairs (the last one 2), an OOM in the
     2nd forward (micro 3 -> 2 pairs). Reference: the mean over the window's pairs of -logsigmoid(r_c - r_r) + c (r_c + r_r)^2, float64."""
     tok = tiny.build_tokenizer()
@@ -96,10 +96,10 @@ def reward_exact(tmp_path, caplog):
     data = Dataset.from_list([{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]}
                               for r in pairs])
     center = 0.05
-    args = trl.RewardConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, gradient_accumulation_steps=2,
-                            center_rewards_coefficient=center, **COMMON)
+    args = config_cls(output_dir=str(tmp_path), per_device_train_batch_size=3, gradient_accumulation_steps=2,
+                      center_rewards_coefficient=center, **COMMON)
     recorder = StepRecorder()
-    trainer = recording(mixed("RewardTrainer"))(model=model, args=args, train_dataset=data, processing_class=tok,
+    trainer = recording(trainer_cls or mixed("RewardTrainer"))(model=model, args=args, train_dataset=data, processing_class=tok,
                                                callbacks=[recorder])
     trainer.remove_callback(PrinterCallback)
     assert (trainer.batch_unit, trainer._normalization) == ("pairs", "samples")

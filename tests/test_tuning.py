@@ -74,7 +74,8 @@ def test_stored_plan_is_reused_only_when_the_key_matches(tmp_path, tok, caplog):
 def test_tuning_off_uses_given_sizes(tmp_path, tok):
     trainer = make(tmp_path, tok, auto_tune=False, per_device_train_batch_size=4, gradient_accumulation_steps=4)
     trainer.train()
-    assert trainer.plan is None and trainer.state.train_batch_size == 4
+    assert trainer.state.train_batch_size == 4
+    assert trainer.plan.describe() == "micro 4 × accumulation 4 × world 1 = 16"  # a plan given is still a plan
     assert not os.path.exists(tmp_path / PLAN_FILE)
 
 

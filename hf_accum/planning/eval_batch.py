@@ -151,10 +151,14 @@ def plan_eval_batch(trainer, dataset, *, budget: int | None, run) -> EvalBatchCh
         return None
     if agreed != choice.batch_size:
         choice = dataclasses.replace(choice, batch_size=agreed)
+    given = args.per_device_eval_batch_size
     logger.warning("hf_accum: eval batch %d per rank: the largest whose measured evaluation step (the longest eval "
-                   "example, %s) fits the budget of %.1f MiB (peak %.1f MiB, %d trials)%s", choice.batch_size,
+                   "example, %s) fits the budget of %.1f MiB (peak %.1f MiB, %d trials)%s%s", choice.batch_size,
                    "loss only" if loss_only else "logits kept", budget / 2**20, choice.peak_bytes / 2**20,
                    len(choice.trials),
                    "" if choice.accumulation_steps is None else
-                   f"; eval_accumulation_steps {choice.accumulation_steps} unless set")
+                   f"; eval_accumulation_steps {choice.accumulation_steps} unless set",
+                   "" if given == choice.batch_size else
+                   f"; it replaces per_device_eval_batch_size={given} (auto_eval_batch_size=False keeps the value "
+                   "given)")
     return choice

@@ -39,6 +39,7 @@ class Planner:
         self._trainer_ref = weakref.ref(trainer)  # the trainer holds its planner: no cycle keeps the model alive
         self.policy = policy or OomPolicy()
         self.plan: Plan | None = None
+        self.plan_given = False  # self.plan only records the sizes as given (auto_tune off): never stored
         self.key: dict | None = None
         self.probe_result = None
         self.budget_bytes: int | None = None  # the memory budget tune() resolved (the eval batch is measured in it)
@@ -117,7 +118,7 @@ class Planner:
             self.eval_planned = True
         if plan.checkpointed_layers is not None and not in_training_loop:
             checkpointing.apply_chosen(trainer.model, plan.checkpointed_layers, args)  # a stored plan's k too
-        self.plan = plan
+        self.plan, self.plan_given = plan, False
         if in_training_loop and args.should_save:  # tune() saved the plan it applies, with its probe
             self.save(args.output_dir, probe=False)
 
@@ -145,6 +146,8 @@ class Planner:
     def start(self, stored: Plan | None, resuming) -> None:
         """The plan train() runs with: probed (or reused from the plan file), given, or the checkpoint's."""
         trainer, args = self._trainer, self._trainer.args
+        if self.plan_given:  # recorded by an earlier train(): the arguments may have changed since
+            self.plan, self.plan_given = None, False
         tunes = Settings(args).tunes
         if tunes and self.plan is None and deepspeed_integration.deepspeed_stage(trainer) is not None:
             self._tune_deepspeed()
@@ -154,6 +157,10 @@ class Planner:
             self.apply(self._given_token_plan())
         elif stored is not None and resuming:
             self.apply(stored)  # the plan in force when the checkpoint was written (maybe downgraded)
+        if self.plan is None:  # the sizes as given are the plan in force: trainer.plan.describe() works
+            world = trainer.accelerator.num_processes
+            micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+            self.plan, self.plan_given = Plan(micro, accumulation, world, micro * accumulation * world), True
 
     def _given_token_plan(self) -> Plan:
         """micro_batching="tokens" with auto_tune off: the window as given, loaded whole, cut by the given budget."""
@@ -315,7 +322,7 @@ class Planner:
             args.eval_accumulation_steps = choice.accumulation_steps
         if self.plan is not None:
             self.plan = dataclasses.replace(self.plan, eval_batch_size=choice.batch_size)
-            if args.should_save and Settings(args).target_batch_size:
+            if args.should_save and Settings(args).target_batch_size and not self.plan_given:
                 self.save(args.output_dir)
 
 

@@ -284,6 +284,7 @@ def load_recipe(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[
         name, path, config = p.stem, str(p), read_yaml(p)
     config = apply_overrides(config, overrides)
     _steps_imply_strategy(config, overrides)
+    _layers_override_the_flag(config, overrides)
     keys = valid_keys(task_of(config))
     for section, values in config.items():
         if section not in SECTIONS:
@@ -334,8 +335,22 @@ def _steps_imply_strategy(config: dict[str, Any], overrides: Sequence[str]) -> N
             config.setdefault("training", {})[f"{what}_strategy"] = "steps"
 
 
-# Values the run interprets before the dataclass sees them.
-_EXTRA_TYPES: dict[tuple[str, str], Any] = {("training", "resume_from_checkpoint"): bool | str | None}
+def _layers_override_the_flag(config: dict[str, Any], overrides: Sequence[str]) -> None:
+    """`checkpoint_layers=K` on the command line wins over the recipe's `gradient_checkpointing: true` (every layer),
+    as `save_steps` over `save_strategy`; the flag given on the command line too is the user's contradiction, and
+    refused by the arguments."""
+    keys = {item.split("=", 1)[0].strip() for item in overrides}
+    flags = {"gradient_checkpointing", "activation_checkpointing"}
+    flags |= {f"training.{f}" for f in flags}
+    if keys & {"checkpoint_layers", "training.checkpoint_layers"} and not keys & flags:
+        for flag in ("gradient_checkpointing", "activation_checkpointing"):
+            (config.get("training") or {}).pop(flag, None)
+
+
+# Values the run interprets before the dataclass sees them (checkpoint_layers: the field is a string for the
+# command-line parser, and the arguments take an integer K as well).
+_EXTRA_TYPES: dict[tuple[str, str], Any] = {("training", "resume_from_checkpoint"): bool | str | None,
+                                            ("training", "checkpoint_layers"): int | str | None}
 
 
 def _section_classes(task: str = "causal_lm") -> dict[str, type]:

@@ -37,6 +37,37 @@ def build_tokenizer(recipe: Recipe):
 
 
 
+def check_layers_requested(recipe: Recipe, args) -> None:
+    """An explicit checkpoint_layers=K larger than the model's decoder layers is refused from the model's config,
+    before the data is tokenized and the model built (the trainer refuses it again, from the built model, for
+    configs this cannot read: several sub-models, encoder-decoders)."""
+    want = args.checkpoint_layers
+    if not isinstance(want, int) or isinstance(want, bool) or want <= 1:
+        return
+    m = recipe.model
+    if m.name == "tiny":
+        import inspect
+
+        from .. import tiny
+
+        layers = m.tiny.get("num_layers", inspect.signature(tiny.build_model).parameters["num_layers"].default)
+    else:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(m.name, revision=m.revision, trust_remote_code=m.trust_remote_code)
+        except (OSError, ValueError):
+            return  # the model's own loading names the problem
+        if config.is_encoder_decoder or config.sub_configs or not isinstance(
+                getattr(config, "num_hidden_layers", None), int):
+            return
+        layers = config.num_hidden_layers
+    if want > layers:
+        raise RecipeError(f"training.checkpoint_layers={want}, but {m.name} has {layers} decoder layers: set "
+                          f"checkpoint_layers to at most {layers}, 'auto', or gradient_checkpointing=true for every "
+                          "layer")
+
+
 def _torch_dtype(name: str | None):
     import torch
 

@@ -16,6 +16,7 @@ import json
 import os
 import re
 
+from ..paths import can_create_in, nearest_existing
 from .config import RecipeError
 
 PLAN_FILE = "hf_accum_plan.json"  # planning.store.PLAN_FILE, without importing torch for it
@@ -39,10 +40,8 @@ def check_output_dir(output_dir: str, target: int, *, what: str = "run") -> None
     """Writable, and not holding a plan for another target."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise RecipeError(f"training.output_dir={output_dir!r} is a file; pass output_dir=DIR with a directory")
-    parent = os.path.abspath(output_dir)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+    parent = nearest_existing(output_dir)
+    if not can_create_in(parent):
         raise RecipeError(f"training.output_dir={output_dir!r} cannot be written ({parent} is not a writable "
                           "directory); pass output_dir=DIR with a writable place")
     stored = stored_target(output_dir)

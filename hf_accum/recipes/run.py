@@ -15,7 +15,7 @@ from typing import Any
 from . import preflight
 from .config import Recipe, RecipeError, _quiet_deprecations, load_recipe, write_recipe
 from .data import build_data, preference_stats, sft_stats
-from .model import add_lora, build_model, build_tokenizer
+from .model import add_lora, build_model, build_tokenizer, check_layers_requested
 from .summary import describe, run_summary
 
 SUMMARY_FILE = "run_summary.json"
@@ -38,6 +38,7 @@ def run_recipe(
     *,
     say: Callable[[str], None] | None = None,
     callbacks: Sequence[Any] = (),
+    resume_command: str | None = None,
 ) -> RecipeRun:
     """Load, check the output directory, build, plan, train, save. ``say`` prints the plan and results (default:
     print on the main process)."""
@@ -50,7 +51,7 @@ def run_recipe(
     main_process = args.process_index == 0
     say = say or (print if main_process else (lambda _msg: None))
     with _cpu_threads(recipe.model.cpu_threads, args):
-        return _run(recipe, args, resume, say, callbacks, start, main_process)
+        return _run(recipe, args, resume, say, callbacks, start, main_process, resume_command)
 
 
 # peft's save_pretrained warns on every save (checkpoints too) that it saves the embedding layers, because the recipes
@@ -119,6 +120,7 @@ def build(recipe: Recipe, args, say: Callable[[str], None], callbacks: Sequence[
 
     # Seeded before the model is built: the LoRA matrices (and a new head) are initialized from the global RNG,
     # which the Trainer only seeds later, in its __init__. Without this two runs of a recipe differ.
+    check_layers_requested(recipe, args)
     set_seed(args.seed)
     tokenizer = build_tokenizer(recipe)
     data = build_data(recipe, tokenizer)
@@ -248,10 +250,12 @@ def _write_recipe_at_start(recipe: Recipe):
     return WriteRecipe()
 
 
-def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float, main_process: bool) -> RecipeRun:
+def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float, main_process: bool,
+         resume_command: str | None = None) -> RecipeRun:
     started = _train_start()
     built = build(recipe, args, say, [*callbacks, _write_recipe_at_start(recipe), started])
     trainer = built.trainer
+    trainer.resume_command = resume_command
     plan_dict = None
     if resume is not None:  # the Trainer restores the plan stored with the checkpoint (and refuses another target)
         from ..planning.store import load_stored_plan

@@ -1,0 +1,88 @@
+"""`hf-accum probe --estimate`: the probe's flags, the model from its config alone, the probe's report."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "80GiB", "80 GB", "1.5TiB" or a plain integer; ValueError naming the forms otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"--device-memory={text!r}: give a positive size such as 80GiB, 24GB or 17179869184")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def config_builder(name: str):
+    """A callable building the model of ``name`` (a folder with config.json, or a hub id) from its config alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        raise ValueError(f"--model {name}: the folder holds no config.json; give a folder saved with save_pretrained "
+                         "or a hub id")
+    config = AutoConfig.from_pretrained(name)
+    return lambda: AutoModelForCausalLM.from_config(config)
+
+
+def with_lora(build, r: int, targets: str | None):
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets.split(",") if targets else "all-linear",
+                      lora_dropout=0.0, task_type="CAUSAL_LM")
+    return lambda: get_peft_model(build(), lora)
+
+
+def refusal(args: Any) -> str | None:
+    """The one line refusing what the estimate does not model, None when it can run."""
+    if args.recipe is not None:
+        return "--estimate works on a bare model (--model); recipes are not estimated yet"
+    if args.load_in_4bit or args.load_in_8bit:
+        return "--estimate does not model quantized (4-bit/8-bit) bases yet; estimate without --load-in-4bit/8bit"
+    if args.gradient_checkpointing or args.checkpoint_layers is not None or args.fused_loss:
+        return ("--estimate does not model checkpointing or the fused loss yet; drop --gradient-checkpointing, "
+                "--checkpoint-layers and --fused-loss")
+    if args.model == "tiny":
+        return "--estimate needs --model: a folder holding config.json or a hub id"
+    if args.optimize != "memory":
+        return "--estimate times nothing: drop --optimize throughput"
+    return None
+
+
+def run(args: Any, say=print) -> int:
+    from ..probe_report import summary, table
+    from .estimate import estimate_model
+
+    memory = parse_size(args.device_memory) if args.device_memory else None
+    if memory is None:
+        if args.device == "cuda":
+            raise ValueError("--estimate --device cuda needs --device-memory, the card's memory (e.g. 80GiB)")
+        from ..meters import CpuMeter
+
+        memory = CpuMeter().capacity_bytes()
+    build = config_builder(args.model)
+    if args.lora:
+        build = with_lora(build, args.lora_r, args.lora_target_modules)
+    say(f"estimating {args.model} for {args.device} with {memory / 2**30:.1f} GiB (fake tensors: nothing loaded) ...")
+    est = estimate_model(build, seq_len=args.seq_len, target_batch_size=args.target_batch, device_memory=memory,
+                         device=args.device, world_size=args.world_size, budget_bytes=args.budget_bytes,
+                         budget_fraction=args.budget, bf16=args.bf16, max_micro_batch=args.max_micro_batch,
+                         log=lambda msg: say(f"  {msg}"))
+    say("")
+    say(table(est.result, args.seq_len))
+    say("")
+    say(summary(est.result, est.plan, args.seq_len, "--budget-bytes" if args.budget_bytes else "of --device-memory"))
+    say("predicted peak per micro-batch: " + ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in est.peaks.items()))
+    for line in est.assumptions:
+        say(f"assumed: {line}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(est.to_json(), f, indent=2, default=str)
+        say(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,129 @@
+"""The estimate (fake tensors, nothing allocated) against the probe's measured CPU peak, like for like."""
+
+import json
+
+import pytest
+import torch
+
+from hf_accum.estimating.check import against_probe
+from hf_accum.estimating.command import parse_size
+from hf_accum.estimating.estimate import interpolate
+
+MiB = 2**20
+
+
+def _config(arch: str):
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    if arch == "llama":
+        return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    if arch == "gpt2":
+        return GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512)
+    return Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def _builder(arch: str, lora: bool):
+    from transformers import AutoModelForCausalLM
+
+    config = _config(arch)
+
+    def build():
+        model = AutoModelForCausalLM.from_config(config)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+        return model
+
+    return build
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_estimate_within_5_percent_of_the_cpu_probe(arch, lora):
+    # a budget the real probe fills at a handful of rows, so the search measures several sizes
+    rows, measured_max, estimated_max, est = against_probe(_builder(arch, lora), seq_len=128, target_batch_size=8,
+                                                           budget_bytes=12 * MiB)
+    assert len(rows) >= 2
+    for row in rows:
+        assert abs(row.error) <= 0.05, (arch, lora, row)
+    assert estimated_max == measured_max
+    assert 1 <= measured_max < 8
+    assert sorted(est.peaks)[: measured_max + 1] == list(range(1, measured_max + 2))
+
+
+@pytest.mark.parametrize("points, last, expected", [
+    ({1: 10, 2: 20}, 2, {1: 10, 2: 20}),
+    ({1: 10, 2: 20, 5: 50}, 5, {1: 10, 2: 20, 3: 30, 4: 40, 5: 50}),
+    ({1: 10, 3: 31}, 3, {1: 10, 2: 20, 3: 31}),  # rounded to the byte
+])
+def test_interpolate(points, last, expected):
+    assert interpolate(points, last) == expected
+
+
+@pytest.mark.parametrize("text, expected", [("80GiB", 80 * 2**30), ("24GB", 24 * 10**9), ("1.5 GiB", 3 * 2**29),
+                                            ("1024", 1024), ("512mib", 512 * MiB)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80 parsecs", "", "-1GiB", "0"])
+def test_parse_size_refuses(text):
+    with pytest.raises(ValueError, match="--device-memory"):
+        parse_size(text)
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpt2")
+    _config("gpt2").save_pretrained(folder)  # config.json only: no weights exist to load
+    return str(folder)
+
+
+def test_cli_estimate_writes_the_plan_with_every_peak(gpt2_folder, tmp_path, capsys):
+    from hf_accum.cli import main
+
+    out = tmp_path / "plan.json"
+    code = main(["probe", "--estimate", "--model", gpt2_folder, "--device", "cpu", "--device-memory", "1GiB",
+                 "--seq-len", "64", "--target-batch", "8", "--budget-bytes", str(8 * MiB), "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["estimated"] is True
+    largest = data["max_micro_batch_size"]
+    assert 1 <= largest < 8
+    peaks = {int(k): v for k, v in data["peaks"].items()}
+    assert sorted(peaks) == list(range(1, largest + 2))
+    assert peaks[largest] <= 8 * MiB < peaks[largest + 1]
+    assert all(peaks[m] < peaks[m + 1] for m in range(1, largest + 1))
+    assert data["trials"] and all(t["seconds"] is None for t in data["trials"])  # fake steps time nothing
+    assert "predicted peak per micro-batch" in capsys.readouterr().out
+
+
+def test_cuda_estimate_on_a_cpu_build_says_its_assumptions(gpt2_folder):
+    from hf_accum import estimate
+
+    kwargs = dict(seq_len=64, target_batch_size=4, device_memory="1GiB", budget_bytes=512 * MiB)
+    cuda = estimate(gpt2_folder, device="cuda", **kwargs)
+    cpu = estimate(gpt2_folder, device="cpu", **kwargs)
+    assert cuda.assumptions and not cpu.assumptions
+    assert torch.cuda.is_available() or cuda.result.device.startswith("cuda")
+    # the same step, each block rounded up to the CUDA allocator's 512 bytes: never less
+    assert all(cuda.peaks[m] >= cpu.peaks[m] for m in cpu.peaks)
+    assert cuda.plan.micro_batch_size == cpu.plan.micro_batch_size == 4
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--device-memory", "lots"], "--device-memory"),
+    (["--load-in-4bit"], "4-bit"),
+    (["--device", "cuda"], "--device-memory"),
+    (["--gradient-checkpointing"], "checkpointing"),
+])
+def test_cli_estimate_refuses_in_one_line(gpt2_folder, capsys, flags, words):
+    from hf_accum.cli import main
+
+    code = main(["probe", "--estimate", "--model", gpt2_folder, *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and words in err

@@ -1,0 +1,43 @@
+"""Ctrl-C reaches the whole process group: `hf-accum train ... | tee log` loses tee with it, and the run's next
+print must not kill it before the checkpoint is saved (issue 34 item 2)."""
+
+import signal
+import subprocess
+import time
+
+from hf_accum.preemption import EXIT_PREEMPTED
+
+from .test_preemption import ENV, checkpoints, python
+
+
+def stop_after_reader_dies(tmp_path, stderr):
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = subprocess.Popen(python(out, "marker", 2, "print"), env=ENV, stdout=subprocess.PIPE, stderr=stderr)
+    deadline = time.monotonic() + 240
+    while not (out / "marker").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the marker"
+        time.sleep(0.1)
+    proc.stdout.close()  # tee is gone...
+    if proc.stderr:
+        proc.stderr.close()
+    proc.send_signal(signal.SIGINT)  # ...and the Ctrl-C reaches the run
+    proc.wait(timeout=120)
+    return proc.returncode, out
+
+
+def test_ctrl_c_with_both_streams_piped_saves_and_exits_as_stopped(tmp_path):
+    code, out = stop_after_reader_dies(tmp_path, subprocess.PIPE)
+    assert code == EXIT_PREEMPTED
+    assert len(checkpoints(out)) == 1
+
+
+def test_ctrl_c_with_stdout_piped_writes_no_traceback(tmp_path):
+    err = tmp_path / "err"
+    with open(err, "w") as f:
+        code, out = stop_after_reader_dies(tmp_path, f)
+    text = err.read_text()
+    assert code == EXIT_PREEMPTED, text[-3000:]
+    assert len(checkpoints(out)) == 1
+    assert "BrokenPipeError" not in text and "Traceback" not in text, text[-3000:]
+    assert "SIGINT received" in text and "checkpoint saved to" in text
