@@ -4,7 +4,8 @@ and CI installs, and the quick start says what each shipped recipe needs beyond 
 import os
 import re
 
-from hf_accum.recipes.config import available_recipes, wants_quantization
+from hf_accum.recipes.config import wants_quantization
+from hf_accum.recipes.files import available_recipes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
