@@ -49,6 +49,7 @@ class WindowEngine:
         self._returned: list[torch.Tensor] = []
         self.stop_requested: Callable[[], bool] = lambda: False  # e.g. a signal arrived (preemption.py)
         self.outcome = WindowOutcome()
+        self._reran = False  # this window was re-run after an OOM (on every rank: they re-run together)
 
     @property
     def active(self) -> bool:
@@ -70,6 +71,7 @@ class WindowEngine:
             )
         self.window = Window(items=total, world=self.world)
         self._batches, self._index, self._returned = list(batches), 0, []
+        self._reran = False
         self._agree_forwards()
         return self.window
 
@@ -120,7 +122,7 @@ class WindowEngine:
         loss = sum(self._returned[1:], self._returned[0])
         nonfinite = not bool(torch.isfinite(loss).all())  # one host sync per optimizer step, none per micro-step
         skip, stop = self.protocol.done(nonfinite, self.stop_requested())
-        self.outcome = WindowOutcome(skip=skip, stop=stop, loss=loss.detach())
+        self.outcome = WindowOutcome(skip=skip, stop=stop, loss=loss.detach(), reran=self._reran)
 
     def end(self) -> None:
         self.window, self._batches, self._index, self._returned = None, (), 0, []
@@ -187,6 +189,7 @@ class WindowEngine:
         return out, 0.0
 
     def _rerun_window(self, run_chunk) -> torch.Tensor:
+        self._reran = True
         while True:
             if self.token_budget is not None:
                 self.token_budget = self.shrink_tokens(self.token_budget)
@@ -214,6 +217,7 @@ class WindowOutcome:
     skip: bool = False  # some rank's window loss was not finite: no optimizer step on this window
     stop: bool = False  # some rank was asked to stop: every rank stops after this step
     loss: torch.Tensor | None = None  # this rank's share of the window loss
+    reran: bool = False  # an OOM lowered the cut and the window was re-run (the planner's growing back counts it)
 
 
 def _cannot_shrink(units):
