@@ -50,6 +50,8 @@ def test_cli_flags_and_yaml(tmp_path):
         ({"target_batch_size": 32.0}, "target_batch_size=32.0 must be a positive integer"),
         ({"check_accumulation": "yes"}, "check_accumulation='yes' must be True or False"),
         ({"loss_normalization": None}, "loss_normalization=None is not one of"),
+        ({"grow_back_steps": -1}, "grow_back_steps=-1 must be an integer >= 0"),
+        ({"grow_back_steps": 2.5}, "grow_back_steps=2.5 must be an integer >= 0"),
     ],
 )
 def test_bad_arguments_say_the_fix(tmp_path, kwargs, message):
