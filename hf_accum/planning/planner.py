@@ -4,7 +4,8 @@ Everything the plan decides is written here and nowhere else: the plan, its key 
 train and eval batch sizes and the accumulation steps on the trainer's copy of the arguments; the Trainer's private
 `_train_batch_size`; the window engine's cut and token budget; DeepSpeed's batch fields; the plan file. It writes at
 start (probe, stored or given plan), after an out-of-memory error (through its `OomPolicy`), when a lowered plan grows
-back (`step_ended`, after `grow_back_steps` clean optimizer steps) and when the eval batch is measured. The trainer reads `trainer.plan`; recipes and the CLI save through `save()`.
+back (`step_ended`, after `grow_back_steps` clean optimizer steps) and when the eval batch is measured. The trainer
+reads `trainer.plan`; recipes and the CLI save through `save()`.
 
 The planner holds its trainer weakly and never imports trainer.py: what must run through the Trainer (one real
 training step through the DeepSpeed engine, one prediction step) is handed in as a step function.
