@@ -292,8 +292,9 @@ class Planner:
         plan = self.policy.larger(self._in_force(None), self.before_oom)
         if plan is None:
             return
-        logger.info("hf_accum: %d clean steps since the out-of-memory error at step %d; back to %s",
-                    self.growback.wait, self._oom_step, plan.describe())
+        # a warning, as the OOM's own line is: whoever saw the plan lowered sees it restored
+        logger.warning("hf_accum: %d clean steps since the out-of-memory error at step %d; back to %s",
+                       self.growback.wait, self._oom_step, plan.describe())
         self.apply(plan, in_training_loop=True)
         self._trainer._engine.cut_units = self.cut(self.plan)
 
