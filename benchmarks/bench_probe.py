@@ -50,7 +50,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from hf_accum.meters import CpuMeter, Measurement, Meter, live_tensor_bytes  # noqa: E402
 from hf_accum.planning.plan import divisors  # noqa: E402
-from hf_accum.probe import make_step_fn, probe_micro_batches, random_token_batch  # noqa: E402
+from hf_accum.probe import make_step_fn, random_token_batch  # noqa: E402
+from hf_accum.probe_loop import probe_micro_batches  # noqa: E402
 
 TARGET = 64
 BUDGET_FACTORS = (1.6, 3.7, 9.5)

@@ -138,9 +138,42 @@ def _run_probe(args: argparse.Namespace) -> int:
     _import_bitsandbytes_only_if(args, args.load_in_4bit or args.load_in_8bit)
     import torch
 
-    from .loading import add_lora, load_model, require_bitsandbytes
-    from .probe import NothingFitsError, probe_model
+    from .probe import probe_model
+    from .probe_loop import NothingFitsError
     from .probe_report import table
+
+    model = _bare_model(args)
+    lever = _checkpoint_lever(args, model)
+    from .fused_loss import patch_model, resolve_for_model
+
+    try:
+        fused, why = resolve_for_model(model, args.fused_loss, ("--fused-loss", "--no-fused-loss"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"fused loss: {'on' if fused else 'off'} ({why})", flush=True)
+    if fused:
+        patch_model(model)  # for the probe's training steps; the process ends after the probe
+    budget_bytes, source, line = _bare_model_budget(args)
+    print(line, flush=True)
+    try:
+        result, plan = probe_model(
+            model, seq_len=args.seq_len, target_batch_size=args.target_batch, world_size=args.world_size,
+            budget_bytes=budget_bytes, budget_fraction=args.budget, budget_names=("--budget-bytes", "--budget"),
+            autocast_dtype=torch.bfloat16 if args.bf16 else None, max_micro_batch=args.max_micro_batch,
+            optimize=args.optimize, log=lambda msg: print(f"  {msg}", flush=True), lever=lever,
+        )
+    except NothingFitsError as exc:
+        print(table(exc.result, args.seq_len))
+        raise
+    _report_probe(args, result, plan, args.seq_len, budget_source=source, model=args.model)
+    return 0
+
+
+def _bare_model(args: argparse.Namespace):
+    """The bare model `hf-accum probe MODEL` measures: loaded (quantized if asked), LoRA, checkpointing."""
+    import torch
+
+    from .loading import add_lora, load_model, require_bitsandbytes
 
     quantization = None
     if args.load_in_4bit or args.load_in_8bit:
@@ -173,30 +206,7 @@ def _run_probe(args: argparse.Namespace) -> int:
         # Switched on as training switches it on (the one helper the tuner uses too), LoRA-safe kind.
         enable_checkpointing(model, SimpleNamespace(gradient_checkpointing=True,
                                                     gradient_checkpointing_kwargs={"use_reentrant": False}))
-    lever = _checkpoint_lever(args, model)
-    from .fused_loss import patch_model, resolve_for_model
-
-    try:
-        fused, why = resolve_for_model(model, args.fused_loss, ("--fused-loss", "--no-fused-loss"))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    print(f"fused loss: {'on' if fused else 'off'} ({why})", flush=True)
-    if fused:
-        patch_model(model)  # for the probe's training steps; the process ends after the probe
-    budget_bytes, source, line = _bare_model_budget(args)
-    print(line, flush=True)
-    try:
-        result, plan = probe_model(
-            model, seq_len=args.seq_len, target_batch_size=args.target_batch, world_size=args.world_size,
-            budget_bytes=budget_bytes, budget_fraction=args.budget, budget_names=("--budget-bytes", "--budget"),
-            autocast_dtype=torch.bfloat16 if args.bf16 else None, max_micro_batch=args.max_micro_batch,
-            optimize=args.optimize, log=lambda msg: print(f"  {msg}", flush=True), lever=lever,
-        )
-    except NothingFitsError as exc:
-        print(table(exc.result, args.seq_len))
-        raise
-    _report_probe(args, result, plan, args.seq_len, budget_source=source, model=args.model)
-    return 0
+    return model
 
 
 def _bare_model_budget(args: argparse.Namespace) -> tuple[int | None, str, str]:
@@ -219,7 +229,7 @@ def _probe_recipe(args: argparse.Namespace) -> int:
     from .recipes.config import wants_quantization
 
     _import_bitsandbytes_only_if(args, wants_quantization(args.recipe, args.overrides))
-    from .probe import NothingFitsError
+    from .probe_loop import NothingFitsError
     from .probe_report import table
     from .recipes.run import probe_recipe
 

@@ -33,14 +33,29 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .compat import trainer_internals
+from .compat import parallel, trainer_internals
 from .loss import LabelSpec
 from .oom import free_memory, is_oom
+from .protocol import Policy
 from .units import Cutter, detect_unit, make_cutter
 
 logger = logging.getLogger(__name__)
 
 Run = Callable[[dict, bool], tuple]  # (batch, prediction_loss_only) -> (loss, logits, labels): prediction_step
+
+
+def eval_loss_for(trainer) -> EvalLoss:
+    """The `EvalLoss` of one evaluation of ``trainer`` (an `AccumulationMixin`): its labels, its unit, and whether an
+    OOM may be re-run on one rank; the cap and the reasons said carry over between its evaluations."""
+    try:
+        labels = trainer._label_spec() if trainer._normalization != "model" else LabelSpec()
+    except ValueError as exc:  # a model whose loss hf_accum cannot count: transformers' value, said once
+        labels = str(exc)
+    # An OOM re-run forwards more on one rank: not where forwards run collectives (FSDP, ZeRO, TRL's metrics).
+    can_split = (trainer.accelerator.num_processes == 1
+                 or parallel.window_policy(trainer, trainer.collectives_in_compute_loss) is Policy.RERUN)
+    return EvalLoss(trainer, trainer._normalization, trainer.batch_unit, labels, can_split=can_split,
+                    cap=trainer._eval_cap, said=trainer._eval_said)
 
 
 class EvalLoss:

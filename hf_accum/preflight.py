@@ -121,7 +121,7 @@ def _check_no_empty_rows(dataset) -> None:
 
 def _check_some_label_counts(trainer, rows_per_batch: int = 64) -> None:
     """At least one label counts somewhere in the training set, as the trainer's collator gives the batches."""
-    from .probe import modes_and_rng_preserved
+    from .preserve import modes_and_rng_preserved
 
     loader = trainer.get_train_dataloader()
     dataset, collate = loader.dataset, loader.collate_fn

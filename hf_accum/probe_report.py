@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from .planning.plan import Plan
-from .probe import ProbeResult
+from .probe_loop import ProbeResult
 
 
 def _mib(n: float | None) -> str:

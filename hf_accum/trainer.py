@@ -29,7 +29,7 @@ import weakref
 
 from transformers import Trainer, TrainerCallback
 
-from . import checkpointing, construction, scaled_loss, stopping
+from . import checkpointing, construction, evaluation, scaled_loss, stopping
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments, explicit_batch_settings
 from .checkpoints import check_resume
@@ -42,7 +42,7 @@ from .planning.planner import Planner
 from .planning.store import PLAN_FILE
 from .preemption import StopRequest
 from .preflight import check_output_dir_writable, check_training_data
-from .protocol import Local, Policy, StopTraining, TorchDistributed, WindowProtocol
+from .protocol import Local, StopTraining, TorchDistributed, WindowProtocol
 from .settings import Settings
 from .units import detect_unit, make_cutter
 from .window import WindowEngine
@@ -307,7 +307,7 @@ class AccumulationMixin:
     # --- evaluation: an exact eval_loss, OOM re-runs of the failed batch alone (evaluation.py) ---------------------
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
-        self._eval_loss = self._new_eval_loss()
+        self._eval_loss = evaluation.eval_loss_for(self)
         try:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                              metric_key_prefix)
@@ -336,17 +336,6 @@ class AccumulationMixin:
         """`auto_eval_batch_size`: measured with the Trainer's own prediction_step (`Planner.plan_eval_batch`)."""
         self._planner.plan_eval_batch(dataset, lambda model, batch, loss_only: super(
             AccumulationMixin, self).prediction_step(model, batch, loss_only))
-
-    def _new_eval_loss(self) -> EvalLoss:
-        try:
-            labels = self._label_spec() if self._normalization != "model" else LabelSpec()
-        except ValueError as exc:  # a model whose loss hf_accum cannot count: transformers' value, said once
-            labels = str(exc)
-        # An OOM re-run forwards more on one rank: not where forwards run collectives (FSDP, ZeRO, TRL's metrics).
-        can_split = (self.accelerator.num_processes == 1
-                     or parallel.window_policy(self, self.collectives_in_compute_loss) is Policy.RERUN)
-        return EvalLoss(self, self._normalization, self.batch_unit, labels, can_split=can_split, cap=self._eval_cap,
-                        said=self._eval_said)
 
 
 class _StepControl(TrainerCallback):

@@ -287,7 +287,7 @@ def defaults_mode(out, rank):
     with a message naming the bucket keys."""
     import logging
 
-    from hf_accum.probe import NothingFitsError
+    from hf_accum.probe_loop import NothingFitsError
 
     records = []
     handler = logging.Handler()

@@ -11,7 +11,7 @@ from hf_accum import AccumTrainer, AccumTrainingArguments, checkpointing
 from hf_accum.compat import deepspeed_integration, gradient_checkpointing
 from hf_accum.planning.plan import Plan
 from hf_accum.planning.store import PLAN_FILE
-from hf_accum.probe import NothingFitsError
+from hf_accum.probe_loop import NothingFitsError
 from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
 
 from .exactness import ExplicitArgsWrapper, tiny_llama

@@ -6,7 +6,7 @@ import pytest
 
 from hf_accum.meters import FakeMeter
 from hf_accum.planning.engine_probe import AgreedMeter, smallest
-from hf_accum.probe import probe_micro_batches
+from hf_accum.probe_loop import probe_micro_batches
 from hf_accum.protocol import StopTraining
 
 MiB = 2**20

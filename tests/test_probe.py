@@ -13,17 +13,9 @@ import torch
 
 from hf_accum.meters import CpuMeter, FakeMeter, live_tensor_bytes
 from hf_accum.planning.plan import divisors, forward_breakpoints, plan_batch
-from hf_accum.probe import (
-    NothingFitsError,
-    agree_max_micro_batch,
-    agree_on_rates,
-    fresh_optimizer_like,
-    make_step_fn,
-    preserved,
-    probe_micro_batches,
-    probe_model,
-    random_token_batch,
-)
+from hf_accum.preserve import fresh_optimizer_like, preserved
+from hf_accum.probe import make_step_fn, probe_model, random_token_batch
+from hf_accum.probe_loop import NothingFitsError, agree_max_micro_batch, agree_on_rates, probe_micro_batches
 
 from .exactness import probe_llama
 

@@ -3,7 +3,7 @@ marked as read off the fitted line, the budget's value and origin, the model and
 kinds without points have no legend entry, and a default budget is named in the printed output."""
 
 from hf_accum.planning.plan import Plan
-from hf_accum.probe import ProbeResult, Trial
+from hf_accum.probe_loop import ProbeResult, Trial
 
 MiB = 2**20
 

@@ -12,7 +12,7 @@ import torch
 from hf_accum import AccumTrainer, AccumTrainingArguments
 from hf_accum.meters import CpuMeter
 from hf_accum.planning.store import PLAN_FILE
-from hf_accum.probe import NothingFitsError
+from hf_accum.probe_loop import NothingFitsError
 from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
 
 MiB = 2**20

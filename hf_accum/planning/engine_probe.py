@@ -22,14 +22,9 @@ from typing import Any
 from ..compat import deepspeed_integration
 from ..meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes
 from ..oom import is_oom
-from ..probe import (
-    MakeBatch,
-    NothingFitsError,
-    ProbeResult,
-    modes_and_rng_preserved,
-    plan_from_result,
-    probe_micro_batches,
-)
+from ..preserve import modes_and_rng_preserved
+from ..probe import plan_from_result
+from ..probe_loop import MakeBatch, NothingFitsError, ProbeResult, probe_micro_batches
 from ..protocol import Collective, StopTraining
 from .plan import Plan, forward_breakpoints
 
@@ -177,7 +172,7 @@ def buffers_dominate(need_bytes: int, state_bytes: int, buckets: dict[str, int],
 
 def buffers_message(engine: str, need_bytes: int, budget_bytes: int, state_bytes: int, buckets: dict[str, int],
                     element_size: int) -> str:
-    from ..probe import _gib
+    from ..probe_loop import _gib
 
     sizes = _sizes(buckets)
     smaller = max(10 ** max(0, len(str(budget_bytes // 10 // element_size)) - 1), 1)  # a tenth of the budget

@@ -20,7 +20,8 @@ import torch
 
 from ..meters import CpuMeter, live_tensor_bytes
 from ..oom import free_memory, is_oom
-from ..probe import modes_and_rng_preserved, resolve_budget
+from ..preserve import modes_and_rng_preserved
+from ..probe import resolve_budget
 from ..protocol import Local, TorchDistributed
 from ..settings import Settings
 from . import tuning

@@ -21,7 +21,8 @@ from .. import allocator, checkpointing
 from ..compat import trainer_internals
 from ..loss import loss_shifts_labels
 from ..meters import CpuMeter, CudaMeter, Meter
-from ..probe import ProbeResult, probe_model, random_token_batch, resolve_budget
+from ..probe import probe_model, random_token_batch, resolve_budget
+from ..probe_loop import ProbeResult
 from ..settings import Settings
 from ..token_budget import TokenBudget, cost_model, predicted_peak
 from ..units import detect_unit, make_cutter
