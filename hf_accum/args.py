@@ -198,6 +198,10 @@ class AccumTrainingArguments(TrainingArguments):
             )
         },
     )
+    grow_back_steps: int = field(default=16, metadata={"help": (
+        "After an out-of-memory error lowered the plan mid-run, return to the plan in force before it (the probed, "
+        "stored or given one) after this many optimizer steps without one; the wait doubles each time an OOM recurs. "
+        "Every step stays exact on either plan. 0: keep the lowered plan for good.")})
     auto_eval_batch_size: bool | None = field(
         default=None,
         metadata={
@@ -235,6 +239,8 @@ class AccumTrainingArguments(TrainingArguments):
                 "(e.g. 1e-4 for float32); leave it unset to choose it from the precision."
             )
         self._check_tuner_fields()
+        if not isinstance(self.grow_back_steps, int) or isinstance(self.grow_back_steps, bool) or self.grow_back_steps < 0:
+            raise ValueError(f"grow_back_steps={self.grow_back_steps!r} must be an integer >= 0 (0: never grow back).")
         self.max_nonfinite_steps = _parse_nonfinite_limit(self.max_nonfinite_steps)
         if isinstance(self.max_steps, int) and (self.max_steps < -1 or self.max_steps == 0):
             # transformers trains num_train_epochs epochs for any max_steps <= 0, without a word

@@ -8,7 +8,7 @@ If an OOM comes back, the wait doubles, so a recurring OOM costs a handful of re
     grow = GrowBack(after=16)
     grow.oom()                      # a window was re-run under a lowered plan
     if grow.clean_step():           # an optimizer step ended with no OOM: True when it is time to grow back
-        planner.restore_probed()
+        ...                         # the planner restores the plan before the OOM (Planner.step_ended)
 
 Ranks agree on every OOM (protocol.py), so every rank counts the same steps and grows back at the same one.
 """

@@ -42,6 +42,7 @@ class Settings:
     memory_budget_bytes: _Field[int | None] = _Field(None)
     memory_budget: _Field[float] = _Field(0.9)
     auto_eval_batch_size: _Field[bool | None] = _Field(None)  # None: with auto_tune
+    grow_back_steps: _Field[int] = _Field(16)  # after an OOM lowered the plan (growback.py)
     # levers
     checkpoint_layers: _Field[Any] = _Field(None)  # "auto", k, or None
     activation_checkpointing: _Field[bool | None] = _Field(None)  # transformers >= 5.23; older: gradient_checkpointing

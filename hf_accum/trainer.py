@@ -97,6 +97,8 @@ class AccumulationMixin:
         construction.adjust_args_copy(self)
         if isinstance(self.args, AccumTrainingArguments) and self._normalization != "model":
             self.add_callback(_StepControl(self))
+        if self._normalization != "model":  # the window engine runs (and recovers from OOMs) only then
+            self.add_callback(_GrowBack(self))
         if self.settings.target_batch_size:  # only runs with a target have a plan to keep
             self.add_callback(_PlanInCheckpoints(self))
 
@@ -362,6 +364,19 @@ class _StepControl(TrainerCallback):
         if outcome.stop or too_many:
             control.should_save = True
             control.should_training_stop = True
+
+
+class _GrowBack(TrainerCallback):
+    """Tells the planner each optimizer step's end and whether an OOM re-ran its window (growing back a lowered
+    plan: `Planner.step_ended`). Holds the trainer weakly."""
+
+    def __init__(self, trainer):
+        self._trainer = weakref.ref(trainer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if trainer is not None and trainer._engine is not None:
+            trainer.planner.step_ended(trainer._engine.outcome.reran)
 
 
 def _weakly(method):

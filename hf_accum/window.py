@@ -50,6 +50,7 @@ class WindowEngine:
         self.stop_requested: Callable[[], bool] = lambda: False  # e.g. a signal arrived (preemption.py)
         self.gradients_finite: Callable[[], torch.Tensor | None] = lambda: None  # checked with the loss when done
         self.outcome = WindowOutcome()
+        self._reran = False  # this window was re-run after an OOM (on every rank: they re-run together)
 
     @property
     def active(self) -> bool:
@@ -71,6 +72,7 @@ class WindowEngine:
             )
         self.window = Window(items=total, world=self.world)
         self._batches, self._index, self._returned = list(batches), 0, []
+        self._reran = False
         self._agree_forwards()
         return self.window
 
@@ -130,7 +132,7 @@ class WindowEngine:
             finite = finite & grads.to(finite.device)
         nonfinite = not bool(finite)  # one host sync per optimizer step, none per micro-step
         skip, stop = self.protocol.done(nonfinite, self.stop_requested())
-        self.outcome = WindowOutcome(skip=skip, stop=stop, loss=loss.detach())
+        self.outcome = WindowOutcome(skip=skip, stop=stop, loss=loss.detach(), reran=self._reran)
 
     def end(self) -> None:
         self.window, self._batches, self._index, self._returned = None, (), 0, []
@@ -197,6 +199,7 @@ class WindowEngine:
         return out, 0.0
 
     def _rerun_window(self, run_chunk) -> torch.Tensor:
+        self._reran = True
         while True:
             if self.token_budget is not None:
                 self.token_budget = self.shrink_tokens(self.token_budget)
@@ -224,6 +227,7 @@ class WindowOutcome:
     skip: bool = False  # some rank's window loss or gradients were not finite: no optimizer step on this window
     stop: bool = False  # some rank was asked to stop: every rank stops after this step
     loss: torch.Tensor | None = None  # this rank's share of the window loss
+    reran: bool = False  # an OOM lowered the cut and the window was re-run (the planner's growing back counts it)
 
 
 def _cannot_shrink(units):

@@ -2,6 +2,8 @@
 - forward CALL: rank 1's forward number CALL raises an OOM (3: mid-window, 4: the window's final forward); then a clean run with the smaller micro-batch from the start.
   Saves both runs' final weights and plans per rank.
 - backward: rank 1 raises an OOM inside the window's final, gradient-synchronizing backward (must stop cleanly).
+- growback: rank 1's first forward raises an OOM; with grow_back_steps=1 both ranks return to micro 4 x 2 after
+  step 2; then a clean run.
 - stop: the trainer declares collectives in compute_loss (as TRL's do); rank 1's forward 3 raises an OOM: every
   rank must stop with the plan to restart with (skipping a forward would hang the other rank).
 """
@@ -29,7 +31,7 @@ class OOMInBackward:
             raise torch.OutOfMemoryError("CUDA out of memory (injected in the synchronized backward)")
 
 
-def train(out, micro, accum, inject=None, collectives_in_compute_loss=False):
+def train(out, micro, accum, inject=None, collectives_in_compute_loss=False, **kw):
     from transformers.trainer_callback import PrinterCallback
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
@@ -39,7 +41,7 @@ def train(out, micro, accum, inject=None, collectives_in_compute_loss=False):
         output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
         target_batch_size=micro * accum * 2, auto_tune=False, num_train_epochs=1, learning_rate=1e-2,
         max_grad_norm=0.0, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
-        remove_unused_columns=False, ddp_backend="gloo", logging_steps=1,
+        remove_unused_columns=False, ddp_backend="gloo", logging_steps=1, **kw,
     )
     cls = type("Gathering", (AccumTrainer,), {"collectives_in_compute_loss": collectives_in_compute_loss})
     trainer = cls(model=model, args=args, train_dataset=lm_examples(48, seed=4), data_collator=pad_collate,
@@ -62,6 +64,14 @@ def main():
                    os.path.join(out, f"weights.rank{rank}.pt"))
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"plan": hit.plan.to_dict(), "steps": [hit.state.global_step, clean.state.global_step]}, f)
+    elif mode == "growback":  # rank 1's first forward runs out of memory; both ranks grow back after 1 clean step
+        hit = train(os.path.join(out, "hit"), 4, 2, (lambda m: OOMAt(m, [1])) if rank == 1 else None,
+                    grow_back_steps=1)
+        clean = train(os.path.join(out, "clean"), 4, 2)
+        torch.save({"hit": hit.model.state_dict(), "clean": clean.model.state_dict()},
+                   os.path.join(out, f"weights.rank{rank}.pt"))
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"plan": hit.plan.to_dict(), "cut": hit._engine.cut_units}, f)
     elif mode == "stop":
         train(os.path.join(out, "hit"), 4, 2, (lambda m: OOMAt(m, [3])) if rank == 1 else None,
               collectives_in_compute_loss=True)

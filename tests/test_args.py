@@ -54,6 +54,8 @@ def test_cli_flags_and_yaml(tmp_path):
         ({"num_train_epochs": -2.5}, "num_train_epochs=-2.5 with max_steps=-1 trains nothing"),
         ({"learning_rate": -1}, "learning_rate=-1 is negative"),
         ({"learning_rate": float("nan")}, "learning_rate=nan is not a finite number"),
+        ({"grow_back_steps": -1}, "grow_back_steps=-1 must be an integer >= 0"),
+        ({"grow_back_steps": 2.5}, "grow_back_steps=2.5 must be an integer >= 0"),
     ],
 )
 def test_bad_arguments_say_the_fix(tmp_path, kwargs, message):

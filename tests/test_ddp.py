@@ -160,6 +160,23 @@ def test_one_ranks_oom_switches_both_ranks_and_matches_a_clean_run(tmp_path, cal
 
 
 @pytest.mark.slow
+def test_after_one_ranks_oom_both_ranks_grow_back_at_the_same_step(tmp_path):
+    proc = _torchrun("ddp_oom_worker.py", "growback", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    import json
+
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1 == {"plan": {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "world_size": 2,
+                                 "target_batch_size": 16}, "cut": None}
+    for r in (0, 1):
+        w = torch.load(tmp_path / f"weights.rank{r}.pt")
+        num = sum(float((w["hit"][k] - w["clean"][k]).pow(2).sum()) for k in w["hit"])
+        den = sum(float(v.pow(2).sum()) for v in w["clean"].values())
+        assert (num / den) ** 0.5 <= 1e-10
+    assert (proc.stderr + proc.stdout).count("1 clean steps since the out-of-memory error at step 0; back to") == 2
+
+
+@pytest.mark.slow
 def test_oom_in_the_synchronized_backward_stops_all_ranks_cleanly(tmp_path):
     import time
 

@@ -3,6 +3,8 @@
 import pytest
 
 from hf_accum.growback import GrowBack
+from hf_accum.planning.plan import Plan
+from hf_accum.planning.policy import InForce, OomPolicy, as_plan
 
 
 def simulate(after: int, steps: int, oom_at) -> tuple[list[int], list[int]]:
@@ -42,3 +44,28 @@ def test_no_lowered_plan_nothing_to_grow_back_and_negative_refused():
     assert not any(grow.clean_step() for _ in range(100)) and grow.clean == 0
     with pytest.raises(ValueError, match="grow_back_steps=-1"):
         GrowBack(-1)
+
+
+PROBED = Plan(8, 1, 1, 8, checkpointed_layers=1, num_layers=2)
+LOWERED = Plan(4, 2, 1, 8, checkpointed_layers=1, num_layers=2)
+
+
+@pytest.mark.parametrize("now, before, expected", [
+    (LOWERED, PROBED, PROBED),  # a tuned plan: back to it
+    (PROBED, PROBED, None),  # nothing to grow back
+    (Plan(4, 2, 1, 8, eval_batch_size=16), PROBED,  # an eval batch measured since the OOM is kept
+     Plan(8, 1, 1, 8, checkpointed_layers=1, num_layers=2, eval_batch_size=16)),
+    (Plan(2, 4, 1, 8), Plan(4, 2, 1, 8), Plan(4, 2, 1, 8)),  # the user's micro-batches
+    (Plan(16, 1, 1, 16, token_budget=72), Plan(16, 1, 1, 16, token_budget=96), Plan(16, 1, 1, 16, token_budget=96)),
+])
+def test_larger_returns_the_plan_before_the_oom(now, before, expected):
+    assert OomPolicy().larger(InForce(now, None, 1, True, 8, 8), before) == expected
+
+
+@pytest.mark.parametrize("plan, micro, world, target, expected", [
+    (None, 4, 1, 8, Plan(4, 2, 1, 8)),  # auto_tune off: the micro-batches as loaded
+    (None, 2, 2, 16, Plan(2, 4, 2, 16)),
+    (PROBED, 8, 1, 8, PROBED),
+])
+def test_the_plan_in_force_as_a_plan(plan, micro, world, target, expected):
+    assert as_plan(InForce(plan, None, world, plan is not None, micro, target)) == expected

@@ -3,8 +3,9 @@
 Everything the plan decides is written here and nowhere else: the plan, its key and the probe record; the per-device
 train and eval batch sizes and the accumulation steps on the trainer's copy of the arguments; the Trainer's private
 `_train_batch_size`; the window engine's cut and token budget; DeepSpeed's batch fields; the plan file. It writes at
-start (probe, stored or given plan), after an out-of-memory error (through its `OomPolicy`) and when the eval batch
-is measured. The trainer reads `trainer.plan`; recipes and the CLI save through `save()`.
+start (probe, stored or given plan), after an out-of-memory error (through its `OomPolicy`), when a lowered plan grows
+back (`step_ended`, after `grow_back_steps` clean optimizer steps) and when the eval batch is measured. The trainer
+reads `trainer.plan`; recipes and the CLI save through `save()`.
 
 The planner holds its trainer weakly and never imports trainer.py: what must run through the Trainer (one real
 training step through the DeepSpeed engine, one prediction step) is handed in as a step function.
@@ -19,6 +20,7 @@ from collections.abc import Callable
 
 from .. import checkpointing
 from ..compat import deepspeed_integration, parallel
+from ..growback import GrowBack
 from ..protocol import Collective, Policy, StopTraining
 from ..settings import Settings
 from ..token_budget import TokenBudget
@@ -26,7 +28,7 @@ from . import tuning
 from .engine_probe import probe_through_engine
 from .eval_batch import plan_eval_batch
 from .plan import Plan
-from .policy import InForce, OomPolicy
+from .policy import InForce, OomPolicy, as_plan
 from .store import save_plan
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,9 @@ class Planner:
         self.stores_plan = True  # `hf-accum probe RECIPE` saves the plan itself, where it is kept
         self.eval_planned = False  # auto_eval_batch_size: measured (or taken from a stored plan)
         self._whole_windows: bool | None = None  # how the applied plan is loaded (`loads_windows`)
+        self.growback = GrowBack(Settings(trainer.args).grow_back_steps)  # when a plan an OOM lowered returns
+        self.before_oom: Plan | None = None  # the plan in force before the first OOM lowered it
+        self._oom_step = 0  # the step of the last OOM, as its warning named it
 
     @property
     def _trainer(self):
@@ -249,6 +254,7 @@ class Planner:
             )
         logger.warning("hf_accum: out of memory at step %d; re-running this accumulation window with %s",
                        trainer.state.global_step, plan.describe())
+        self._lowering()
         self.apply(plan, in_training_loop=True)
         return plan.micro_batch_size
 
@@ -267,8 +273,37 @@ class Planner:
         plan = dataclasses.replace(self.plan, token_budget=smaller.tokens, token_model=smaller.model)
         logger.warning("hf_accum: out of memory at step %d; re-running this accumulation window with %s",
                        trainer.state.global_step, plan.describe())
+        self._lowering()
         self.apply(plan, in_training_loop=True)
         return smaller
+
+    def _lowering(self) -> None:
+        """Before an OOM's plan is applied: remember the plan it lowers (the first time: growing back returns to the
+        plan the run started on, not to an intermediate one) and the step, for the growing-back line."""
+        if self.before_oom is None:
+            self.before_oom = as_plan(self._in_force(None))
+        self._oom_step = self._trainer.state.global_step
+
+    # --- growing back after an OOM (growback.py) -------------------------------------------------------------
+    def step_ended(self, reran: bool) -> None:
+        """After each optimizer step; ``reran``: an OOM re-ran its window (every rank agrees, so every rank counts
+        the same steps). The plan in force before the OOM is restored when `GrowBack` says it is time."""
+        if reran:
+            self.growback.oom()
+        elif self.growback.clean_step():
+            self._grow_back()
+
+    def _grow_back(self) -> None:
+        """The plan before the OOM, through `apply` (plan, token budget, plan file) and the engine's cut: the next
+        window is cut as the run's first were (any cut of a window is exact; the effective batch is unchanged)."""
+        plan = self.policy.larger(self._in_force(None), self.before_oom)
+        if plan is None:
+            return
+        # a warning, as the OOM's own line is: whoever saw the plan lowered sees it restored
+        logger.warning("hf_accum: %d clean steps since the out-of-memory error at step %d; back to %s",
+                       self.growback.wait, self._oom_step, plan.describe())
+        self.apply(plan, in_training_loop=True)
+        self._trainer._engine.cut_units = self.cut(self.plan)
 
     def _refuse_rerun_under_deepspeed(self) -> None:
         """Re-running a window needs its gradients cleared; DeepSpeed ZeRO reduces each backward's gradients into its

@@ -2,7 +2,7 @@
 accelerate's `find_executable_batch_size` takes a `reduce_batch_size_fn`).
 
 Pure: numbers in, a plan (or None: nothing smaller keeps the target) out. The planner applies what it returns.
-`larger()` is the room for growing back after an OOM (a later issue); today a plan never grows inside a run.
+`larger()` is what growing back returns to, once `GrowBack` (growback.py) says the lowered plan has run long enough.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..token_budget import TokenBudget
-from .plan import Plan, divisors, plan_for_micro
+from .plan import Plan, divisors, forwards_for, plan_for_micro
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +51,20 @@ class OomPolicy:
         smaller = budget.scaled(self.token_factor)
         return smaller if smaller.rows(longest) >= 1 else None
 
-    def larger(self, now: InForce) -> Plan | None:
-        """Growing back after an OOM: not done yet (the plan in force stays)."""
-        return None
+    def larger(self, now: InForce, before: Plan) -> Plan | None:
+        """Growing back (growback.py says when): the plan in force before the first OOM lowered it, keeping an eval
+        batch measured since (the lowering dropped it); None when that plan is already in force."""
+        if now.plan == before:
+            return None
+        measured = now.plan.eval_batch_size if now.plan is not None else None
+        return dataclasses.replace(before, eval_batch_size=measured or before.eval_batch_size)
+
+
+def as_plan(now: InForce) -> Plan:
+    """What is in force as a plan: the applied plan, or the user's micro-batches as loaded (auto_tune off)."""
+    if now.plan is not None:
+        return now.plan
+    return Plan(now.micro, forwards_for(now.target // now.world, now.micro), now.world, now.target)
 
 
 def _keeping_level(current: Plan | None, plan: Plan) -> Plan:
