@@ -43,15 +43,10 @@ def configs(hidden: int, layers: int):
 def builder(config, lora: bool):
     from transformers import AutoModelForCausalLM
 
-    def build():
-        model = AutoModelForCausalLM.from_config(config)
-        if lora:
-            from peft import LoraConfig, get_peft_model
+    from hf_accum.estimating.command import with_lora
 
-            model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"))
-        return model
-
-    return build
+    build = lambda: AutoModelForCausalLM.from_config(config)  # noqa: E731
+    return with_lora(build, 8, None) if lora else build
 
 
 def llama3_8b() -> None:

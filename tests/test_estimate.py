@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_accum.estimating.check import against_probe
-from hf_accum.estimating.command import parse_size
+from hf_accum.estimating.command import parse_size, with_lora
 from hf_accum.estimating.estimate import interpolate
 
 MiB = 2**20
@@ -28,16 +28,8 @@ def _builder(arch: str, lora: bool):
     from transformers import AutoModelForCausalLM
 
     config = _config(arch)
-
-    def build():
-        model = AutoModelForCausalLM.from_config(config)
-        if lora:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"))
-        return model
-
-    return build
+    build = lambda: AutoModelForCausalLM.from_config(config)  # noqa: E731
+    return with_lora(build, 8, None) if lora else build
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
