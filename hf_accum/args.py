@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .loss import NORMALIZATIONS
-from .settings import Settings
+from .settings import Settings, field_default
 
 DEFAULT_MAX_NONFINITE_STEPS = 3  # max_nonfinite_steps="auto" where hf_accum takes the optimizer step
 
@@ -355,7 +355,7 @@ class AccumTrainingArguments(TrainingArguments):
                     f"target_batch_size={self.target_batch_size} is not divisible by the world size {world}: "
                     f"micro x accumulation x world must equal it exactly. Set target_batch_size to {options}."
                 )
-            if self.gradient_accumulation_steps != _default(self, "gradient_accumulation_steps"):
+            if self.gradient_accumulation_steps != field_default(self, "gradient_accumulation_steps"):
                 # An accumulation states an effective batch of its own: two contradicting targets, refused. (A
                 # micro-batch alone, or values that multiply to the target, are harmless: tune() warns they are
                 # not used.)
@@ -454,19 +454,6 @@ def resolve_nonfinite_limit(value, engine_steps_in_backward: bool) -> tuple[int 
             "DeepSpeed) or set it to None."
         )
     return value, None
-
-
-def _default(args, name: str):
-    """The default of field ``name`` in the arguments' own class (TRL's configs have their own)."""
-    return next(f.default for f in dataclasses.fields(type(args)) if f.name == name)
-
-
-def explicit_batch_settings(args) -> dict[str, int]:
-    """per_device_train_batch_size / gradient_accumulation_steps where they differ from their class defaults:
-    what the user set (a value equal to the default cannot be told apart, and changes nothing either)."""
-    given = {"per_device_train_batch_size": args.per_device_train_batch_size,
-             "gradient_accumulation_steps": args.gradient_accumulation_steps}
-    return {name: value for name, value in given.items() if value != _default(args, name)}
 
 
 def _is_number(value) -> bool:

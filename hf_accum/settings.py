@@ -12,6 +12,7 @@ construction (the planner writes the plan's batch fields; a recipe turns `auto_t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -69,9 +70,22 @@ class Settings:
         new = self.activation_checkpointing
         return new if new is not None else self.gradient_checkpointing
 
+    def explicit_batch(self) -> dict[str, int]:
+        """per_device_train_batch_size / gradient_accumulation_steps where they differ from their class defaults:
+        what the user set (a value equal to the default cannot be told apart, and changes nothing either)."""
+        args = self.args
+        given = {"per_device_train_batch_size": args.per_device_train_batch_size,
+                 "gradient_accumulation_steps": args.gradient_accumulation_steps}
+        return {name: value for name, value in given.items() if value != field_default(args, name)}
+
     def exact_target(self, world: int | None = None) -> int:
         """The effective batch the run is configured for now: target_batch_size, or what the batch settings give
         over ``world`` ranks (default: the arguments' world size). The one place this is derived."""
         args = self.args
         return self.target_batch_size or (args.per_device_train_batch_size * args.gradient_accumulation_steps
                                           * (args.world_size if world is None else world))
+
+
+def field_default(args, name: str):
+    """The default of field ``name`` in the arguments' own class (TRL's configs have their own)."""
+    return next(f.default for f in dataclasses.fields(type(args)) if f.name == name)

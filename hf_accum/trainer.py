@@ -31,7 +31,7 @@ from transformers import Trainer, TrainerCallback
 
 from . import checkpointing, construction, evaluation, finite_grads, scaled_loss, stopping
 from .accumulation_check import AccumulationCheck, run_accumulation_check
-from .args import AccumTrainingArguments, explicit_batch_settings
+from .args import AccumTrainingArguments
 from .checkpoints import check_resume
 from .compat import deepspeed_integration, parallel, trainer_internals, trl_internals
 from .evaluation import EvalLoss
@@ -81,7 +81,7 @@ class AccumulationMixin:
         # transformers creates output_dir here; a run refused before training removes it again while still empty
         self._made_output_dir = given_dir if not existed else None
         # the batch settings the user gave, before any plan replaces them on our copy (tuning warns they are unused)
-        self._given_batch = explicit_batch_settings(self.args) if isinstance(self.args, AccumTrainingArguments) else {}
+        self._given_batch = self.settings.explicit_batch() if isinstance(self.args, AccumTrainingArguments) else {}
         self._checked_before_probe = False
         self._planner = Planner(self)  # the one writer of the plan and of every batch setting it implies
         self._engine: WindowEngine | None = None
