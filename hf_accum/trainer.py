@@ -97,8 +97,7 @@ class AccumulationMixin:
         construction.adjust_args_copy(self)
         if isinstance(self.args, AccumTrainingArguments) and self._normalization != "model":
             self.add_callback(_StepControl(self))
-        if self._normalization != "model":  # the window engine runs (and recovers from OOMs) only then
-            self.add_callback(_GrowBack(self))
+            self.add_callback(_GrowBack(self))  # plain TrainingArguments: Trainer's callbacks only (no grow_back_steps)
         if self.settings.target_batch_size:  # only runs with a target have a plan to keep
             self.add_callback(_PlanInCheckpoints(self))
 
