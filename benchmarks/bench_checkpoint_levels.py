@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from hf_accum.checkpointing import Lever
 from hf_accum.compat import gradient_checkpointing
+from hf_accum.levers.checkpointing import Levels as Lever
 from hf_accum.meters import CpuMeter, live_tensor_bytes
 from hf_accum.probe import make_step_fn, probe_model, random_token_batch
 from hf_accum.tiny import build_model

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .levers.checkpointing import parse_layers
 from .loss import NORMALIZATIONS
 from .settings import Settings, field_default
 
@@ -173,6 +174,17 @@ class AccumTrainingArguments(TrainingArguments):
             )
         },
     )
+    levers: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Pin levers to a level: comma-separated name=value, e.g. 'checkpointing=2' or "
+                "'selective=4,checkpointing=2' (the first 2 layers recompute fully, the next 4 selectively). A value "
+                "is 'auto' (the probe chooses by measured step time), 'off', or the lever's level; a lever not named "
+                "is 'auto'. The registered levers are in hf_accum/levers/ (README: the plan section)."
+            )
+        },
+    )
     handle_preemption: bool = field(
         default=True,
         metadata={
@@ -219,6 +231,7 @@ class AccumTrainingArguments(TrainingArguments):
     def __post_init__(self):
         # Cheap, device-free checks first: a wrong value must fail before any distributed setup.
         self._resolve_checkpoint_layers()
+        self._check_levers()
         for name in ("check_accumulation", "auto_tune"):
             _require_bool(name, getattr(self, name))
         if not isinstance(self.loss_normalization, str) or self.loss_normalization not in NORMALIZATIONS:
@@ -285,23 +298,7 @@ class AccumTrainingArguments(TrainingArguments):
         before `TrainingArguments.__post_init__` resolves an unset flag to False. A copy of resolved arguments
         (`dataclasses.replace`) resolves to the same setting: "auto" with the flag False stays "auto"."""
         flag = Settings(self).checkpointing_flag()
-        setting = self.checkpoint_layers
-        if isinstance(setting, str):
-            text = setting.strip().lower()
-            if text == "auto":
-                setting = "auto"
-            elif text.isdigit():
-                setting = int(text)
-            elif text in ("", "none", "null"):
-                setting = None
-            else:
-                setting = False  # refused below
-        if setting is not None and setting != "auto" and (
-                not isinstance(setting, int) or isinstance(setting, bool) or setting < 0):
-            raise ValueError(
-                f"checkpoint_layers={self.checkpoint_layers!r} must be 'auto' or an integer >= 0 (the number of "
-                "decoder layers that recompute). For every layer or none use gradient_checkpointing=True/False."
-            )
+        setting = parse_layers(self.checkpoint_layers)
         if setting is None and flag is None:
             setting = "auto"
         if setting is not None and flag is True:
@@ -313,6 +310,16 @@ class AccumTrainingArguments(TrainingArguments):
         self.checkpoint_layers = setting
         if flag is None and not _FLAG_DEFAULT_IS_NONE:
             self.gradient_checkpointing = False  # transformers < 5.23 reads it as a bool
+
+    def _check_levers(self) -> None:
+        """levers=...: known levers and values; checkpointing pinned there and by its own fields is refused."""
+        from .levers.base import check_pins, parse_pins
+
+        check_pins(self.levers)
+        if "checkpointing" in parse_pins(self.levers) and (
+                self.checkpoint_layers not in (None, "auto") or Settings(self).checkpointing_flag()):
+            raise ValueError(f"levers={self.levers!r} pins checkpointing, and checkpoint_layers / gradient_checkpointing "
+                             "set it too: give it in one place (drop it from levers, or unset the other).")
 
     @property
     def checkpointing_choice(self) -> str | int | bool:

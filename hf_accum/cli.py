@@ -207,7 +207,7 @@ def _bare_model(args: argparse.Namespace):
     if args.gradient_checkpointing:
         from types import SimpleNamespace
 
-        from .compat.gradient_checkpointing import enable_checkpointing
+        from .levers.checkpointing import enable_checkpointing
 
         # Switched on as training switches it on (the one helper the tuner uses too), LoRA-safe kind.
         enable_checkpointing(model, SimpleNamespace(gradient_checkpointing=True,
@@ -273,8 +273,8 @@ def _probe_recipe(args: argparse.Namespace) -> int:
 
 def _checkpoint_lever(args: argparse.Namespace, model):
     """--checkpoint-layers: the lever the probe chooses k with ("auto"), or exactly K layers set now."""
-    from .checkpointing import Lever
     from .compat import gradient_checkpointing
+    from .levers.checkpointing import Levels, check_layers, parse_layers
 
     if args.checkpoint_layers is None:
         return None
@@ -283,12 +283,15 @@ def _checkpoint_lever(args: argparse.Namespace, model):
                          "give one")
     levels = gradient_checkpointing.checkpoint_levels(model)
     kwargs = {"use_reentrant": False}  # the LoRA-safe kind, as --gradient-checkpointing
-    if args.checkpoint_layers == "auto":
-        return Lever(model, levels, kwargs) if levels else None
-    if not args.checkpoint_layers.isdigit() or int(args.checkpoint_layers) > levels:
+    try:
+        want = parse_layers(args.checkpoint_layers, "--checkpoint-layers")
+        if want == "auto":
+            return Levels(model, levels, kwargs) if levels else None
+        check_layers(want, levels, type(model).__name__, True, f"--checkpoint-layers {want}")
+    except ValueError:
         raise UsageError(f"--checkpoint-layers {args.checkpoint_layers}: give 'auto' or an integer 0..{levels} "
-                         f"({type(model).__name__} has {levels} checkpointable layers)")
-    gradient_checkpointing.set_checkpointed_layers(model, int(args.checkpoint_layers), kwargs)
+                         f"({type(model).__name__} has {levels} checkpointable layers)") from None
+    gradient_checkpointing.set_checkpointed_layers(model, want, kwargs)
     return None
 
 

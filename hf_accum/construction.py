@@ -8,7 +8,7 @@ import logging
 
 from transformers import Trainer
 
-from . import checkpointing
+from . import levers
 from .args import resolve_nonfinite_limit
 from .compat import deepspeed_integration, parallel
 from .settings import Settings
@@ -19,7 +19,7 @@ logger = logging.getLogger("hf_accum.trainer")  # the trainer's messages, under 
 def refuse_unsupported_setups(trainer) -> None:
     """Every setup hf_accum cannot run exactly fails here, at construction, naming what to set."""
     parallel.refuse_silent_engine_fallback(trainer)
-    checkpointing.check_request(trainer.model, trainer.args)
+    levers.check_requests(trainer.model, trainer.args)
     if trainer._trl is not None and trainer._normalization != "model":
         base, mixed = trainer._trl
         problem = mixed.check(trainer) if mixed.check else None

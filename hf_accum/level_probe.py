@@ -1,5 +1,6 @@
-"""The probe across levels of a lever (today: how many layers recompute in the backward): the micro-batch search at
-the extreme levels, the step-time lines, and `levers.CheckpointChooser`'s proposals verified by real steps
+"""The probe across the levels of any registered lever (`levers.base.Levels`: positions 0..count, memory falling as
+the position grows): the micro-batch search at the lever's anchors, the step-time lines, and
+`planning.levels.CheckpointChooser`'s proposals, interpolating between the anchors, verified by real steps
 (`probe_levels`). Every rank agrees on every measured figure, so all choose the same.
 """
 
@@ -12,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .levers import CheckpointChooser, Choice, Level, fit_time_line, scale_line
 from .meters import Meter
 from .oom import free_memory, is_oom
+from .planning.levels import CheckpointChooser, Choice, Level, fit_time_line, scale_line
 from .planning.search import MicroBatchSearch
 from .probe_loop import (
     Log,
@@ -46,17 +47,16 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
     ``max_micro_batch_size`` is the chosen rows per forward (0: nothing fits even with every layer checkpointed);
     ``extra["checkpointing"]`` records the levels, the choice and its predicted seconds per optimizer step."""
     say = log or (lambda _msg: None)
-    num_layers = lever.num_layers
+    num_layers = lever.count
     results: dict[int, ProbeResult] = {}
-    say(f"checkpointing level 0 of {num_layers} layers (none)")
-    with lever.at(0):
-        results[0] = probe_micro_batches(step_fn, meter, budget_bytes, cap, must_resolve=must_resolve, log=log)
-    if agree_max_micro_batch(results[0].max_micro_batch_size) < cap:
-        say(f"checkpointing level {num_layers} of {num_layers} layers (all)")
-        with lever.at(num_layers):
-            results[num_layers] = probe_micro_batches(
+    for position in lever.anchors:  # memory falls along the anchors: stop at the first holding the whole window
+        say(f"{lever.name} level {position} of {num_layers} ({_words(lever, position)})")
+        with lever.at(position):
+            results[position] = probe_micro_batches(
                 step_fn, meter, budget_bytes, cap, must_resolve=must_resolve, log=log,
-                warmup=results[0].warmup_seconds is None)
+                warmup=not results or results[0].warmup_seconds is None)
+        if agree_max_micro_batch(results[position].max_micro_batch_size) >= cap:
+            break
     trials: list[Trial] = []
     for k, r in results.items():
         for t in r.trials:
@@ -73,8 +73,14 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
     result = dataclasses.replace(base, trials=trials, extra=dict(base.extra))
     result.max_micro_batch_size = accepted.micro if accepted is not None else 0
     result.chosen_micro_batch_size = None
-    result.extra["checkpointing"] = _record(accepted, seconds, checked, levels, steps, num_layers, say)
+    result.extra["checkpointing"] = _record(accepted, seconds, checked, levels, steps, lever, say)
     return result
+
+
+def _words(lever: Any, position: int) -> str:
+    """A position as the plan would say it ("none" at 0)."""
+    record = lever.record(position)
+    return "none" if position == 0 else ", ".join(f"{k} {v}" for k, v in record.items() if k != "of")
 
 
 def _verify(chooser: CheckpointChooser, step_fn: StepFn, meter: Meter, verify: MicroBatchSearch, lever: Any,
@@ -99,21 +105,25 @@ def _verify(chooser: CheckpointChooser, step_fn: StepFn, meter: Meter, verify: M
 
 
 def _record(accepted: Choice | None, seconds: float, checked: dict[str, Any] | None, levels: list[Level], steps: int,
-            num_layers: int, say: Log) -> dict[str, Any]:
-    """What the level search records in the probe result (``extra["checkpointing"]``), said once."""
+            lever: Any, say: Log) -> dict[str, Any]:
+    """What the level search records in the probe result (``extra["checkpointing"]``), said once: the positions
+    measured, the one chosen (``chosen_k``) and the plan's record of it (``lever``, ``plan_record``)."""
+    num_layers = lever.count
     record: dict[str, Any] = {
+        "lever": lever.name,
         "num_layers": num_layers,
         "levels": [dataclasses.asdict(lv) for lv in levels],
         "verify_steps": steps,
         "chosen_k": accepted.k if accepted is not None else num_layers,
     }
+    record["plan_record"] = lever.record(record["chosen_k"])
     if checked is not None:
         record["checked_against"] = checked
     if accepted is not None:
         record["step_seconds"] = accepted.forwards * seconds if seconds else accepted.predicted_seconds
         record["chosen"] = dataclasses.asdict(accepted)
-        say(f"chosen: {accepted.micro} rows per forward, {accepted.forwards} forwards, checkpointing {accepted.k} of "
-            f"{num_layers} layers, ~{record['step_seconds'] or 0.0:.3f} s per optimizer step")
+        say(f"chosen: {accepted.micro} rows per forward, {accepted.forwards} forwards, {lever.name} level {accepted.k} of "
+            f"{num_layers} ({_words(lever, accepted.k)}), ~{record['step_seconds'] or 0.0:.3f} s per optimizer step")
     return record
 
 

@@ -129,7 +129,7 @@ def add_lora(model, lora_config, *, quantized: bool = False, kbit_preparation: s
              checkpointing: bool = False):
     """The one LoRA preparation, for `hf-accum train` and `hf-accum probe` alike: k-bit preparation of a quantized
     base, input gradients for checkpointing, then `get_peft_model`. Checkpointing itself is switched on where
-    training switches it on (the Trainer, and `gradient_checkpointing.enable_checkpointing` before a probe).
+    training switches it on (the Trainer, and `levers.checkpointing.enable_checkpointing` before a probe).
 
     ``kbit_preparation`` (quantized bases): "light" leaves the non-quantized weights in their dtype (get_peft_model
     freezes the base); "peft" runs `peft.prepare_model_for_kbit_training`, which also upcasts them to float32.

@@ -163,8 +163,8 @@ def probe_model(
 ) -> tuple[ProbeResult, Plan]:
     """Probe ``model`` and plan ``target_batch_size``: returns what was measured and the exact plan.
 
-    ``lever`` (`checkpointing.Lever`: ``num_layers`` and ``at(k)``, a context setting k checkpointed layers): also
-    choose how many layers recompute (:func:`probe_levels`); the plan then records k, and the caller applies it.
+    ``lever`` (`levers.base.Levels` of a registered lever: ``count``, ``anchors``, ``at(position)``, ``record``): also
+    choose its level (:func:`probe_levels`); the plan then records it, and the caller applies it.
 
     The probe steps a fresh optimizer (``optimizer_cls(trainable params, **optimizer_kwargs)``, or one
     like ``optimizer`` if given, whose own state is never touched) and leaves the model, its gradients
@@ -192,11 +192,11 @@ def probe_model(
 
 
 def _with_level(plan: Plan, result: ProbeResult) -> Plan:
-    """The plan, recording the checkpointing level the level search chose (if it ran)."""
+    """The plan, recording the lever level the level search chose (if it ran)."""
     chosen = result.extra.get("checkpointing")
     if chosen is None:
         return plan
-    return dataclasses.replace(plan, checkpointed_layers=chosen["chosen_k"], num_layers=chosen["num_layers"],
+    return dataclasses.replace(plan, levers={**(plan.levers or {}), chosen["lever"]: chosen["plan_record"]},
                                step_seconds=chosen.get("step_seconds"))
 
 

@@ -46,6 +46,7 @@ class Settings:
     grow_back_steps: _Field[int] = _Field(16)  # after an OOM lowered the plan (growback.py)
     # levers
     checkpoint_layers: _Field[Any] = _Field(None)  # "auto", k, or None
+    levers: _Field[str | None] = _Field(None)  # pinned levers, "name=value,..." (levers/base.py: parse_pins)
     activation_checkpointing: _Field[bool | None] = _Field(None)  # transformers >= 5.23; older: gradient_checkpointing
     activation_checkpointing_kwargs: _Field[dict | None] = _Field(None)
     gradient_checkpointing: _Field[bool | None] = _Field(None)

@@ -29,7 +29,7 @@ import weakref
 
 from transformers import Trainer, TrainerCallback
 
-from . import checkpointing, construction, evaluation, finite_grads, scaled_loss, stopping
+from . import construction, evaluation, finite_grads, levers, scaled_loss, stopping
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments
 from .checkpoints import check_resume
@@ -293,7 +293,7 @@ class AccumulationMixin:
         resume_from_checkpoint, stored = check_resume(self.args, resume_from_checkpoint,
                                                       deepspeed=deepspeed_integration.deepspeed_enabled(self))
         self._checked_before_probe = True
-        checkpointing.apply_requested(self.model, self.args)  # an explicit k (True: Trainer.train sets it)
+        levers.apply_requested(self.model, self.args)  # an explicit k (True: Trainer.train sets it)
         self._planner.start(stored, resume_from_checkpoint)
         return resume_from_checkpoint
 

@@ -7,8 +7,9 @@ import logging
 import pytest
 import torch
 
-from hf_accum import AccumTrainer, AccumTrainingArguments, checkpointing
+from hf_accum import AccumTrainer, AccumTrainingArguments
 from hf_accum.compat import deepspeed_integration, gradient_checkpointing
+from hf_accum.levers import checkpointing
 from hf_accum.planning.plan import Plan
 from hf_accum.planning.store import PLAN_FILE
 from hf_accum.probe_loop import NothingFitsError
@@ -51,7 +52,7 @@ def test_auto_measures_both_levels_chooses_verifies_and_applies_k(tmp_path, tok,
     assert f"checkpointing {plan.checkpointed_layers} of {LAYERS} layers" in caplog.text
     assert "s per optimizer step measured" in caplog.text
     stored = json.loads((tmp_path / PLAN_FILE).read_text())
-    assert stored["plan"]["checkpointed_layers"] == plan.checkpointed_layers
+    assert stored["plan"]["levers"]["checkpointing"]["layers"] == plan.checkpointed_layers
     assert stored["key"]["checkpoint_layers"] == "auto"
     assert len(result.measured_trials) <= 2 * 3 + 1  # at most twice today's trials (2-3 here) plus one verification
     trainer.train()
@@ -62,7 +63,7 @@ def test_a_stored_plans_k_is_reapplied_without_a_probe(tmp_path, tok, caplog):
     make(tmp_path, tok).tune()
     path = tmp_path / PLAN_FILE
     record = json.loads(path.read_text())
-    record["plan"]["checkpointed_layers"] = 3  # what a probe on another day chose
+    record["plan"]["levers"]["checkpointing"]["layers"] = 3  # what a probe on another day chose
     path.write_text(json.dumps(record))
     again = make(tmp_path, tok)
     with caplog.at_level(logging.WARNING, logger="hf_accum"):
@@ -132,12 +133,12 @@ def test_apply_plan_sets_k():
     args = AccumTrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
     checkpointing.apply_chosen(model, 2, args)
     assert gradient_checkpointing.checkpointed_count(model) == 2
-    plan = Plan(2, 4, 1, 8, checkpointed_layers=2, num_layers=3, step_seconds=0.5)
+    plan = Plan(2, 4, 1, 8, levers={"checkpointing": {"layers": 2, "of": 3}}, step_seconds=0.5)
     assert plan.describe().endswith("; checkpointing 2 of 3 layers")
     assert Plan(2, 4, 1, 8).to_dict().keys() == {"micro_batch_size", "gradient_accumulation_steps", "world_size",
                                                  "target_batch_size"}
-    with pytest.raises(ValueError, match="checkpointed_layers=4 of num_layers=3"):
-        Plan(2, 4, 1, 8, checkpointed_layers=4, num_layers=3)
+    with pytest.raises(ValueError, match=r"inconsistent plan: levers\['checkpointing'\]=\{'layers': 4, 'of': 3\}"):
+        Plan(2, 4, 1, 8, levers={"checkpointing": {"layers": 4, "of": 3}})
 
 
 def test_tokens_mode_measures_its_budget_at_the_chosen_level(tmp_path, tok):

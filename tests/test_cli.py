@@ -47,7 +47,7 @@ def test_probe_chooses_the_checkpointing_level(tmp_path, capsys):
     assert "| checkpointed layers | micro |" in printed and "checkpointing 2 of 2 layers: largest measured fit" in printed
     assert re.search(r"chosen: checkpointing \d of 2 layers, \d+ forwards", printed)
     data = json.loads(out_json.read_text())
-    assert data["num_layers"] == 2 and {t["checkpointed_layers"] for t in data["trials"]} == {0, 2}
+    assert data["levers"]["checkpointing"]["of"] == 2 and {t["checkpointed_layers"] for t in data["trials"]} == {0, 2}
     assert main(["probe", "--checkpoint-layers", "3"]) == 2
     assert "--checkpoint-layers 3: give 'auto' or an integer 0..2" in capsys.readouterr().err
 

@@ -46,15 +46,15 @@ def test_no_lowered_plan_nothing_to_grow_back_and_negative_refused():
         GrowBack(-1)
 
 
-PROBED = Plan(8, 1, 1, 8, checkpointed_layers=1, num_layers=2)
-LOWERED = Plan(4, 2, 1, 8, checkpointed_layers=1, num_layers=2)
+PROBED = Plan(8, 1, 1, 8, levers={"checkpointing": {"layers": 1, "of": 2}})
+LOWERED = Plan(4, 2, 1, 8, levers={"checkpointing": {"layers": 1, "of": 2}})
 
 
 @pytest.mark.parametrize("now, before, expected", [
     (LOWERED, PROBED, PROBED),  # a tuned plan: back to it
     (PROBED, PROBED, None),  # nothing to grow back
     (Plan(4, 2, 1, 8, eval_batch_size=16), PROBED,  # an eval batch measured since the OOM is kept
-     Plan(8, 1, 1, 8, checkpointed_layers=1, num_layers=2, eval_batch_size=16)),
+     Plan(8, 1, 1, 8, levers={"checkpointing": {"layers": 1, "of": 2}}, eval_batch_size=16)),
     (Plan(2, 4, 1, 8), Plan(4, 2, 1, 8), Plan(4, 2, 1, 8)),  # the user's micro-batches
     (Plan(16, 1, 1, 16, token_budget=72), Plan(16, 1, 1, 16, token_budget=96), Plan(16, 1, 1, 16, token_budget=96)),
 ])

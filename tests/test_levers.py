@@ -1,10 +1,10 @@
-"""The checkpointing chooser (hf_accum/levers.py), pure: tables of measured levels in, (rows, k) out."""
+"""The checkpointing chooser (hf_accum/planning/levels.py), pure: tables of measured levels in, (rows, k) out."""
 
 import math
 
 import pytest
 
-from hf_accum.levers import CheckpointChooser, Level, fit_time_line, scale_line
+from hf_accum.planning.levels import CheckpointChooser, Level, fit_time_line, scale_line
 
 MIB = 2**20
 
@@ -223,9 +223,15 @@ def simulated_meter(memory, seconds, lever, overhead=1.25):
     return SimulatedMeter()
 
 
-class SimulatedLever:
+class SimulatedLever:  # levers.base.Levels: positions 0..count, the probe measures the anchors
+    name = "checkpointing"
+
     def __init__(self, num_layers):
         self.num_layers, self.k = num_layers, 0
+        self.count, self.anchors = num_layers, (0, num_layers)
+
+    def record(self, k):
+        return {"layers": k, "of": self.num_layers}
 
     def at(self, k):
         import contextlib

@@ -29,7 +29,7 @@ def test_smaller(now, expected):
 
 
 def test_smaller_keeps_the_checkpointing_level():
-    now = InForce(Plan(4, 2, 1, 8, checkpointed_layers=3, num_layers=8), None, 1, True, 8, 8)
+    now = InForce(Plan(4, 2, 1, 8, levers={"checkpointing": {"layers": 3, "of": 8}}), None, 1, True, 8, 8)
     plan = OomPolicy().smaller(now)
     assert (plan.checkpointed_layers, plan.num_layers) == (3, 8)
 

@@ -1,27 +1,15 @@
 """transformers' gradient checkpointing, per layer: which layers can recompute, how many do, and switching them
-(used by the checkpointing lever). Pinned by tests/test_checkpoint_layers.py and tests/test_compat.py.
+(used by the levers in `hf_accum/levers/`; what the user asked for is read there). Pinned by tests/test_checkpoint_layers.py and tests/test_compat.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from ..settings import Settings
 
-
-def checkpointing_enabled(args) -> bool:
-    """Gradient checkpointing asked for, under either name (5.23 renamed it "activation checkpointing")."""
-    flag = Settings(args).activation_checkpointing
-    return bool(flag if flag is not None else args.gradient_checkpointing)
-
-
-def enable_checkpointing(model, args) -> None:
-    """Turn on gradient checkpointing as `Trainer.train()` will, so a probe that runs before `train()` measures
-    the memory training will use. Idempotent."""
-    if not checkpointing_enabled(args):
-        return
-    kwargs = Settings(args).activation_checkpointing_kwargs or args.gradient_checkpointing_kwargs or {}
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("every_n_layers", "offload")}
+def enable_all(model, kwargs: dict | None) -> None:
+    """transformers' own switch for every layer, as `Trainer.train()` turns it on (``kwargs`` for
+    `torch.utils.checkpoint`); nothing on a model without the method. Idempotent."""
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
     elif hasattr(model, "gradient_checkpointing_enable"):
@@ -67,13 +55,6 @@ def checkpoint_levels(model) -> int:
     if not can_checkpoint(model):
         return 0
     return len(checkpointable_layers(model)) or 1
-
-
-def checkpoint_kwargs(args) -> dict:
-    """The user's checkpointing kwargs for `torch.utils.checkpoint` (either name), without transformers' own keys."""
-    settings = Settings(args)
-    kwargs = settings.activation_checkpointing_kwargs or settings.gradient_checkpointing_kwargs or {}
-    return {k: v for k, v in dict(kwargs).items() if k not in ("every_n_layers", "offload")}
 
 
 def _enable_all(model, kwargs: dict | None) -> None:

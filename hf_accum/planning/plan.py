@@ -132,8 +132,7 @@ class Plan:
     token_budget: int | None = None  # micro_batching="tokens": tokens per forward; micro = the per-rank window
     token_model: dict | None = None  # the probe's cost model: more rows at lengths it measured (token_budget.py)
     engine: str | None = None  # the sharded engine that runs it ("DeepSpeed ZeRO-3"); None: DDP or one process
-    checkpointed_layers: int | None = None  # decoder layers recomputing in the backward, chosen by the tuner (levers.py)
-    num_layers: int | None = None  # of how many (1: a model whose checkpointing is on or off only)
+    levers: dict | None = None  # one record per lever, {"checkpointing": {"layers": 2, "of": 4}} (hf_accum/levers/)
     step_seconds: float | None = None  # the measured time per optimizer step the choice was made on
     eval_batch_size: int | None = None  # per rank, measured at the first evaluation (eval_batch.py); None: as given
 
@@ -149,11 +148,8 @@ class Plan:
             keys = {"lengths", "rows_at", "usable_bytes", "per_token_bytes", "per_token_sq_bytes"}
             if self.token_budget is None or not isinstance(self.token_model, dict) or not keys <= set(self.token_model):
                 raise ValueError(f"inconsistent plan: token_model needs a token_budget and the keys {sorted(keys)}")
-        if self.checkpointed_layers is not None and not (
-                isinstance(self.checkpointed_layers, int) and isinstance(self.num_layers, int)
-                and 0 <= self.checkpointed_layers <= self.num_layers and self.num_layers >= 1):
-            raise ValueError(f"inconsistent plan: checkpointed_layers={self.checkpointed_layers!r} of "
-                             f"num_layers={self.num_layers!r}")
+        for name, record in (self.levers or {}).items():
+            check_lever_record(name, record)
         if self.target_batch_size % self.world_size:
             raise ValueError(f"inconsistent plan: target_batch_size={self.target_batch_size} is not a multiple of "
                              f"world_size={self.world_size}")
@@ -162,6 +158,19 @@ class Plan:
             raise ValueError(f"inconsistent plan: micro {self.micro_batch_size} × accumulation "
                              f"{self.gradient_accumulation_steps} does not cut a window of {window} samples "
                              f"(accumulation must be ceil({window} / {self.micro_batch_size}))")
+
+    @property
+    def checkpointed_layers(self) -> int | None:
+        """The decoder layers the tuner chose to recompute (the checkpointing lever's record); None when it did not
+        choose (a level the user set is in ``levers`` with ``"pinned": true``)."""
+        record = (self.levers or {}).get("checkpointing") or {}
+        return None if record.get("pinned") else record.get("layers")
+
+    @property
+    def num_layers(self) -> int | None:
+        """Of how many (1: a model whose checkpointing is on or off only); None as ``checkpointed_layers``."""
+        record = (self.levers or {}).get("checkpointing") or {}
+        return None if record.get("pinned") else record.get("of")
 
     @property
     def window(self) -> int:
@@ -179,9 +188,12 @@ class Plan:
         return self.micro_batch_size * self.gradient_accumulation_steps == self.window
 
     def describe(self) -> str:
+        """The plan in words, each lever's record as the lever says it (the registry's ``describe``)."""
         on = f" on {self.engine}" if self.engine else ""
-        if self.checkpointed_layers is not None:
-            on += f"; checkpointing {self.checkpointed_layers} of {self.num_layers} layers"
+        if self.levers:
+            from ..levers import get_lever  # lazily: the levers import torch, the plan's arithmetic does not
+
+            on += "".join(f"; {get_lever(name).describe(record)}" for name, record in self.levers.items())
         on += f"; eval batch {self.eval_batch_size}" if self.eval_batch_size else ""
         if self.token_budget is not None:
             return (f"window {self.micro_batch_size} × world {self.world_size} = {self.target_batch_size}, "
@@ -196,11 +208,25 @@ class Plan:
 
     def to_dict(self) -> dict[str, int | str]:
         out = asdict(self)
-        for optional in ("token_budget", "token_model", "engine", "checkpointed_layers", "num_layers", "step_seconds",
-                         "eval_batch_size"):
+        for optional in OPTIONAL_FIELDS:
             if out[optional] is None:
                 del out[optional]  # plan files of "samples" mode without an engine keep their four fields
         return out
+
+
+OPTIONAL_FIELDS = ("token_budget", "token_model", "engine", "levers", "step_seconds", "eval_batch_size")
+
+
+def check_lever_record(name: str, record) -> None:
+    """What the plan knows of any lever's record (hf_accum/levers/base.py): plain numbers, a layer count ``of`` >= 1,
+    and the layers at each level (every other integer) adding up to at most ``of``. ValueError otherwise."""
+    counts = {k: v for k, v in record.items() if k != "of" and isinstance(v, int) and not isinstance(v, bool)} \
+        if isinstance(record, dict) else {}
+    of = record.get("of") if isinstance(record, dict) else None
+    if not (isinstance(of, int) and not isinstance(of, bool) and of >= 1 and counts
+            and all(v >= 0 for v in counts.values()) and sum(counts.values()) <= of):
+        raise ValueError(f"inconsistent plan: levers[{name!r}]={record!r} (its layers must add up to at most "
+                         "'of', each >= 0)")
 
 
 def plan_batch(target_batch_size: int, world_size: int, max_micro_batch_size: int) -> Plan:

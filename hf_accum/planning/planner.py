@@ -18,9 +18,9 @@ import logging
 import weakref
 from collections.abc import Callable
 
-from .. import checkpointing
 from ..compat import deepspeed_integration, parallel
 from ..growback import GrowBack
+from ..levers import get_lever
 from ..protocol import Collective, Policy, StopTraining
 from ..settings import Settings
 from ..token_budget import TokenBudget
@@ -121,8 +121,9 @@ class Planner:
         if plan.eval_batch_size is not None:  # a stored plan: measured at an earlier run's first evaluation
             args.per_device_eval_batch_size = plan.eval_batch_size
             self.eval_planned = True
-        if plan.checkpointed_layers is not None and not in_training_loop:
-            checkpointing.apply_chosen(trainer.model, plan.checkpointed_layers, args)  # a stored plan's k too
+        if not in_training_loop:
+            for name, record in (plan.levers or {}).items():  # a stored plan's levels too
+                get_lever(name).apply(trainer.model, record, args)
         self.plan, self.plan_given = plan, False
         if in_training_loop and args.should_save:  # tune() saved the plan it applies, with its probe
             self.save(args.output_dir, probe=False)

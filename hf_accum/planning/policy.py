@@ -68,7 +68,7 @@ def as_plan(now: InForce) -> Plan:
 
 
 def _keeping_level(current: Plan | None, plan: Plan) -> Plan:
-    """A smaller plan after an OOM: the model keeps its checkpointing level, so the plan says so."""
-    if current is None or current.checkpointed_layers is None:
+    """A smaller plan after an OOM: the model keeps its lever levels, so the plan says so."""
+    if current is None or not current.levers:
         return plan
-    return dataclasses.replace(plan, checkpointed_layers=current.checkpointed_layers, num_layers=current.num_layers)
+    return dataclasses.replace(plan, levers=current.levers)

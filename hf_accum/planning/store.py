@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from ..compat import checkpoint_files, deepspeed_integration, gradient_checkpointing, torch_features
+from ..compat import checkpoint_files, deepspeed_integration, torch_features
+from ..levers.checkpointing import checkpointing_enabled
 from ..settings import Settings
-from .plan import Plan, plan_for_micro
+from .plan import OPTIONAL_FIELDS, Plan, plan_for_micro
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,9 @@ def key_fields(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> di
         "seq_len": int(seq_len),
         "bf16": bool(args.bf16),
         "fp16": bool(args.fp16),
-        "gradient_checkpointing": gradient_checkpointing.checkpointing_enabled(args),
+        "gradient_checkpointing": checkpointing_enabled(args),
         "checkpoint_layers": Settings(args).checkpoint_layers,  # the request ("auto", k); the plan holds k
+        "levers": Settings(args).levers,  # pinned levers as given ("selective=4"); the plan holds what was chosen
         "fused_loss": bool(getattr(trainer, "fused_loss_active", False)),
         "optim": str(args.optim),
         "optim_args": args.optim_args,
@@ -119,9 +121,9 @@ def plan_from_record(record: Any, path: str) -> Plan:
         value = plan[name]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanFileError(f"{path}: {name}={value!r} is not a positive integer")
-    optional = {name: plan[name] for name in ("token_budget", "token_model", "engine", "checkpointed_layers",
-                                              "num_layers", "step_seconds", "eval_batch_size")
-                if plan.get(name) is not None}
+    optional = {name: plan[name] for name in OPTIONAL_FIELDS if plan.get(name) is not None}
+    if plan.get("checkpointed_layers") is not None and "levers" not in optional:  # a plan file before the levers
+        optional["levers"] = {"checkpointing": {"layers": plan["checkpointed_layers"], "of": plan.get("num_layers")}}
     try:
         return Plan(**{name: plan[name] for name in _PLAN_FIELDS}, **optional)
     except ValueError as exc:

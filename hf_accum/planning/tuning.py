@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from .. import allocator, checkpointing
+from .. import allocator, levers
 from ..compat import trainer_internals
 from ..loss import loss_shifts_labels
 from ..meters import CpuMeter, CudaMeter, Meter
@@ -92,14 +92,16 @@ def tune(trainer, prepared: Prepared | None = None, probe: Probe | None = None, 
     if args.device.type == "cuda":  # the probe measures under the allocator training uses: say which
         _show("%s", args, allocator.line(allocator.OUTCOME))
     if in_loop:
-        checkpointing.lever_for(trainer)  # through the engine k is not chosen: its one log line says so
+        levers.searched(trainer)  # through the engine no level is chosen: the lever's one log line says so
     probe = probe or _model_probe(trainer, prepared)
     result, plan = probe(prepared.make_batch, prepared.seq_len)
     if args.micro_batching == "tokens":
         chosen = plan
         plan, result = token_plan(trainer, plan, result, prepared.seq_len, probe, prepared.lengths)
-        plan = dataclasses.replace(plan, checkpointed_layers=chosen.checkpointed_layers, num_layers=chosen.num_layers,
-                                   step_seconds=chosen.step_seconds)
+        plan = dataclasses.replace(plan, levers=chosen.levers, step_seconds=chosen.step_seconds)
+    pinned = levers.pinned_records(trainer.model, args)  # a level the user set is recorded as such
+    if pinned:
+        plan = dataclasses.replace(plan, levers={**pinned, **(plan.levers or {})})
     figures = plan_figures(plan, prepared.budget, result.to_dict(), reused=False)
     where = ""
     if args.should_save and store:
@@ -112,8 +114,8 @@ def tune(trainer, prepared: Prepared | None = None, probe: Probe | None = None, 
 def _model_probe(trainer, prepared: Prepared) -> Probe:
     """`probe_model` on the trainer's model, optimizer and loss, before training."""
     args = trainer.args
-    checkpointing.apply_requested(trainer.model, args)  # as train() will, so the probe measures it
-    lever = checkpointing.lever_for(trainer)  # "auto": the first probe chooses k; later lengths are probed at it
+    levers.apply_requested(trainer.model, args)  # as train() will, so the probe measures it
+    lever = levers.searched(trainer)  # "auto": the first probe chooses a level; later lengths are probed at it
     chosen: list[int] = []
     optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, trainer.model)
     autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
@@ -123,7 +125,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
             return measure(make, length, max_micro, None)
         if not chosen:
             result, plan = measure(make, length, max_micro, lever)
-            chosen.append(plan.checkpointed_layers)
+            chosen.append(result.extra["checkpointing"]["chosen_k"])
             return result, plan
         with lever.at(chosen[0]):
             return measure(make, length, max_micro, None)
@@ -310,16 +312,16 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
         for name in ("base_bytes", "per_row_bytes", "per_token_bytes", "per_token_sq_bytes"):
             if model:
                 figures[f"hf_accum/cost_{name}"] = model[name]
-    if plan.checkpointed_layers is not None:
-        figures["hf_accum/checkpointed_layers"] = plan.checkpointed_layers
-        figures["hf_accum/num_layers"] = plan.num_layers
+    for name, record in (plan.levers or {}).items():
+        figures.update(levers.get_lever(name).figures(record))
     if plan.step_seconds is not None:
         figures["hf_accum/step_seconds"] = plan.step_seconds
     trials = (probe or {}).get("trials") or []
     measured = [t for t in trials if isinstance(t, dict) and t.get("status") != "refused"]
     figures["hf_accum/probe_trials"] = len(measured)
-    # a peak says something about the plan only at the checkpointing level it runs at
-    measured = [t for t in measured if t.get("checkpointed_layers") in (None, plan.checkpointed_layers)]
+    # a peak says something about the plan only at the lever level it runs at
+    level = (((probe or {}).get("extra") or {}).get("checkpointing") or {}).get("chosen_k")
+    measured = [t for t in measured if t.get("checkpointed_layers") in (None, level)]
     # The plan's micro-batch may not have been run (a larger one was, and fit): the smallest fitting size at or
     # above it is a measured upper bound of its peak.
     above = [t for t in measured if t.get("fits") and t.get("peak_bytes") and t["micro_batch_size"] >= plan.micro_batch_size]

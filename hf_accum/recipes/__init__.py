@@ -53,7 +53,7 @@ from .files import RECIPE_DIRS, SECTIONS, RecipeError, available_recipes, parse_
 from .sections import DataSection, ModelSection
 
 _LAZY = {
-    "checkpointing_enabled": "hf_accum.compat.gradient_checkpointing",
+    "checkpointing_enabled": "hf_accum.levers.checkpointing",
     **dict.fromkeys(["RecipeData", "build_data", "preference_stats", "sft_stats"], "hf_accum.recipes.data"),
     **dict.fromkeys(["add_lora", "build_model", "build_tokenizer", "configure_checkpointing_for_lora"],
                     "hf_accum.recipes.model"),

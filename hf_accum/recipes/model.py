@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from ..compat.gradient_checkpointing import checkpointing_enabled
+from ..levers.checkpointing import checkpointing_enabled
 from ..loading import hub_unreachable, load_model, not_loadable, require_bitsandbytes
 from ..settings import Settings
 from .config import Recipe, RecipeError, _quiet_deprecations

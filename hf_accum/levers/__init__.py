@@ -1,0 +1,26 @@
+"""The levers, one module each, registered here in one line each (`base.register_lever`; README "Adding a lever").
+
+`base` holds the protocol and the registry; the probe, the plan, the planner and the figures iterate the registered
+levers and name none of them.
+"""
+
+from __future__ import annotations
+
+from .base import (
+    Levels,
+    Lever,
+    apply_requested,
+    check_requests,
+    get_lever,
+    parse_pins,
+    pinned_records,
+    register_lever,
+    registered,
+    searched,
+)
+from .checkpointing import CheckpointingLever
+
+register_lever(CheckpointingLever())
+
+__all__ = ["Lever", "Levels", "apply_requested", "check_requests", "get_lever", "parse_pins", "pinned_records",
+           "register_lever", "registered", "searched"]
