@@ -27,8 +27,10 @@ def tok():
 
 
 def make(tmp_path, tok, model=None, **kw):
+    # the checkpointing lever alone (the selective lever, which contains its levels, is tested in test_selective_lever)
     defaults = dict(output_dir=str(tmp_path), target_batch_size=16, memory_budget_bytes=9 * MiB, use_cpu=True,
-                    report_to=[], max_steps=2, save_strategy="no", disable_tqdm=True, probe_seq_len=128)
+                    report_to=[], max_steps=2, save_strategy="no", disable_tqdm=True, probe_seq_len=128,
+                    levers="selective=off")
     args = AccumTrainingArguments(**{**defaults, **kw})
     model = model if model is not None else build_model(tokenizer=tok, num_layers=LAYERS)
     return AccumTrainer(model=model, args=args, train_dataset=build_sft_dataset(48, tok), data_collator=SFTCollator(tok))

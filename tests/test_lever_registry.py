@@ -90,7 +90,7 @@ def test_register_refuses_a_second_lever_of_the_same_name():
 
 
 def test_the_searched_levels_skip_a_replaced_lever_and_one_a_pin_holds(tmp_path, tok, monkeypatch):
-    trainer = make(tmp_path, tok)
+    trainer = make(tmp_path, tok, levers="selective=off")
     assert searched(trainer).name == "checkpointing"
     monkeypatch.setitem(base._REGISTRY, "fake", FakeLever())
     assert searched(trainer) == "fake levels"  # contains checkpointing's levels: searched instead

@@ -1,12 +1,12 @@
-"""Selective checkpointing (hf_accum.selective) never changes the gradient and saves less for the backward than no
+"""Selective checkpointing (hf_accum/levers/selective.py) never changes the gradient and saves less for the backward than no
 checkpointing, more than full: float64, dropout on, against the same model without checkpointing, the loss by hand.
 For a causal LM, LoRA and a padding-free batch (the cases of test_checkpoint_layers.py)."""
 
 import pytest
 import torch
 
-from hf_accum import selective
 from hf_accum.compat import gradient_checkpointing
+from hf_accum.levers import selective
 
 from .exactness import tiny_llama
 from .test_checkpoint_layers import LAYERS, dropout_llama, flat_batch, grads, lora_llama, padded_batch, rel_error

@@ -19,8 +19,10 @@ from .base import (
     searched,
 )
 from .checkpointing import CheckpointingLever
+from .selective import SelectiveLever
 
 register_lever(CheckpointingLever())
+register_lever(SelectiveLever())
 
 __all__ = ["Lever", "Levels", "apply_requested", "check_requests", "get_lever", "parse_pins", "pinned_records",
            "register_lever", "registered", "searched"]
