@@ -18,7 +18,7 @@ from hf_accum import flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_gpu.py")
-SECTIONS = ["1_model", "2_probe", "3_train", "4_oom", "5_throughput", "6_tokens", "7_estimate"]
+SECTIONS = ["1_model", "2_probe", "3_train", "4_oom", "5_throughput", "6_tokens", "7_estimate", "8_levers"]
 
 
 def load_script():
@@ -97,6 +97,19 @@ def test_quick_run_writes_every_section_with_its_figures(quick_run):
         (m, seq, micro) for m in ("lora", "full") for seq in (64, 32) for micro in (1, 2)}
     assert all(abs(r["error_vs_peak"]) <= 0.05 and r["estimate_bytes"] > 0 for r in est["rows"])
 
+    lev = s["8_levers"]
+    assert "CUDA only" in lev["skipped"]["offload"] and "offload" not in {r["level"] for r in lev["rows"]}
+    assert {(r["level"], r["layers"], r["micro"]) for r in lev["rows"]} == {
+        (kind, k, m) for kind, k in (("none", 0), ("full", 1), ("full", 2), ("selective", 1), ("selective", 2))
+        for m in (1, 2)}
+    assert all(r["result"] == "ok" and r["step_seconds"] > 0 and r["peak_allocated_bytes"] > 0 for r in lev["rows"])
+    by = {(r["level"], r["layers"], r["micro"]): r["peak_allocated_bytes"] for r in lev["rows"]}
+    assert by[("full", 2, 2)] < by[("none", 0, 2)]  # the levers really were on
+    tuner = lev["tuner"]
+    assert tuner["plan"]["checkpointed_layers"] >= 1  # the budget leaves no room for no checkpointing
+    assert tuner["measured"]["result"] == "ok" and tuner["measured"]["charged_bytes"] <= tuner["budget_bytes"]
+    assert "| level (section 8, seq 32) | micro 1 | micro 2 |" in stdout
+
     png = out / "bench_gpu.png"
     assert data["png"] and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| section | status |" in stdout  # the table
@@ -109,8 +122,8 @@ def test_sections_runs_only_those(tmp_path):
     assert list(data["sections"]) == ["1_model"]
     assert all(s["status"] == "ok" for s in data["sections"].values())
     assert data["png"] is None and "section 2 not selected" in data["png_null_reason"]
-    with pytest.raises(SystemExit, match="sections are 1-7"):
-        bench.main(["--quick", "--sections", "8", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="sections are 1-8"):
+        bench.main(["--quick", "--sections", "9", "--out", str(tmp_path)])
 
 
 def test_set_overrides_one_size_and_refuses_what_is_not_a_size():
