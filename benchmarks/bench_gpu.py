@@ -1248,6 +1248,15 @@ def lever_context(model, kind: str, k: int, num_layers: int):
     return offload.offloaded_layers(model, offload.layout(num_layers, 0, 0, k))
 
 
+def training_loss(model):
+    """(context, how): the loss AccumTrainer trains with, so the sweep measures what the tuner plans for: the fused
+    LM loss where supported (the trainer's default: the logits never materialize), else the model's own."""
+    from hf_accum import fused_loss as fl
+
+    why = fl.unsupported_reason(model)
+    return (fl.fused_lm_loss(model), "fused LM loss") if why is None else (contextlib.nullcontext(), why)
+
+
 def lever_point(ctx: Ctx, model, opt, step, level: tuple[str, int], micro: int, seq: int) -> dict[str, Any]:
     """One grid point: the peak of a step (allocated, reserved on CUDA) and the fastest of 3 timed steps; an
     out-of-memory step is recorded as "OOM" and its memory given back."""
@@ -1285,7 +1294,9 @@ def lever_sweep(ctx: Ctx, model, seq: int, levels: list[tuple[str, int]], end: f
     step = make_step_fn(model, opt, random_token_batch(model, seq))
     rows, not_run, durations = [], [], []
     oom_at: dict[tuple[str, int], int] = {}
+    loss, _ = training_loss(model)
     try:
+        loss.__enter__()
         step(1)  # AdamW's state and the kernels, before the first measured point
         for micro in ctx.s.micros8:
             for level in levels:
@@ -1302,6 +1313,7 @@ def lever_sweep(ctx: Ctx, model, seq: int, levels: list[tuple[str, int]], end: f
                     oom_at.update({level: micro} if row["result"] == "OOM" else {})
                     print(f"  {_lever_line(row)}", flush=True)
     finally:
+        loss.__exit__(None, None, None)
         opt.state.clear()
         model.zero_grad(set_to_none=True)
         del opt
@@ -1352,8 +1364,9 @@ def tuner_choice(ctx: Ctx, model, seq: int, budget: int) -> dict[str, Any]:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         step = make_step_fn(model, opt, random_token_batch(model, seq))
         try:
-            step(1)
-            out["measured"] = lever_point(ctx, model, opt, step, ("full", k), int(micro), seq)
+            with training_loss(model)[0]:
+                step(1)
+                out["measured"] = lever_point(ctx, model, opt, step, ("full", k), int(micro), seq)
         finally:
             opt.state.clear()
             release(opt)
@@ -1372,7 +1385,7 @@ def section_levers(ctx: Ctx) -> dict[str, Any]:
     levels, skipped = lever_levels(ctx, num_layers)
     figures: dict[str, Any] = {"seq_len": seq, "micros": list(ctx.s.micros8), "num_layers": num_layers,
                                "levels": [f"{kind} {k}" for kind, k in levels], "skipped": skipped,
-                               "cap_seconds": ctx.s.cap8}
+                               "cap_seconds": ctx.s.cap8, "loss": training_loss(model)[1]}
     for why in skipped.values():
         print(f"  {why}", flush=True)
     try:
@@ -1392,20 +1405,34 @@ def not_run_for_time(figures: dict) -> list:
     return [p for p in figures.get("not_run", []) if p["reason"] == "time limit"]
 
 
+def window_seconds(row: dict, target: int) -> float:
+    """One optimizer step of ``target`` samples at a sweep point: ceil(target / micro) forwards of its step time."""
+    return math.ceil(target / row["micro"]) * row["step_seconds"]
+
+
 def lever_goals(figures: dict[str, Any]) -> list[dict[str, Any]]:
     ok = [r for r in figures.get("rows", []) if r["result"] == "ok"]
     best = min(ok, key=lambda r: r["step_seconds"] / r["micro"], default=None)
     tuner = figures.get("tuner", {})
-    plan = tuner.get("plan", {})
-    measured = tuner.get("measured", {})
-    fits = (measured["charged_bytes"] <= tuner["budget_bytes"]) if measured.get("result") == "ok" else None
+    plan, measured = tuner.get("plan", {}), tuner.get("measured", {})
+    fits = ratio = None
+    if measured.get("result") == "ok":
+        fits = measured["charged_bytes"] <= tuner["budget_bytes"]
+        # the tuner chooses among none / full checkpointing of k layers: the sweep's best of those within the budget
+        within = [r for r in ok if r["level"] in ("none", "full") and r["charged_bytes"] <= tuner["budget_bytes"]]
+        if within:
+            sweep_best = min(window_seconds(r, tuner["target"]) for r in within)
+            ratio = window_seconds(measured, tuner["target"]) / sweep_best
+            tuner["sweep_best_window_seconds"] = sweep_best
     return [goal("grid points measured (OOM points included)", len(figures.get("rows", [])), "info", None),
             goal("fastest point per sample", f"{best['level']} k={best['layers']} micro {best['micro']}"
                  if best else None, "info", None),
             goal("tuner's choice (micro, checkpointed layers)",
                  f"{plan.get('rows_per_forward_effective')}, {plan.get('checkpointed_layers')}" if plan else None,
                  "info", None),
-            goal("tuner's choice measured within its budget", fits, "True", fits)]
+            goal("tuner's choice measured within its budget", fits, "True", fits),
+            goal("tuner's optimizer step over the sweep's best within the budget (none/full points)", ratio,
+                 "<= 1.05", ratio <= 1.05 if ratio is not None else None)]
 
 
 SECTIONS: dict[int, Callable[[Ctx], dict[str, Any]]] = {
