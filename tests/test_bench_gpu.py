@@ -262,3 +262,38 @@ def test_fused_chunks_quick_writes_every_size(tmp_path):
     data = json.loads((tmp_path / "fused_chunks.json").read_text())
     assert set(data["fused"]) == {"16", "64"} and data["unfused"]["peak_bytes"] > 0
     assert all(m["seconds_per_step"] > 0 and m["peak_bytes"] > 0 for m in data["fused"].values())
+
+
+def test_the_levers_sweep_records_an_oom_and_goes_on(tmp_path, monkeypatch):
+    """An out-of-memory step at one grid point is recorded as "OOM", that level is not run at larger micro-batches,
+    every other point still runs; any other error stops the sweep."""
+    import dataclasses
+
+    from hf_accum.compat import gradient_checkpointing
+
+    bench = load_script()
+    ctx = bench.Ctx(dataclasses.replace(bench.QUICK, micros8=(1, 2, 3)), True, bench.Clock(None), str(tmp_path))
+    model = ctx.llama()
+    real = bench.make_step_fn
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def failing_step_fn(model, opt, make_batch):
+        step = real(model, opt, make_batch)
+
+        def wrapped(micro):
+            if micro >= 2 and gradient_checkpointing.checkpointed_count(model) == 0:
+                raise error
+            return step(micro)
+
+        return wrapped
+
+    monkeypatch.setattr(bench, "make_step_fn", failing_step_fn)
+    levels = [("none", 0), ("full", 2)]
+    rows, not_run = bench.lever_sweep(ctx, model, 16, levels, end=time.monotonic() + 600)
+    got = {(r["level"], r["micro"]): r["result"] for r in rows}
+    assert got == {("none", 1): "ok", ("full", 1): "ok", ("none", 2): "OOM", ("full", 2): "ok", ("full", 3): "ok"}
+    assert not_run == [{"level": "none", "layers": 0, "micro": 3, "reason": "OOM at micro 2"}]
+    assert gradient_checkpointing.checkpointed_count(model) == 0  # every level's context restored the model
+    error = ValueError("a shape error is no OOM")
+    with pytest.raises(ValueError, match="no OOM"):
+        bench.lever_sweep(ctx, model, 16, levels, end=time.monotonic() + 600)
