@@ -81,7 +81,10 @@ def _checkpointed_now(layer) -> bool:
     return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training and torch.is_grad_enabled()
 
 
-def _wrap(layer, forward, pin_memory: bool):
+def _wrap(layer, pin_memory: bool) -> None:
+    own = layer.__dict__.get("forward")  # an instance's own forward (another wrapper's), kept for unwrapping
+    forward = layer.forward
+
     @functools.wraps(forward)
     def offloaded_forward(*args, **kwargs):
         if _checkpointed_now(layer) or not torch.is_grad_enabled():
@@ -90,51 +93,54 @@ def _wrap(layer, forward, pin_memory: bool):
             return forward(*args, **kwargs)
 
     setattr(offloaded_forward, _MARK, True)
-    return offloaded_forward
+    offloaded_forward._hf_accum_own = own
+    layer.forward = offloaded_forward
 
 
-class Offload:
-    """Chosen decoder layers offloaded (`offload_layers`); `remove` puts every layer back as it was."""
-
-    def __init__(self, model, indices, pin_memory: bool = True) -> None:
-        layers = gradient_checkpointing.checkpointable_layers(model)
-        indices = list(indices)
-        bad = [i for i in indices if not isinstance(i, int) or not 0 <= i < len(layers)]
-        if bad or len(set(indices)) != len(indices):
-            raise ValueError(f"{type(model).__name__} has {len(layers)} decoder layers (indices 0..{len(layers) - 1}); "
-                             f"cannot offload layers {indices}")
-        taken = [i for i in indices if is_offloaded(layers[i])]
-        if taken:
-            raise ValueError(f"layers {taken} are offloaded already; remove that offload first")
-        self.indices = indices
-        self._saved = []  # (layer, the instance's own forward or None)
-        for i in indices:
-            layer = layers[i]
-            self._saved.append((layer, layer.__dict__.get("forward")))
-            layer.forward = _wrap(layer, layer.forward, pin_memory)
-
-    def remove(self) -> None:
-        for layer, own in reversed(self._saved):
-            if own is None:
-                layer.__dict__.pop("forward", None)
-            else:
-                layer.forward = own
-        self._saved = []
+def _unwrap(layer) -> None:
+    wrapper = layer.__dict__.get("forward")
+    if not getattr(wrapper, _MARK, False):
+        return
+    if wrapper._hf_accum_own is None:
+        del layer.__dict__["forward"]
+    else:
+        layer.forward = wrapper._hf_accum_own
 
 
-def offload_layers(model, indices, pin_memory: bool = True) -> Offload:
-    """Offload the saved activations of the decoder layers at ``indices`` (0 = first); `.remove()` undoes it."""
-    return Offload(model, indices, pin_memory)
+def _checked(model, indices) -> tuple[list, list[int]]:
+    layers = gradient_checkpointing.checkpointable_layers(model)
+    indices = list(indices)
+    bad = [i for i in indices if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(layers)]
+    if bad or len(set(indices)) != len(indices):
+        raise ValueError(f"{type(model).__name__} has {len(layers)} decoder layers (indices 0..{len(layers) - 1}); "
+                         f"cannot offload layers {indices}")
+    return layers, indices
+
+
+def set_offloaded_layers(model, indices, pin_memory: bool = True) -> None:
+    """Exactly the decoder layers at ``indices`` (0 = first) offloaded, every other layer not; [] removes every
+    offload, leaving each layer's forward as it was. Idempotent (a plan applied twice wraps nothing twice)."""
+    layers, indices = _checked(model, indices)  # refuses before the model is touched
+    for layer in layers:
+        _unwrap(layer)
+    for i in indices:
+        _wrap(layers[i], pin_memory)
 
 
 @contextlib.contextmanager
 def offloaded_layers(model, indices, pin_memory: bool = True):
-    """`offload_layers` for the block (a probe trial); the layers exactly as they were after it, on error too."""
-    handle = Offload(model, indices, pin_memory)
+    """`set_offloaded_layers` for the block (a probe trial); every layer exactly as it was after it, on error too."""
+    layers, indices = _checked(model, indices)
+    saved = [(layer, "forward" in layer.__dict__, layer.__dict__.get("forward")) for layer in layers]
     try:
-        yield handle
+        set_offloaded_layers(model, indices, pin_memory)
+        yield
     finally:
-        handle.remove()
+        for layer, had, forward in saved:
+            if had:
+                layer.__dict__["forward"] = forward
+            else:
+                layer.__dict__.pop("forward", None)
 
 
 def is_offloaded(layer) -> bool:
