@@ -58,15 +58,23 @@ def layout(num_layers: int, full: int, selective: int, offload: int) -> list[int
     return list(range(start, start + offload))
 
 
+def _storage(tensor) -> int | None:
+    """The address of the storage behind ``tensor`` (None for a tensor subclass without one: it is offloaded)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
 class _KeepParameters(saved_tensors_hooks):
     """save_on_cpu's pack and unpack, except for tensors that share a parameter's storage (kept as they are)."""
 
     def __init__(self, layer, pin_memory: bool) -> None:
         inner = save_on_cpu(pin_memory=pin_memory)
-        keep = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        keep = {_storage(p) for p in layer.parameters()} - {None}
 
         def pack(tensor):
-            if tensor.untyped_storage().data_ptr() in keep:
+            if _storage(tensor) in keep:
                 return False, tensor
             return True, inner.pack_hook(tensor)
 
