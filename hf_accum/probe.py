@@ -36,7 +36,6 @@ from .probe_loop import (
     probe_micro_batches,
 )
 
-
 Seeder = Callable[[int, Meter], tuple[int | None, dict[str, Any] | None]]  # (budget, meter) -> (seed, record)
 
 

@@ -11,8 +11,8 @@ searches as before, and says why in one log line. What the estimate predicted is
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -40,13 +40,12 @@ def seeder_for(model: torch.nn.Module, *, seq_len: int, target_batch_size: int, 
 
     def seeder(budget_bytes: int, meter: Meter) -> tuple[int | None, dict[str, Any] | None]:
         device = "cuda" if next(model.parameters()).device.type == "cuda" else "cpu"
-        why = unsupported_reason(model, autocast_dtype)
         build = None
-        if why is None:
-            try:
-                build = builder_like(model)
-            except Exception as exc:  # noqa: BLE001 -- any failure means: search as before
-                why = f"cannot rebuild it from its config ({type(exc).__name__}: {exc})"
+        try:
+            why = unsupported_reason(model, autocast_dtype)
+            build = None if why is not None else builder_like(model)
+        except Exception as exc:  # noqa: BLE001 -- any failure means: search as before
+            why = f"cannot rebuild it from its config ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
         if build is None:
             say(f"estimate skipped ({why}): the search starts from micro-batch 1")
             return None, None
@@ -100,7 +99,7 @@ def _fused_reason(model: torch.nn.Module, autocast_dtype: torch.dtype | None) ->
     if _fused_patch(model) is None:
         return None
     head = model.get_output_embeddings()
-    hidden = torch.empty(0, dtype=head.weight.dtype, device="meta")
+    hidden = torch.empty(0, dtype=head.weight.dtype, device=head.weight.device)
     if autocast_dtype is None and fused_loss.implementation_for(hidden, head.weight) == "torch":
         return "the fused loss runs torch's linear_cross_entropy kernel, whose memory fake tensors do not see"
     return None
