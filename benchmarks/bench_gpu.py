@@ -104,6 +104,7 @@ class Settings:
     micros8: tuple[int, ...] = (1, 2, 4, 8, 16)
     target8: int = 16  # the tuner's samples per optimizer step in section 8
     cap8: float = 180.0  # section 8's own limit in seconds (a quarter kept for the tuner), whatever --minutes leaves
+    seeded2: bool = True  # section 2 also probes from the estimate (estimating.seed) and counts its trials
 
 
 GPU = Settings(
@@ -598,6 +599,8 @@ def probe_and_sweep(ctx: Ctx, model, name: str, seq: int, budget: tuple[str, flo
                    probe_trial_sizes=[t.micro_batch_size for t in result.trials],
                    probe_points=[(t.micro_batch_size, t.reserved_bytes or t.peak_bytes, t.fits)
                                  for t in result.trials if t.peak_bytes is not None])
+        if ctx.s.seeded2:
+            row.update(seeded_probe(model, seq, target, budget_bytes))
         # the sweep: the choice, then the largest that really fits, then the divisors around the choice and micro 1
         sweep_start = time.perf_counter()
         sweep = Sweep(ctx, model, seq, budget_bytes, end)
@@ -623,6 +626,29 @@ def probe_and_sweep(ctx: Ctx, model, name: str, seq: int, budget: tuple[str, flo
                                                             if "charged_bytes" in r] +
                                                            [(m, b) for m, b, _ in row["probe_points"]])})
     return row
+
+
+def seeded_probe(model, seq: int, target: int, budget_bytes: int) -> dict[str, Any]:
+    """The same probe started from the estimate (`estimating.seed.probe_with_estimate`): its trials, its measured
+    maximum, what the estimate said and how long it took (CPU time on fake tensors), or why it was skipped."""
+    from hf_accum.estimating.seed import probe_with_estimate
+
+    said: list[str] = []
+    start = time.perf_counter()
+    try:
+        result, _ = probe_with_estimate(model, seq_len=seq, target_batch_size=target, budget_bytes=budget_bytes,
+                                        optimizer_cls=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-5},
+                                        log=said.append)
+    except ValueError as exc:
+        return {"seeded_error": str(exc).splitlines()[0]}
+    estimate = result.extra.get("estimate")
+    return {"seeded_probe_seconds": time.perf_counter() - start, "seeded_trials": len(result.measured_trials),
+            "seeded_trial_sizes": [t.micro_batch_size for t in result.trials],
+            "seeded_max": result.max_micro_batch_size,
+            "estimate_largest_fit": None if estimate is None else estimate["largest_fit"],
+            "estimate_seconds": None if estimate is None else estimate["seconds"],
+            "estimate_peaks": None if estimate is None else estimate["peaks"],
+            "estimate_line": next((line for line in said if line.startswith("estimate")), None)}
 
 
 def methods(ctx: Ctx) -> tuple[list[str], dict[str, str]]:
@@ -695,6 +721,12 @@ def section_probe(ctx: Ctx) -> dict[str, Any]:
         goals.append(goal("reported max / largest really fitting (worst)", min(ratios) if ratios else None,
                           ">= 0.9 (not at the cap)", min(ratios) >= 0.9 if ratios else None))
         goals.append(goal("mean probe trials", statistics.fmean(r["probe_trials"] for r in done), "info", None))
+        seeded = [r for r in done if "seeded_trials" in r]
+        if seeded:
+            mean = statistics.fmean(r["seeded_trials"] for r in seeded)
+            goals.append(goal("mean probe trials seeded by the estimate", mean, "<= 2", mean <= 2))
+            same = sum(r["seeded_max"] == r["reported_max"] for r in seeded)
+            goals.append(goal("seeded probe's measured max = the probe's", f"{same}/{len(seeded)}", "info", None))
     return {"figures": {"rows": rows, "not_run": skipped_rows, "skipped": skipped}, "goals": goals,
             "partial": bool(skipped_rows)}
 
@@ -710,7 +742,9 @@ def _row_line(row: dict) -> str:
     return (f"{row['config']} s{row['seq_len']} {row['budget']}: chosen {row['chosen_micro']}, reported max "
             f"{row['reported_max']}, really fits {row.get('largest_really_fitting')}"
             f"{' (cap)' if row.get('largest_is_cap') else ''}, probe {row['probe_seconds']:.1f} s / "
-            f"{row['probe_trials']} trials")
+            f"{row['probe_trials']} trials"
+            + (f"; from the estimate ({row.get('estimate_largest_fit') or 'skipped'}): {row['seeded_trials']} "
+               f"trials, max {row['seeded_max']}" if "seeded_trials" in row else ""))
 
 
 # --- section 3: 50 steps at each plan ----------------------------------------------------------------------------

@@ -65,6 +65,9 @@ def test_quick_run_writes_every_section_with_its_figures(quick_run):
     for r in rows:
         assert 1 <= r["chosen_micro"] <= r["reported_max"] <= r["largest_really_fitting"] <= r["target"]
         assert r["chosen_fits"] is True and r["probe_trials"] >= 1 and r["probe_seconds"] > 0
+        # the probe again, started from the estimate: its trials counted, its maximum measured (the same search)
+        assert r["seeded_trials"] >= 1 and r["seeded_max"] == r["reported_max"], r
+        assert r["estimate_line"].startswith("estimate"), r
         sizes = [p["micro"] for p in r["sweep"]]
         assert 1 in sizes and r["chosen_micro"] in sizes
         # CUDA-only figures are null on CPU, with the reason
