@@ -7,7 +7,8 @@ real copy of every tensor: the gradient then is computed from the copies."""
 import pytest
 import torch
 
-from hf_accum import offload, selective
+from hf_accum import offload
+from hf_accum.levers import selective
 from hf_accum.compat import gradient_checkpointing
 
 from .exactness import tiny_llama
