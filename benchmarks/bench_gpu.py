@@ -1406,6 +1406,7 @@ def tuner_choice(ctx: Ctx, model, seq: int, budget: int) -> dict[str, Any]:
             with training_loss(model)[0]:
                 step(1)
                 out["measured"] = lever_point(ctx, model, opt, step, ("plan", k), int(micro), seq)
+                out["measured"]["layers"] = f"{k[0]}f+{k[1]}s"  # full + selective, as printed
         finally:
             opt.state.clear()
             release(opt)
