@@ -19,10 +19,12 @@ from .base import (
     searched,
 )
 from .checkpointing import CheckpointingLever
+from .offload import OffloadLever
 from .selective import SelectiveLever
 
 register_lever(CheckpointingLever())
 register_lever(SelectiveLever())
+register_lever(OffloadLever())
 
 __all__ = ["Lever", "Levels", "apply_requested", "check_requests", "get_lever", "parse_pins", "pinned_records",
            "register_lever", "registered", "searched"]

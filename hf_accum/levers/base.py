@@ -160,6 +160,16 @@ def check_pins(text: str | None) -> None:
         get_lever(name).parse_pin(value)
 
 
+def layer_count(value: str, name: str, what: str) -> str | int:
+    """A per-layer lever's pin: "auto", "off" (0) or a number of layers; ValueError naming it otherwise."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if text == "off" or text.isdigit():
+        return int(text) if text.isdigit() else 0
+    raise ValueError(f"levers: {name}={value!r} must be 'auto', 'off' or the number of {what} (an integer >= 0)")
+
+
 def pin(args, name: str) -> str | None:
     """The value the user pinned lever ``name`` to in ``levers=...`` (None: not pinned there)."""
     return parse_pins(Settings(args).levers).get(name)

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..compat import gradient_checkpointing
 from ..settings import Settings
 from . import checkpointing
-from .base import pin
+from .base import layer_count, pin
 
 NAME = "selective"
 
@@ -131,11 +131,7 @@ def requested(args) -> str | int:
 
 
 def parse_pin(value: str) -> str | int:
-    text = str(value).strip().lower()
-    if text in ("auto", "off") or text.isdigit():
-        return "auto" if text == "auto" else int(text) if text.isdigit() else 0
-    raise ValueError(f"levers: selective={value!r} must be 'auto', 'off' or the number of layers checkpointed "
-                     "selectively (an integer >= 0)")
+    return layer_count(value, NAME, "layers checkpointed selectively")
 
 
 def _full_pinned(args) -> int:
