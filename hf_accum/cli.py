@@ -334,13 +334,16 @@ def _run_train(args: argparse.Namespace) -> int:
     from .recipes.config import load_recipe, wants_quantization
 
     _import_bitsandbytes_only_if(args, wants_quantization(args.recipe, args.overrides))
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides)  # every value a rule can check, before torch is imported
     if args.print_config:
         from .recipes.config import format_recipe
 
         recipe.validate()
         print(format_recipe(recipe), end="")
         return 0
+    from .recipes.preflight import check_writable
+
+    check_writable(str(recipe.training["output_dir"]))  # as fast; run_recipe checks the rest of output_dir
     from .recipes.run import run_recipe
 
     run_recipe(recipe, resume_command=resume_command(args.recipe, args.overrides))

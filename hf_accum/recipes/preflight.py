@@ -36,14 +36,19 @@ def stored_target(folder: str) -> int | None:
         return None
 
 
-def check_output_dir(output_dir: str, target: int, *, what: str = "run") -> None:
-    """Writable, and not holding a plan for another target."""
+def check_writable(output_dir: str) -> None:
+    """A directory, or a path one can be created at; checked by the CLI before anything heavy is imported."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise RecipeError(f"training.output_dir={output_dir!r} is a file; pass output_dir=DIR with a directory")
     parent = nearest_existing(output_dir)
     if not can_create_in(parent):
         raise RecipeError(f"training.output_dir={output_dir!r} cannot be written ({parent} is not a writable "
                           "directory); pass output_dir=DIR with a writable place")
+
+
+def check_output_dir(output_dir: str, target: int, *, what: str = "run") -> None:
+    """Writable, and not holding a plan for another target."""
+    check_writable(output_dir)
     stored = stored_target(output_dir)
     if stored is not None and stored != target:
         raise RecipeError(
