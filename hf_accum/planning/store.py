@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from ..compat import checkpoint_files, deepspeed_integration, gradient_checkpointing, torch_features
+from ..paths import PLAN_FILE
 from ..settings import Settings
 from .plan import Plan, plan_for_micro
 
 logger = logging.getLogger(__name__)
 
-PLAN_FILE = "hf_accum_plan.json"
 _PLAN_FIELDS = ("micro_batch_size", "gradient_accumulation_steps", "world_size", "target_batch_size")
 
 
@@ -73,7 +73,7 @@ def key_fields(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> di
         "engine": deepspeed_integration.engine_label(trainer),
         "optimize": args.auto_tune_optimize,
         "micro_batching": args.micro_batching,
-        "versions": {name: _version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes")},
+        "versions": {name: library_version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes")},
     }
 
 
@@ -99,7 +99,7 @@ def canonical(value: Any) -> Any:
     return str(value)
 
 
-def _version(name: str) -> str | None:
+def library_version(name: str) -> str | None:
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
