@@ -246,16 +246,21 @@ def _bare_model_budget(args: argparse.Namespace) -> tuple[int | None, str, str]:
 
 
 def _probe_recipe(args: argparse.Namespace) -> int:
-    from .recipes.config import wants_quantization
+    from .recipes.config import load_recipe, wants_quantization
 
     _import_bitsandbytes_only_if(args, wants_quantization(args.recipe, args.overrides))
+    recipe = load_recipe(args.recipe, args.overrides)  # every value a rule can check, before torch is imported
+    store = any(item.partition("=")[0].strip() in ("output_dir", "training.output_dir") for item in args.overrides)
+    if store:
+        from .recipes.preflight import check_writable
+
+        check_writable(str(recipe.training["output_dir"]))
     from .probe_loop import NothingFitsError
     from .probe_report import table
     from .recipes.run import probe_recipe
 
-    store = any(item.partition("=")[0].strip() in ("output_dir", "training.output_dir") for item in args.overrides)
     try:
-        out = probe_recipe(args.recipe, args.overrides, store=store, say=lambda msg: print(msg, flush=True))
+        out = probe_recipe(recipe, store=store, say=lambda msg: print(msg, flush=True))
     except NothingFitsError as exc:
         print(table(exc.result, getattr(exc, "seq_len", 0)))
         raise

@@ -56,6 +56,8 @@ CASES = [
     (["eval_strategy=steps"], "training.eval_strategy=steps evaluates during training, but no rows are held out"),
     (["model.task=dpo", "beta=abc"], "training.beta='abc' is a string, but training.beta takes a number"),
     (["output_dir=/proc/nope"], "training.output_dir='/proc/nope' cannot be written"),
+    (["probe", "learning_rate=-1"], "hf-accum probe: training.learning_rate=-1 is negative"),
+    (["probe", "output_dir=/proc/nope"], "hf-accum probe: training.output_dir='/proc/nope' cannot be written"),
 ]
 
 
@@ -64,7 +66,9 @@ def test_a_wrong_value_is_one_line_exit_2_before_any_heavy_import(overrides, mes
     if "output_dir=/proc/nope" in overrides and can_create_in("/proc"):  # pragma: no cover - not Linux
         pytest.skip("/proc is writable here")
     env = {**os.environ, "XDG_CACHE_HOME": warm_cache, "PYTHONPATH": ROOT}
-    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "hf_accum.cli", "train", "lora_sft", *overrides],
+    command = ["probe"] if overrides[0] == "probe" else ["train"]  # `hf-accum probe RECIPE` loads it as train does
+    overrides = overrides[1:] if overrides[0] == "probe" else overrides
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "hf_accum.cli", *command, "lora_sft", *overrides],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     timing = [line for line in run.stderr.splitlines() if line.startswith("import time:")]
     said = [line for line in run.stderr.splitlines() if not line.startswith("import time:")]

@@ -119,7 +119,7 @@ RULES: tuple[Rule, ...] = (
     Rule("data.num_examples", positive, _POSITIVE),
     Rule("data.eval_examples", whole,
          "data.eval_examples={value} must be a whole number of rows to hold out for evaluation (0: none)"),
-    Rule("lora.r", lambda v, _c: v is None or v >= 1,
+    Rule("lora.r", lambda v, _c: not _integer(v) or v >= 1,
          "lora.r={value} must be a positive integer (the adapter's rank, e.g. lora.r=16)"),
     Rule("training.learning_rate", lambda v, _c: not _number(v) or math.isfinite(v),
          "training.learning_rate={value} is not a finite number: set a positive learning_rate, e.g. 2e-4"),
