@@ -33,10 +33,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .compat import parallel, trainer_internals
+from .compat import trainer_internals
 from .loss import LabelSpec
 from .oom import free_memory, is_oom
-from .protocol import Policy
 from .units import Cutter, detect_unit, make_cutter
 
 logger = logging.getLogger(__name__)
@@ -52,8 +51,7 @@ def eval_loss_for(trainer) -> EvalLoss:
     except ValueError as exc:  # a model whose loss hf_accum cannot count: transformers' value, said once
         labels = str(exc)
     # An OOM re-run forwards more on one rank: not where forwards run collectives (FSDP, ZeRO, TRL's metrics).
-    can_split = (trainer.accelerator.num_processes == 1
-                 or parallel.window_policy(trainer, trainer.collectives_in_compute_loss) is Policy.RERUN)
+    can_split = trainer.engine.evaluates_alone(trainer.collectives_in_compute_loss)
     return EvalLoss(trainer, trainer._normalization, trainer.batch_unit, labels, can_split=can_split,
                     cap=trainer._eval_cap, said=trainer._eval_said)
 

@@ -1,11 +1,11 @@
-"""The probe through a live DeepSpeed engine.
+"""The probe through a live engine (DeepSpeed: `engines.deepspeed`), through the engine seam only.
 
 ZeRO partitions parameters, gradients and optimizer state when the engine is built, gathers ZeRO-3's parameters
 in every forward, and may offload: memory measured on the unwrapped model is not what training uses. So under
 DeepSpeed `train()` builds the engine first (each rank loading its whole window, which any micro-batch can cut),
 and at the first window the probe runs real steps through it — the Trainer's own `training_step` on the engine,
 its backward, its optimizer step at the boundary — at each micro-batch under test; then the engine is put back as
-it was (`deepspeed_integration.deepspeed_state_restored`: weights, optimizer state, schedule, counters).
+it was (`Engine.state_restored`: weights, optimizer state, schedule, counters).
 
 Those steps run collectives on every rank, so every rank must run the same trials in the same order: the budget
 and the limit are the smallest over the ranks, and each measurement is the largest over the ranks (one exchange
@@ -19,7 +19,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..compat import deepspeed_integration
 from ..meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes
 from ..oom import is_oom
 from ..preserve import modes_and_rng_preserved
@@ -99,11 +98,12 @@ def probe_through_engine(
     world = collective.world
     per_rank = args.target_batch_size // world
     cap = per_rank if max_micro_batch is None else min(per_rank, max_micro_batch)
-    engine = deepspeed_integration.engine_label(trainer)
+    seam = trainer.engine
+    engine = seam.label
     if isinstance(meter, CpuMeter) and meter.resident is None:
         meter = CpuMeter(resident=all_live_tensor_bytes)  # the profiler sees no tensor allocated before a step
     budget, limit = smallest(collective, budget_bytes, meter.capacity_bytes() - meter.unavailable_bytes())
-    state, buckets, element = _model_and_buffers(trainer)
+    state, buckets, element = _model_and_buffers(trainer.model, seam)
     fit_one = None
     if buffers_dominate(limit, state, buckets, element):  # an OOM at micro-batch 1 is then most likely theirs
         fit_one = (f"DeepSpeed's own communication buffers ({_sizes(buckets)} elements of {element} bytes) could "
@@ -113,11 +113,11 @@ def probe_through_engine(
     log(f"probing through {engine} at length {seq_len} (budget {budget / 2**20:.1f} MiB on every rank)")
 
     def step_fn(micro: int) -> None:  # a window of one micro-batch, as the engine is told
-        deepspeed_integration.set_deepspeed_batch(trainer, micro, 1)
+        seam.set_live_batch(micro, 1)
         train_step(make_batch(micro))
 
     try:
-        with deepspeed_integration.deepspeed_state_restored(trainer, os.path.join(args.output_dir, SCRATCH)), \
+        with seam.state_restored(os.path.join(args.output_dir, SCRATCH)), \
                 modes_and_rng_preserved(trainer.model):
             result = probe_micro_batches(step_fn, agreed, budget, cap, must_resolve=forward_breakpoints(per_rank),
                                          optimize=args.auto_tune_optimize, limit_bytes=limit, log=log)
@@ -141,11 +141,11 @@ def probe_through_engine(
 
 
 # --- when DeepSpeed's own buffers, not the model, are what does not fit -----------------------------------------
-def _model_and_buffers(trainer) -> tuple[int, dict[str, int], int]:
+def _model_and_buffers(model, engine) -> tuple[int, dict[str, int], int]:
     """The model's state bytes, the engine's bucket sizes (elements) and the element size its gradients use."""
-    params = list(trainer.model.parameters())
+    params = list(model.parameters())
     element = max((p.element_size() for p in params if p.requires_grad), default=4)
-    return model_state_bytes(params), deepspeed_integration.deepspeed_buckets(trainer), element
+    return model_state_bytes(params), engine.buffers(), element
 
 
 def _sizes(buckets: dict[str, int]) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..compat import checkpoint_files, deepspeed_integration, gradient_checkpointing, torch_features
+from ..compat import checkpoint_files, gradient_checkpointing, torch_features
 from ..settings import Settings
 from .plan import Plan, plan_for_micro
 
@@ -70,7 +70,7 @@ def key_fields(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> di
         "probe_max_micro_batch": args.probe_max_micro_batch,
         "target_batch_size": args.target_batch_size,
         "world_size": args.world_size,
-        "engine": deepspeed_integration.engine_label(trainer),
+        "engine": trainer.engine.label,
         "optimize": args.auto_tune_optimize,
         "micro_batching": args.micro_batching,
         "versions": {name: _version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes")},
