@@ -18,7 +18,7 @@ from .meters import CpuMeter, CudaMeter, Meter, live_tensor_bytes
 from .planning.plan import (
     Plan,
     forward_breakpoints,
-    nearest_exact_targets,
+    indivisible_target,
     plan_batch,
     plan_for_micro,
 )
@@ -205,12 +205,9 @@ def _checked_window(model: torch.nn.Module, seq_len: int, target_batch_size: int
     """Cheap checks first: no step runs on input that cannot give a plan. Returns (per-rank window, cap)."""
     if target_batch_size < 1 or world_size < 1:
         raise ValueError(f"target_batch_size={target_batch_size} and world_size={world_size} must be >= 1")
-    if target_batch_size % world_size:
-        options = " or ".join(map(str, nearest_exact_targets(target_batch_size, world_size)))
-        raise ValueError(
-            f"target_batch_size={target_batch_size} is not divisible by world_size={world_size}; "
-            f"set target_batch_size to {options}"
-        )
+    problem = indivisible_target(target_batch_size, world_size)
+    if problem:
+        raise ValueError(f"{problem}.")
     max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if max_positions is not None and seq_len > max_positions:
         raise ValueError(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .meters import Meter
-from .oom import free_memory, is_oom
+from .oom import guarded
 from .planning.plan import (
     choose_fastest,
 )
@@ -133,14 +133,8 @@ def probe_micro_batches(
         # The optimizer allocates its state (Adam: two tensors per parameter) in its first step; a trial
         # without it would under-measure every later step by that much.
         say("warm-up step at micro-batch 1 (creates the optimizer state; not a trial)")
-        try:
-            result.warmup_seconds = meter.time(lambda: step_fn(1), micro_batch_size=1)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            result.warmup_seconds = None
-        if result.warmup_seconds is None:  # outside the except block: its traceback no longer pins memory
-            free_memory()
+        result.warmup_seconds, oom = guarded(lambda: meter.time(lambda: step_fn(1), micro_batch_size=1))
+        if oom:
             trials.append(Trial(1, None, None, None, False, "out of memory"))
             return result
 
@@ -162,16 +156,8 @@ def _run_trial(
         search.record(micro, None, fits=False)
         say(f"micro-batch {micro}: refused, predicted {_gib(predicted)} > limit {_gib(limit_bytes)}")
         return Trial(micro, None, None, None, False, "refused", predicted)
-    m = None
-    try:
-        m = meter.measure(lambda: step_fn(micro), micro_batch_size=micro)
-    except Exception as exc:
-        if not is_oom(exc):
-            raise
-    if m is None:
-        # Freed here, after the except block: until it ends, the exception's traceback keeps the failed
-        # step's frames, and with them its activations, alive.
-        free_memory()
+    m, oom = guarded(lambda: meter.measure(lambda: step_fn(micro), micro_batch_size=micro))
+    if oom:
         search.record(micro, None)
         say(f"micro-batch {micro}: out of memory")
         return Trial(micro, None, None, None, False, "out of memory", predicted)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes
-from ..oom import is_oom
+from ..oom import guarded
 from ..preserve import modes_and_rng_preserved
 from ..probe import plan_from_result
 from ..probe_loop import MakeBatch, NothingFitsError, ProbeResult, probe_micro_batches
@@ -51,11 +51,9 @@ class AgreedMeter(Meter):
         return self._run(lambda: self.inner.time(fn, micro_batch_size=micro_batch_size), micro_batch_size)
 
     def _run(self, measure, micro: int | None):
-        try:
-            return measure()
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
+        value, oom = guarded(measure)
+        if not oom:
+            return value
         fix = (f"lower {self.names} or set probe_max_micro_batch below {micro}" if micro and micro > 1 else
                self.fit_one or "to fit micro-batch 1, enable gradient_checkpointing, train LoRA adapters or offload to "
                "CPU in the DeepSpeed config")

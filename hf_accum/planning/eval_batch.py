@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..meters import CpuMeter, live_tensor_bytes
-from ..oom import free_memory, is_oom
+from ..oom import guarded
 from ..preserve import modes_and_rng_preserved
 from ..probe import resolve_budget
 from ..protocol import Local, TorchDistributed
@@ -79,16 +79,8 @@ def choose_eval_batch(run: Callable[[dict], Any], make_batch: Callable[[int], di
     def fits(b: int) -> bool:
         batch = make_batch(b)
         held: list = []
-        try:
-            m = meter.measure(lambda: held.append(run(batch)), micro_batch_size=b)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            failed = True
-        else:
-            failed = False
+        m, failed = guarded(lambda: meter.measure(lambda: held.append(run(batch)), micro_batch_size=b))
         if failed:
-            free_memory()
             return False
         peaks[b] = m.charged_bytes + m.rounding_bytes
         kept[b] = _nbytes(held[0][1:] if held and isinstance(held[0], tuple) else None)

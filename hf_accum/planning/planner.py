@@ -147,13 +147,13 @@ class Planner:
         if self.plan is None:  # the sizes as given are the plan in force: trainer.plan.describe() works
             world = trainer.accelerator.num_processes
             micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-            self.plan, self.plan_given = Plan(micro, accumulation, world, micro * accumulation * world), True
+            self.plan, self.plan_given = Plan(micro, accumulation, world, Settings(args).given_batch(world)), True
 
     def _given_token_plan(self) -> Plan:
         """micro_batching="tokens" with auto_tune off: the window as given, loaded whole, cut by the given budget."""
         trainer = self._trainer
         args, world = trainer.args, trainer.accelerator.num_processes
-        per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        per_rank = Settings(args).given_batch(world=1)
         return Plan(per_rank, 1, world, per_rank * world, token_budget=args.max_tokens_per_forward)
 
     def tune(self) -> Plan:
