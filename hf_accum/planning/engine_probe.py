@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes
+from ..meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes, format_bytes
 from ..oom import guarded
 from ..preserve import modes_and_rng_preserved
 from ..probe import plan_from_result
@@ -108,7 +108,7 @@ def probe_through_engine(
                    f"take half of the memory this process can use, the model's weights, gradients and optimizer "
                    f"state far less: set smaller ones in the DeepSpeed config's \"zero_optimization\"")
     agreed = AgreedMeter(meter, collective, engine, budget_names, fit_one)
-    log(f"probing through {engine} at length {seq_len} (budget {budget / 2**20:.1f} MiB on every rank)")
+    log(f"probing through {engine} at length {seq_len} (budget {format_bytes(budget)} on every rank)")
 
     def step_fn(micro: int) -> None:  # a window of one micro-batch, as the engine is told
         seam.set_live_batch(micro, 1)
@@ -170,14 +170,12 @@ def buffers_dominate(need_bytes: int, state_bytes: int, buckets: dict[str, int],
 
 def buffers_message(engine: str, need_bytes: int, budget_bytes: int, state_bytes: int, buckets: dict[str, int],
                     element_size: int) -> str:
-    from ..probe_loop import _gib
-
     sizes = _sizes(buckets)
     smaller = max(10 ** max(0, len(str(budget_bytes // 10 // element_size)) - 1), 1)  # a tenth of the budget
     return (
-        f"even micro-batch 1 does not fit: one training step through {engine} needs {_gib(need_bytes)} against a "
-        f"budget of {_gib(budget_bytes)}, and the model's weights, gradients and optimizer state are only "
-        f"{_gib(state_bytes)}: the rest is mostly DeepSpeed's own communication buffers ({sizes} elements of "
+        f"even micro-batch 1 does not fit: one training step through {engine} needs {format_bytes(need_bytes)} against a "
+        f"budget of {format_bytes(budget_bytes)}, and the model's weights, gradients and optimizer state are only "
+        f"{format_bytes(state_bytes)}: the rest is mostly DeepSpeed's own communication buffers ({sizes} elements of "
         f"{element_size} bytes; DeepSpeed's defaults where not set). Set them in the DeepSpeed config's "
         f'"zero_optimization" (e.g. ' + ", ".join(f'"{k}": {smaller}' for k in buckets) + "), or raise the "
         "memory budget; gradient checkpointing or LoRA would not shrink them."
