@@ -1,4 +1,5 @@
-"""How peak memory is read: one interface, three implementations (CUDA, CPU, fake).
+"""How peak memory is read: one interface, three implementations (CUDA, CPU, fake; the fourth, on fake tensors, is
+estimating/paper_meter.py); and how a number of bytes is written (`format_bytes`, the one byte formatter).
 
 A meter runs a callable once and reports the peak memory it reached, including what was already live
 when it started (weights, optimizer state), so every implementation answers the same question: "how

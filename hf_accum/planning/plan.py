@@ -77,12 +77,14 @@ def nearest_exact_targets(target_batch_size: int, world_size: int) -> tuple[int,
 def indivisible_target(target_batch_size: int, world_size: int, target_name: str = "target_batch_size",
                        world_name: str = "world_size") -> str | None:
     """None when ``world_size`` ranks share ``target_batch_size`` samples equally; otherwise the one-line reason,
-    naming both settings (as the caller spells them) and the nearest exact targets. The one divisibility check."""
+    naming both settings (as the caller spells them: a flag's fix reads "use --flag N") and the nearest exact
+    targets. The one divisibility check."""
     if target_batch_size % world_size == 0:
         return None
     options = " or ".join(map(str, nearest_exact_targets(target_batch_size, world_size)))
+    fix = f"use {target_name} {options}" if target_name.startswith("--") else f"Set {target_name} to {options}"
     return (f"{target_name}={target_batch_size} is not divisible by {world_name}={world_size}: micro x accumulation x "
-            f"world must equal it exactly. Set {target_name} to {options}")
+            f"world must equal it exactly. {fix}")
 
 
 # --- memory model -------------------------------------------------------------------------------------
