@@ -20,6 +20,7 @@ from transformers import Trainer, TrainerCallback
 
 from .. import allocator, checkpointing
 from ..compat import trainer_internals
+from ..estimating.seed import probe_with_estimate
 from ..meters import CpuMeter, CudaMeter, Meter
 from ..probe import probe_model, resolve_budget
 from ..probe_loop import ProbeResult
@@ -131,7 +132,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
             return measure(make, length, max_micro, None)
 
     def measure(make, length, max_micro, lever):
-        return probe_model(
+        return (probe_with_estimate if args.probe_from_estimate else probe_model)(
             trainer.model,
             seq_len=length,
             target_batch_size=args.target_batch_size,
