@@ -123,3 +123,51 @@ def test_the_rebuilt_model_trains_what_the_model_trains():
         built = seed_module.builder_like(model)()
     assert {n: p.requires_grad for n, p in built.named_parameters()} == {
         n: p.requires_grad for n, p in model.named_parameters()}
+
+
+def test_the_report_shows_predicted_beside_measured():
+    from hf_accum.probe_report import estimate_lines, predicted_vs_measured, summary, to_json
+
+    result, plan = probe_with_estimate(_llama(), **PROBE)
+    rows = predicted_vs_measured(result)
+    assert [m for m, *_ in rows] == sorted(t.micro_batch_size for t in result.measured_trials)
+    for micro, predicted, measured, how in rows:
+        assert how in ("ran", "line") and abs(predicted / measured - 1) <= 0.05, (micro, predicted, measured)
+    lines = estimate_lines(result)
+    assert lines[0] == (f"estimate (cpu, fake tensors): largest fit {result.extra['estimate']['largest_fit']}, "
+                        f"measured {result.max_micro_batch_size}")
+    assert len(lines) == 1 + len(rows) and all(" predicted " in line and " measured " in line for line in lines[1:])
+    assert "\n".join(lines) in summary(result, plan, PROBE["seq_len"])
+    assert to_json(result, plan, PROBE["seq_len"])["estimate"] == result.extra["estimate"]
+    plain, plain_plan = probe_model(_llama(), **PROBE)
+    assert estimate_lines(plain) == [] and "estimate" not in to_json(plain, plain_plan, PROBE["seq_len"])
+
+
+@pytest.mark.parametrize("from_estimate", [True, False])
+def test_the_trainer_starts_from_the_estimate_and_the_plan_file_records_it(tmp_path, from_estimate):
+    # checkpoint_layers fixed: with "auto" the level search (level_probe.py) chooses k and is not seeded
+    import json
+
+    from hf_accum import AccumTrainer, AccumTrainingArguments
+    from hf_accum.planning.store import PLAN_FILE
+    from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
+
+    tok = build_tokenizer()
+    args = AccumTrainingArguments(output_dir=str(tmp_path), target_batch_size=16, memory_budget_bytes=8 * MiB,
+                                  use_cpu=True, report_to=[], max_steps=1, save_strategy="no", disable_tqdm=True,
+                                  fused_loss=False, checkpoint_layers="0", probe_from_estimate=from_estimate)
+    trainer = AccumTrainer(model=build_model(tokenizer=tok), args=args, train_dataset=build_sft_dataset(48, tok),
+                           data_collator=SFTCollator(tok))
+    trainer.tune()
+    with open(tmp_path / PLAN_FILE) as f:
+        probe = json.load(f)["probe"]
+    result = trainer.probe_result
+    if not from_estimate:
+        assert "estimate" not in probe["extra"] and result.trials[0].micro_batch_size == 1
+        return
+    estimate = probe["extra"]["estimate"]  # beside what was measured: its largest fit, its peaks, its line
+    assert estimate["largest_fit"] == result.extra["estimate"]["largest_fit"] >= 1
+    assert estimate["peaks"] and len(estimate["fitted"]) == 2 and estimate["device"] == "cpu"
+    assert result.trials[0].micro_batch_size == min(estimate["largest_fit"], 16)
+    measured = {t["micro_batch_size"]: t["peak_bytes"] for t in probe["trials"] if t["peak_bytes"]}
+    assert any(m in measured for m in map(int, estimate["peaks"]))
