@@ -25,7 +25,6 @@ import json
 import os
 
 import pytest
-
 import trl_standins
 
 SWAP = os.environ.get("HF_ACCUM_TRL_SWAP", "0") == "1"

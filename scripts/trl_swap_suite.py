@@ -14,8 +14,7 @@ Modes (each a pytest subprocess with `trl_swap_conftest.py` as a plugin and a ju
 - swapped-gaN: swapped, every config forced to gradient_accumulation_steps=N (no upstream test sets it).
   Its baseline is plain-gaN (TRL forced to N), run only on the tests that fail swapped-gaN and pass plain (a test
   that also fails with TRL at GA N is not ours).
-`--ga-k` narrows the GA modes (default: TRL's trainer test classes, not the collator / chunked-loss / VLM / GPU-only
-ones, which build no trainer here).
+`-k` selects the tests of every mode, `--ga-k` further narrows the GA modes (defaults: K and GA_K below).
 
 Offline: the hub models and datasets the tests load are replaced by local stand-ins (`trl_standins.py`, a hub cache
 under --out); a test that needs one with no stand-in is skipped, in every mode alike. The table gives per file and
@@ -45,7 +44,20 @@ from trainer_swap_suite import outcomes  # noqa: E402  (junit -> {test id: (resu
 
 FILES = ["tests/test_sft_trainer.py", "tests/test_dpo_trainer.py", "tests/test_reward_trainer.py"]
 MODES = ["plain", "swapped", "swapped-ga2", "swapped-ga3"]
-GA_K = "not DataCollator and not Chunked and not DFTLoss and not VLM and not Slow"
+# What fits an afternoon on 2 shared CPU cores (~5 s a test): the trainer tests of the three files (the collator,
+# chunked-loss, VLM and GPU-only classes build none of our trainers), SFT's narrowed to a representative set, and
+# for the GA modes the training runs whose loss accumulation GA changes. `-k ""` / `--ga-k ""` run everything.
+_SFT = ("test_train_dataset_format or test_train_model or test_train_gpt_oss or test_train_moe or "
+        "test_train_padding_free or test_train_packing or test_train_completion_only or test_train_assistant_only")
+K = (f"(TestSFTTrainer and ((test_train and not test_train_) or {_SFT} or test_train_with_eval or "
+     "test_train_nll_loss or test_train_dft_loss or test_train_with_iterable_dataset or "
+     "test_train_with_gradient_checkpointing)) or ((TestDPOTrainer or TestRewardTrainer) and not VLM and not Slow)")
+GA_K = (f"(TestSFTTrainer and ({_SFT} or (test_train and not test_train_))) or (TestDPOTrainer and "
+        "(test_train_loss_types or test_train_multi_loss_types or test_train_model or test_train_moe or "
+        "test_train_gpt_oss or test_train_with_iterable_dataset or test_train_padding_free or "
+        "(test_train and not test_train_))) or (TestRewardTrainer and (test_train_dataset_types or test_train_model "
+        "or test_train_moe or test_train_with_margin or test_train_with_center or test_train_with_iterable or "
+        "(test_train and not test_train_)))")
 BAD = ("failed", "error")
 # DPO loss types whose loss depends on the whole batch, refused by hf_accum (trl_support.PER_PAIR_DPO_LOSSES):
 # a test parametrized with one of them by name, or TRL's MPO combination (sigmoid + bco_pair + sft), may fail.
@@ -133,7 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--extract", nargs=2, metavar=("GIT_DIR", "COMMIT"))
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated (default {','.join(MODES)})")
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout in seconds (pytest-timeout)")
-    parser.add_argument("-k", help="pytest -k expression for every mode")
+    parser.add_argument("-k", default=K, help="pytest -k expression for every mode (default: %(default)s)")
     parser.add_argument("--ga-k", default=GA_K, help="pytest -k expression for the -gaN modes (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "trl_swap",
                         help="junit reports, logs, trainer records, stand-in hub cache (default runs/trl_swap)")
@@ -156,7 +168,6 @@ def main(argv=None) -> int:
 
     import transformers
     import trl
-
     import trl_standins
 
     print(f"trl {trl.__version__}, transformers {transformers.__version__} (installed); tests from {tests_dir}")
