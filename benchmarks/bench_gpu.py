@@ -20,7 +20,13 @@ Sections (each writes its figures and its goals with pass/fail flags into DIR/be
                 the device's bf16 peak (hf_accum.flops), AccumTrainer / Trainer step time at the same micro x
                 accumulation, interleaved rounds (goal <= 1.01);
   6 tokens      micro_batching "tokens" vs "samples" on long-tailed lengths (forwards, padded tokens, s/step, peak),
-                and the fused loss on vs off at one micro-batch (peak, s/step).
+                and the fused loss on vs off at one micro-batch (peak, s/step);
+  7 estimate    the estimate (fake tensors) beside the measured peaks;
+  8 levers      micro-batch x per-layer level (none / full or selective checkpointing / activation offload of k in
+                {L/2, L} layers, offload CUDA only) at seq 2048: step time (fastest of 3) and peak allocated and
+                reserved per point, an OOM recorded as "OOM"; then AccumTrainer's tuner (checkpoint_layers='auto') under
+                a budget that only partly checkpointed levels fit, its choice measured the same way. At most cap8
+                seconds (180 on the GPU: ~3 min on an H100): python benchmarks/bench_gpu.py --sections 8 --minutes 4
 A section that needs a missing package (bitsandbytes, NVML, matplotlib) skips that part with a line saying so.
 --minutes N: sections share the time left; one that runs out stops cleanly, keeps what it measured and says so.
 --quick: CPU and float32 even where CUDA exists; figures that only CUDA has are null with the reason.
@@ -64,8 +70,9 @@ MiB = 1 << 20
 GiB = 1 << 30
 JSON_NAME, PNG_NAME = "bench_gpu.json", "bench_gpu.png"
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SECTION_NAMES = {1: "model", 2: "probe", 3: "train", 4: "oom", 5: "throughput", 6: "tokens", 7: "estimate"}
-SHARES = {1: 0.04, 2: 0.38, 3: 0.19, 4: 0.08, 5: 0.13, 6: 0.11, 7: 0.07}  # of the time left, among the sections left
+SECTION_NAMES = {1: "model", 2: "probe", 3: "train", 4: "oom", 5: "throughput", 6: "tokens", 7: "estimate",
+                 8: "levers"}
+SHARES = {1: 0.04, 2: 0.38, 3: 0.19, 4: 0.08, 5: 0.13, 6: 0.11, 7: 0.07, 8: 0.2}  # of the time left, among the sections left
 
 
 @dataclass
@@ -93,6 +100,11 @@ class Settings:
     plans3: int | None = None  # how many of section 2's configurations section 3 trains (None: as time allows)
     warm5: int = 2  # steps not timed at the start of each run
     sweep5: int | None = None  # how many divisors section 5 times (None: every one up to the plan's)
+    seq8: int = 2048
+    micros8: tuple[int, ...] = (1, 2, 4, 8, 16)
+    target8: int = 16  # the tuner's samples per optimizer step in section 8
+    cap8: float = 180.0  # section 8's own limit in seconds (a quarter kept for the tuner), whatever --minutes leaves
+    seeded2: bool = True  # section 2 also probes from the estimate (estimating.seed) and counts its trials
 
 
 GPU = Settings(
@@ -100,7 +112,7 @@ GPU = Settings(
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=True,
                rope_theta=500000.0),
     seqs=(2048, 512), budgets=(("fraction", 0.35), ("fraction", 0.9)), target=32, target3=8, steps3=50, target4=16,
-    steps4=6, seq5=512, target5=32, timed5=4, rounds5=5, seq6=2048, target6=32, steps6=6, micro6=4, minutes=7.5,
+    steps4=6, seq5=512, target5=32, timed5=4, rounds5=5, seq6=2048, target6=32, steps6=6, micro6=4, minutes=8.5,
 )
 QUICK = Settings(
     model=dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -109,7 +121,7 @@ QUICK = Settings(
     steps4=4, seq5=32, target5=8, timed5=2, rounds5=2, seq6=64, target6=16, steps6=2, micro6=4, minutes=None,
     # every method, checkpointing off and on, both lengths and both budgets, in four configurations (not all 16)
     grid2=(("full", False, 64, 0), ("full", True, 32, 1), ("lora", False, 32, 0), ("lora", True, 64, 1)),
-    plans3=2, warm5=1, sweep5=2,
+    plans3=2, warm5=1, sweep5=2, seq8=32, micros8=(1, 2), target8=4, cap8=60.0,
 )
 
 
@@ -587,6 +599,8 @@ def probe_and_sweep(ctx: Ctx, model, name: str, seq: int, budget: tuple[str, flo
                    probe_trial_sizes=[t.micro_batch_size for t in result.trials],
                    probe_points=[(t.micro_batch_size, t.reserved_bytes or t.peak_bytes, t.fits)
                                  for t in result.trials if t.peak_bytes is not None])
+        if ctx.s.seeded2:
+            row.update(seeded_probe(model, seq, target, budget_bytes))
         # the sweep: the choice, then the largest that really fits, then the divisors around the choice and micro 1
         sweep_start = time.perf_counter()
         sweep = Sweep(ctx, model, seq, budget_bytes, end)
@@ -612,6 +626,29 @@ def probe_and_sweep(ctx: Ctx, model, name: str, seq: int, budget: tuple[str, flo
                                                             if "charged_bytes" in r] +
                                                            [(m, b) for m, b, _ in row["probe_points"]])})
     return row
+
+
+def seeded_probe(model, seq: int, target: int, budget_bytes: int) -> dict[str, Any]:
+    """The same probe started from the estimate (`estimating.seed.probe_with_estimate`): its trials, its measured
+    maximum, what the estimate said and how long it took (CPU time on fake tensors), or why it was skipped."""
+    from hf_accum.estimating.seed import probe_with_estimate
+
+    said: list[str] = []
+    start = time.perf_counter()
+    try:
+        result, _ = probe_with_estimate(model, seq_len=seq, target_batch_size=target, budget_bytes=budget_bytes,
+                                        optimizer_cls=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-5},
+                                        log=said.append)
+    except ValueError as exc:
+        return {"seeded_error": str(exc).splitlines()[0]}
+    estimate = result.extra.get("estimate")
+    return {"seeded_probe_seconds": time.perf_counter() - start, "seeded_trials": len(result.measured_trials),
+            "seeded_trial_sizes": [t.micro_batch_size for t in result.trials],
+            "seeded_max": result.max_micro_batch_size,
+            "estimate_largest_fit": None if estimate is None else estimate["largest_fit"],
+            "estimate_seconds": None if estimate is None else estimate["seconds"],
+            "estimate_peaks": None if estimate is None else estimate["peaks"],
+            "estimate_line": next((line for line in said if line.startswith("estimate")), None)}
 
 
 def methods(ctx: Ctx) -> tuple[list[str], dict[str, str]]:
@@ -684,6 +721,12 @@ def section_probe(ctx: Ctx) -> dict[str, Any]:
         goals.append(goal("reported max / largest really fitting (worst)", min(ratios) if ratios else None,
                           ">= 0.9 (not at the cap)", min(ratios) >= 0.9 if ratios else None))
         goals.append(goal("mean probe trials", statistics.fmean(r["probe_trials"] for r in done), "info", None))
+        seeded = [r for r in done if "seeded_trials" in r]
+        if seeded:
+            mean = statistics.fmean(r["seeded_trials"] for r in seeded)
+            goals.append(goal("mean probe trials seeded by the estimate", mean, "<= 2", mean <= 2))
+            same = sum(r["seeded_max"] == r["reported_max"] for r in seeded)
+            goals.append(goal("seeded probe's measured max = the probe's", f"{same}/{len(seeded)}", "info", None))
     return {"figures": {"rows": rows, "not_run": skipped_rows, "skipped": skipped}, "goals": goals,
             "partial": bool(skipped_rows)}
 
@@ -699,7 +742,9 @@ def _row_line(row: dict) -> str:
     return (f"{row['config']} s{row['seq_len']} {row['budget']}: chosen {row['chosen_micro']}, reported max "
             f"{row['reported_max']}, really fits {row.get('largest_really_fitting')}"
             f"{' (cap)' if row.get('largest_is_cap') else ''}, probe {row['probe_seconds']:.1f} s / "
-            f"{row['probe_trials']} trials")
+            f"{row['probe_trials']} trials"
+            + (f"; from the estimate ({row.get('estimate_largest_fit') or 'skipped'}): {row['seeded_trials']} "
+               f"trials, max {row['seeded_max']}" if "seeded_trials" in row else ""))
 
 
 # --- section 3: 50 steps at each plan ----------------------------------------------------------------------------
@@ -1208,9 +1253,225 @@ def section_estimate(ctx: Ctx) -> dict[str, Any]:
     return {"figures": figures, "goals": goals}
 
 
+# --- section 8: the per-layer levers, swept -----------------------------------------------------------------------
+def lever_levels(ctx: Ctx, num_layers: int) -> tuple[list[tuple[str, int]], dict[str, str]]:
+    """(kind, k) for none and each lever at k in {L/2, L}; levers this device lacks, with the reason."""
+    from hf_accum import offload
+
+    ks = sorted({max(1, num_layers // 2), num_layers})
+    kinds = ["full", "selective", "offload"]
+    skipped = {}
+    why = offload.why_unavailable(ctx.device)
+    if why is not None:
+        kinds.remove("offload")
+        skipped["offload"] = why
+    return [("none", 0)] + [(kind, k) for kind in kinds for k in ks], skipped
+
+
+def lever_context(model, kind: str, k: int, num_layers: int):
+    """The model with ``k`` decoder layers at one level (the first k; the mechanics directly, no registry)."""
+    from hf_accum import offload, selective
+    from hf_accum.compat import gradient_checkpointing
+
+    if kind == "none" or k == 0:
+        return contextlib.nullcontext()
+    if kind == "full":
+        return gradient_checkpointing.checkpointed_layers(model, k, {"use_reentrant": False})
+    if kind == "selective":
+        return selective.layer_levels(model, 0, k, {"use_reentrant": False})
+    return offload.offloaded_layers(model, offload.layout(num_layers, 0, 0, k))
+
+
+def training_loss(model):
+    """(context, how): the loss AccumTrainer trains with, so the sweep measures what the tuner plans for: the fused
+    LM loss where supported (the trainer's default: the logits never materialize), else the model's own."""
+    from hf_accum import fused_loss as fl
+
+    why = fl.unsupported_reason(model)
+    return (fl.fused_lm_loss(model), "fused LM loss") if why is None else (contextlib.nullcontext(), why)
+
+
+def lever_point(ctx: Ctx, model, opt, step, level: tuple[str, int], micro: int, seq: int) -> dict[str, Any]:
+    """One grid point: the peak of a step (allocated, reserved on CUDA) and the fastest of 3 timed steps; an
+    out-of-memory step is recorded as "OOM" and its memory given back."""
+    kind, k = level
+    row: dict[str, Any] = {"level": kind, "layers": k, "micro": micro}
+    meter = ctx.meter(model, opt)
+    oom = False
+    with lever_context(model, kind, k, len(_decoder_layers(model))):
+        try:
+            m = meter.measure(lambda: step(micro))
+            seconds = min(meter.time(lambda: step(micro)) for _ in range(3))
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            oom = True
+    if oom:
+        model.zero_grad(set_to_none=False)
+        free_memory()
+        return {**row, "result": "OOM"}
+    return {**row, "result": "ok", "step_seconds": seconds, "tokens_per_second": micro * seq / seconds,
+            "peak_allocated_bytes": m.peak_bytes, "peak_reserved_bytes": m.reserved_bytes,
+            "charged_bytes": m.charged_bytes}
+
+
+def _decoder_layers(model) -> list:
+    from hf_accum.compat import gradient_checkpointing
+
+    return gradient_checkpointing.checkpointable_layers(model)
+
+
+def lever_sweep(ctx: Ctx, model, seq: int, levels: list[tuple[str, int]], end: float) -> tuple[list, list]:
+    """Every micro-batch x level, smallest micro-batches first (so a cut keeps every level's small sizes); a level
+    that ran out of memory at m is not run above m. (rows, points not run with the reason)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    step = make_step_fn(model, opt, random_token_batch(model, seq))
+    rows, not_run, durations = [], [], []
+    oom_at: dict[tuple[str, int], int] = {}
+    loss, _ = training_loss(model)
+    try:
+        loss.__enter__()
+        step(1)  # AdamW's state and the kernels, before the first measured point
+        for micro in ctx.s.micros8:
+            for level in levels:
+                point = {"level": level[0], "layers": level[1], "micro": micro}
+                if level in oom_at:
+                    not_run.append({**point, "reason": f"OOM at micro {oom_at[level]}"})
+                elif time.monotonic() + typical(durations) >= end or ctx.clock.out(typical(durations)):
+                    not_run.append({**point, "reason": "time limit"})
+                else:
+                    started = time.monotonic()
+                    row = lever_point(ctx, model, opt, step, level, micro, seq)
+                    durations.append(time.monotonic() - started)
+                    rows.append(row)
+                    oom_at.update({level: micro} if row["result"] == "OOM" else {})
+                    print(f"  {_lever_line(row)}", flush=True)
+    finally:
+        loss.__exit__(None, None, None)
+        opt.state.clear()
+        model.zero_grad(set_to_none=True)
+        del opt
+        free_memory()
+    return rows, not_run
+
+
+def _lever_line(row: dict) -> str:
+    head = f"{row['level']:>9} k={row['layers']:<2} micro {row['micro']:<3}"
+    if row["result"] != "ok":
+        return f"{head} {row['result']}"
+    return (f"{head} {row['step_seconds']:.3f} s/step, {row['tokens_per_second']:.0f} tokens/s, peak "
+            f"{_mib(row['peak_allocated_bytes'])} allocated, {_mib(row['peak_reserved_bytes'])} reserved")
+
+
+def tuner_budget(rows: list[dict], num_layers: int) -> tuple[int | None, str | None]:
+    """Halfway between micro 1's charged peak without checkpointing and with half the layers checkpointed: no
+    checkpointing does not fit, a partly checkpointed level does. (None, why) when the sweep lacks either point."""
+    def charged(kind: str, k: int) -> int | None:
+        found = [r for r in rows if (r["level"], r["layers"], r["micro"]) == (kind, k, 1) and r["result"] == "ok"]
+        return found[0]["charged_bytes"] if found else None
+
+    none, half = charged("none", 0), charged("full", max(1, num_layers // 2))
+    if none is None or half is None or half >= none:
+        return None, f"micro 1 not measured (or no lower) without and with half the layers checkpointed: {none}, {half}"
+    return (none + half) // 2, None
+
+
+def tuner_choice(ctx: Ctx, model, seq: int, budget: int) -> dict[str, Any]:
+    """AccumTrainer's tuner (checkpoint_layers='auto') under ``budget``: its plan, probe seconds, and its point
+    measured like the sweep's."""
+    target = ctx.s.target8
+    rows = lm_rows([seq] * (2 * target), ctx.s.model["vocab_size"], seed=8)
+    with tempfile.TemporaryDirectory(prefix="bench_gpu8_") as tmp:
+        trainer = make_trainer(ctx, model, rows, tmp, target_batch_size=target, max_steps=1,
+                               checkpoint_layers="auto", memory_budget_bytes=budget)
+        try:
+            start = time.perf_counter()
+            plan = trainer.tune()
+            out = {"budget_bytes": budget, "target": target, "plan": plan_facts(plan),
+                   "probe_seconds": time.perf_counter() - start}
+        finally:
+            release(trainer)
+            model.zero_grad(set_to_none=True)
+    facts = out["plan"]
+    micro, k = facts.get("rows_per_forward_effective"), facts.get("checkpointed_layers") or 0
+    if micro and not ctx.clock.out():
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        step = make_step_fn(model, opt, random_token_batch(model, seq))
+        try:
+            with training_loss(model)[0]:
+                step(1)
+                out["measured"] = lever_point(ctx, model, opt, step, ("full", k), int(micro), seq)
+        finally:
+            opt.state.clear()
+            release(opt)
+    return out
+
+
+def section_levers(ctx: Ctx) -> dict[str, Any]:
+    """Micro-batch x per-layer level (none / full / selective checkpointing / offload of k layers) on the section's
+    Llama at seq8: step time (fastest of 3) and peak memory per point; then the tuner's choice under a budget only
+    partly checkpointed levels fit. Capped at cap8 seconds, whatever --minutes leaves."""
+    seq = ctx.s.seq8
+    limit = min(ctx.s.cap8, max(0.0, ctx.clock.left()))
+    end, sweep_end = time.monotonic() + limit, time.monotonic() + 0.75 * limit  # the rest for the tuner
+    model = ctx.llama()
+    num_layers = len(_decoder_layers(model))
+    levels, skipped = lever_levels(ctx, num_layers)
+    figures: dict[str, Any] = {"seq_len": seq, "micros": list(ctx.s.micros8), "num_layers": num_layers,
+                               "levels": [f"{kind} {k}" for kind, k in levels], "skipped": skipped,
+                               "cap_seconds": ctx.s.cap8, "loss": training_loss(model)[1]}
+    for why in skipped.values():
+        print(f"  {why}", flush=True)
+    try:
+        rows, not_run = lever_sweep(ctx, model, seq, levels, sweep_end)
+        figures.update(rows=rows, not_run=not_run)
+        budget, why = tuner_budget(rows, num_layers)
+        if budget is None or time.monotonic() >= end:
+            figures["tuner"] = {"skipped": why or "time limit"}
+        else:
+            figures["tuner"] = tuner_choice(ctx, model, seq, budget)
+    finally:
+        release(model)
+    return {"figures": figures, "goals": lever_goals(figures), "partial": bool(not_run_for_time(figures))}
+
+
+def not_run_for_time(figures: dict) -> list:
+    return [p for p in figures.get("not_run", []) if p["reason"] == "time limit"]
+
+
+def window_seconds(row: dict, target: int) -> float:
+    """One optimizer step of ``target`` samples at a sweep point: ceil(target / micro) forwards of its step time."""
+    return math.ceil(target / row["micro"]) * row["step_seconds"]
+
+
+def lever_goals(figures: dict[str, Any]) -> list[dict[str, Any]]:
+    ok = [r for r in figures.get("rows", []) if r["result"] == "ok"]
+    best = min(ok, key=lambda r: r["step_seconds"] / r["micro"], default=None)
+    tuner = figures.get("tuner", {})
+    plan, measured = tuner.get("plan", {}), tuner.get("measured", {})
+    fits = ratio = None
+    if measured.get("result") == "ok":
+        fits = measured["charged_bytes"] <= tuner["budget_bytes"]
+        # the tuner chooses among none / full checkpointing of k layers: the sweep's best of those within the budget
+        within = [r for r in ok if r["level"] in ("none", "full") and r["charged_bytes"] <= tuner["budget_bytes"]]
+        if within:
+            sweep_best = min(window_seconds(r, tuner["target"]) for r in within)
+            ratio = window_seconds(measured, tuner["target"]) / sweep_best
+            tuner["sweep_best_window_seconds"] = sweep_best
+    return [goal("grid points measured (OOM points included)", len(figures.get("rows", [])), "info", None),
+            goal("fastest point per sample", f"{best['level']} k={best['layers']} micro {best['micro']}"
+                 if best else None, "info", None),
+            goal("tuner's choice (micro, checkpointed layers)",
+                 f"{plan.get('rows_per_forward_effective')}, {plan.get('checkpointed_layers')}" if plan else None,
+                 "info", None),
+            goal("tuner's choice measured within its budget", fits, "True", fits),
+            goal("tuner's optimizer step over the sweep's best within the budget (none/full points)", ratio,
+                 "<= 1.05", ratio <= 1.05 if ratio is not None else None)]
+
+
 SECTIONS: dict[int, Callable[[Ctx], dict[str, Any]]] = {
     1: section_model, 2: section_probe, 3: section_train, 4: section_oom, 5: section_throughput, 6: section_tokens,
-    7: section_estimate,
+    7: section_estimate, 8: section_levers,
 }
 
 
@@ -1319,6 +1580,36 @@ def print_details(ctx: Ctx) -> None:
               f"peak {fused['peak_ratio']:.3f}x, time {fused['time_ratio']:.3f}x ({fused['implementation']})")
 
 
+def print_levers(ctx: Ctx) -> None:
+    """Section 8 as one table: a row per level, a column per micro-batch (s/step and peak; reserved on CUDA)."""
+    fig = ctx.results["sections"].get("8_levers", {}).get("figures", {})
+    if not fig.get("rows"):
+        return
+    micros = fig["micros"]
+    cells = {(r["level"], r["layers"], r["micro"]): r for r in fig["rows"]}
+    print(f"\n| level (section 8, seq {fig['seq_len']}) | " + " | ".join(f"micro {m}" for m in micros) + " |")
+    print("|---|" + "---|" * len(micros))
+    for kind, k in dict.fromkeys((r["level"], r["layers"]) for r in fig["rows"]):
+        out = []
+        for m in micros:
+            r = cells.get((kind, k, m))
+            if r is None or r["result"] != "ok":
+                out.append("-" if r is None else r["result"])
+            else:
+                peak = r["peak_reserved_bytes"] if r["peak_reserved_bytes"] is not None else r["peak_allocated_bytes"]
+                out.append(f"{r['step_seconds']:.3f} s, {_mib(peak)}")
+        print(f"| {kind} {k} | " + " | ".join(out) + " |")
+    for kind, why in fig.get("skipped", {}).items():
+        print(f"{kind}: {why}")
+    tuner = fig.get("tuner", {})
+    if "plan" in tuner:
+        m = tuner.get("measured", {})
+        print(f"tuner (budget {_mib(tuner['budget_bytes'])}, target {tuner['target']}): {tuner['plan'].get('describe')}"
+              f" in {tuner['probe_seconds']:.1f} s; measured {_lever_line(m) if m else '-'}")
+    elif tuner:
+        print(f"tuner: skipped ({tuner.get('skipped')})")
+
+
 def _mib(n) -> str:
     return "-" if n is None else f"{n / MiB:.0f} MiB"
 
@@ -1363,7 +1654,8 @@ def with_overrides(settings: Settings, pairs: list[str]) -> Settings:
             scalars = sorted(k for k, v in fields.items() if not isinstance(v, dict | tuple))
             raise SystemExit(f"--set {pair!r}: expected FIELD=VALUE with FIELD one of {', '.join(scalars)}")
         try:
-            fields[name] = None if text == "None" else (float(text) if name == "minutes" else int(text))
+            fields[name] = None if text == "None" else (float(text) if name == "minutes" or isinstance(fields[name], float)
+                                                       else int(text))
         except ValueError:
             raise SystemExit(f"--set {pair!r}: {name} takes a number (or None)") from None
     return Settings(**fields)
@@ -1373,11 +1665,11 @@ def parse_sections(text: str) -> list[int]:
     try:
         chosen = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise SystemExit(f"--sections={text!r}: give section numbers 1-7 separated by commas, e.g. 2,5") from None
+        raise SystemExit(f"--sections={text!r}: give section numbers 1-8 separated by commas, e.g. 2,5") from None
     bad = [n for n in chosen if n not in SECTIONS]
     if bad or not chosen:
         names = ", ".join(f"{k} {v}" for k, v in SECTION_NAMES.items())
-        raise SystemExit(f"--sections={text!r}: sections are 1-7 ({names})")
+        raise SystemExit(f"--sections={text!r}: sections are 1-8 ({names})")
     return chosen
 
 
@@ -1402,7 +1694,7 @@ def run(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU, a tiny Llama: every section in well under a minute")
-    parser.add_argument("--sections", default="1,2,3,4,5,6,7", help="which sections, e.g. 2,5 (default: all)")
+    parser.add_argument("--sections", default="1,2,3,4,5,6,7,8", help="which sections, e.g. 2,5 (default: all)")
     parser.add_argument("--minutes", type=float, default=None,
                         help="stop cleanly after this many minutes, writing what was measured (GPU default 8)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
@@ -1480,6 +1772,7 @@ def run(argv: list[str] | None = None) -> int:
     ctx.results["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     path = ctx.write()
     print_details(ctx)
+    print_levers(ctx)
     print_table(ctx)
     print(f"\nwrote {path}" + (f" and {png}" if png else "") + f" in {ctx.results['wall_seconds']:.0f} s")
     return 0

@@ -22,6 +22,8 @@ Strategies (all start after the same warm-up, which no one is charged for):
   binsrch  Lightning's BatchSizeFinder(mode="binsearch"): from 2, double until OOM, then bisect
            (one step per trial here; Lightning's default is 3, which would triple its sample-steps)
   exhaust  every size from 1 up to the first that does not fit: the true maximum
+  ours+est ours started from the estimate (hf_accum.estimating: the same configuration on fake tensors, the same
+           budget, AdamW foreach): its predicted largest fit first, then the size beside it (`--no-estimate`: skip)
 
 Figures: trials (steps run), sample-steps (sum of the micro-batch sizes run, OOMs included), wall time
 (step seconds from a robust line through the measured step times -- each the faster of two unprofiled runs
@@ -86,6 +88,13 @@ class Config:
         return f"{'lora' if self.lora else 'full'}{'+ckpt' if self.checkpointing else ''} s{self.seq_len}"
 
     def build(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = self.model()
+        # foreach=True, the CUDA default (CPU defaults to a per-tensor loop): its step allocates temporaries
+        # the size of the parameters, the fixed peak that bends real curves at small micro-batches
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+        return model, opt
+
+    def model(self) -> torch.nn.Module:
         model = small_llama()
         if self.checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -93,10 +102,7 @@ class Config:
             from peft import LoraConfig, get_peft_model
 
             model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-        # foreach=True, the CUDA default (CPU defaults to a per-tensor loop): its step allocates temporaries
-        # the size of the parameters, the fixed peak that bends real curves at small micro-batches
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
-        return model, opt
+        return model
 
 
 CONFIGS = [Config(lora, ckpt, seq) for seq in (128, 512) for lora in (False, True) for ckpt in (False, True)]
@@ -212,6 +218,28 @@ def ours(meter: ReplayMeter) -> int:
     return result.max_micro_batch_size
 
 
+def seeded(seed: int) -> Callable[[ReplayMeter], int]:
+    """Ours, its search started from ``seed`` (the estimate's largest fit)."""
+
+    def strategy(meter: ReplayMeter) -> int:
+        result = probe_micro_batches(lambda micro: None, meter, int(meter.budget), TARGET,
+                                     must_resolve=divisors(TARGET), seed=seed)
+        return result.max_micro_batch_size
+
+    return strategy
+
+
+def estimated_fit(config: Config, budget: float) -> tuple[int, float]:
+    """The estimate's largest fit for ``config`` under ``budget`` (fake tensors, the bench's AdamW), its seconds."""
+    from hf_accum.estimating.estimate import estimate_model
+
+    start = time.perf_counter()
+    est = estimate_model(config.model, seq_len=config.seq_len, target_batch_size=TARGET, device="cpu",
+                         device_memory=64 << 30, budget_bytes=int(budget), all_peaks=False,
+                         optimizer={"foreach": True, "lr": 1e-4})
+    return est.result.max_micro_batch_size, time.perf_counter() - start
+
+
 def _fits(meter: ReplayMeter, micro: int) -> bool:
     fits = meter.curve.fits(micro, meter.budget)  # the others need no memory figures, only fit or OOM
     meter.log.append((micro, fits))
@@ -290,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--only", help="run the configurations whose name contains this (e.g. 's512')")
+    parser.add_argument("--no-estimate", action="store_true", help="leave out ours+est (no estimates on fake tensors)")
     args = parser.parse_args(argv)
 
     rows = []
@@ -304,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
             # the truth next, so the other strategies' over-budget sizes are settled without a run
             curve.true_max(budget, guess=results["ours"]["found"])
             results.update({name: run_strategy(curve, budget, fn) for name, fn in STRATEGIES.items() if name != "ours"})
+            if not args.no_estimate:
+                seed, seconds = estimated_fit(config, budget)
+                results["ours+est"] = {**run_strategy(curve, budget, seeded(seed)), "estimate": seed,
+                                       "estimate_seconds": seconds}
             rows.append({"config": config.name, "factor": factor, "budget_bytes": budget, **results})
         print(
             f"# {config.name}: peak(1) {p1 / MiB:.1f} MiB, measured {len(curve.measurements)} sizes "
@@ -324,7 +357,7 @@ def _ratio(a: float, b: float) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    others = [s for s in STRATEGIES if s != "ours"]
+    others = [s for s in STRATEGIES if s != "ours"] + (["ours+est"] if rows and "ours+est" in rows[0] else [])
     head = f"{'config':<16}{'budget':>8}{'true':>5} | {'ours: trials':>12}{'steps':>6}{'sec':>7}{'found':>6}"
     for s in others:
         head += f" | {s + ': trials×':>15}{'steps×':>8}{'sec×':>8}{'found':>6}"
@@ -370,6 +403,16 @@ def print_table(rows: list[dict]) -> None:
         f"ours: {statistics.fmean(ours_trials):.2f} trials on average (max {max(ours_trials)}), found/true >= "
         f"{min(r['ours']['found'] / r['exhaust']['found'] for r in rows if r['exhaust']['found']):.3f}"
     )
+    if "ours+est" in others:
+        seeded_rows = [r["ours+est"] for r in rows]
+        right = sum(r["ours+est"]["estimate"] == r["exhaust"]["found"] for r in rows)
+        print(
+            f"ours+est: {statistics.fmean(x['trials'] for x in seeded_rows):.2f} trials on average (max "
+            f"{max(x['trials'] for x in seeded_rows)}), found/true >= "
+            f"{min(r['ours+est']['found'] / r['exhaust']['found'] for r in rows if r['exhaust']['found']):.3f}; "
+            f"the estimate named the true max in {right}/{len(rows)}, "
+            f"{statistics.fmean(x['estimate_seconds'] for x in seeded_rows):.1f} s per estimate"
+        )
 
 
 if __name__ == "__main__":

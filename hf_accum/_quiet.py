@@ -5,7 +5,9 @@ when `hf_accum` is imported; nothing here imports those libraries.
 - bitsandbytes, on import on a CPU with AVX512-BF16: "Failed to load CPU gemm_4bit_forward from kernels-community
   ... pip install kernels". It tries to download an optional kernel from the Hub and falls back to its own, which
   is what runs either way (offline, the download can only fail); transformers imports bitsandbytes whenever it is
-  installed, so every `import transformers.Trainer` printed it.
+  installed, so every `import transformers.Trainer` printed it. It is printed while bitsandbytes is imported, so it
+  is dropped only where `import hf_accum` comes first (`import peft` or `from transformers import Trainer` before it
+  has printed it before any code here runs; a plain `import transformers` does not import bitsandbytes).
 - DeepSpeed, when accelerate or transformers first asks it for its accelerator on a machine where torch sees no GPU:
   "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." It is printed
   whether or not DeepSpeed is used; a run on CPU already says it runs on CPU (the plan line names the device).

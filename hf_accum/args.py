@@ -107,6 +107,10 @@ class AccumTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Largest micro-batch the probe may try. Unset: the per-rank target."},
     )
+    probe_from_estimate: bool = field(default=True, metadata={"help": (
+        "Start the probe's search at the largest micro-batch the estimate predicts (fake tensors: the model rebuilt "
+        "from its config, nothing allocated; skipped with one log line where it cannot be made). The plan is always "
+        "the measured one; False: the search starts from micro-batch 1.")})
     auto_tune_optimize: str = field(
         default="memory",
         metadata={

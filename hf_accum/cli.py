@@ -144,7 +144,7 @@ def _run_probe(args: argparse.Namespace) -> int:
     _import_bitsandbytes_only_if(args, args.load_in_4bit or args.load_in_8bit)
     import torch
 
-    from .probe import probe_model
+    from .estimating.seed import probe_with_estimate
     from .probe_loop import NothingFitsError
     from .probe_report import table
 
@@ -162,7 +162,7 @@ def _run_probe(args: argparse.Namespace) -> int:
     budget_bytes, source, line = _bare_model_budget(args)
     print(line, flush=True)
     try:
-        result, plan = probe_model(
+        result, plan = probe_with_estimate(  # the search starts from the estimate's largest fit (one line says)
             model, seq_len=args.seq_len, target_batch_size=args.target_batch, world_size=args.world_size,
             budget_bytes=budget_bytes, budget_fraction=args.budget, budget_names=("--budget-bytes", "--budget"),
             autocast_dtype=torch.bfloat16 if args.bf16 else None, max_micro_batch=args.max_micro_batch,

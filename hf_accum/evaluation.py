@@ -22,6 +22,10 @@ counts add, ``eval_loss`` is unchanged. Later batches are cut beforehand to the 
 run collectives over several ranks (FSDP, DeepSpeed, TRL's metric gathering) no rank may run more of them than the
 others, so the OOM is raised as is.
 
+TRL trainers log ``eval_num_tokens``, which is TRL's count of *training* tokens seen so far (kept as TRL defines
+it); the evaluation's own tokens (the attention mask's, each row once, accelerate's repeats left out) are added as
+``eval_tokens``.
+
 A non-finite batch loss makes ``eval_loss`` non-finite (transformers' `logging_nan_inf_filter` drops such samples:
 an exact mean has nothing to drop them from).
 """
@@ -33,7 +37,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .compat import parallel, trainer_internals
+from .compat import parallel, trainer_internals, trl_internals
 from .loss import LabelSpec
 from .oom import free_memory, is_oom
 from .protocol import Policy
@@ -76,6 +80,7 @@ class EvalLoss:
         self.total: torch.Tensor | float = 0.0
         self.count: torch.Tensor | int = 0
         self.device = trainer.args.device
+        self.tokens: int | None = 0 if trl_internals.trl_counts_tokens(trainer) else None  # eval_tokens
 
     # --- one batch ----------------------------------------------------------------------------------------------
     def step(self, run: Run, batch: Mapping, loss_only: bool) -> tuple:
@@ -119,6 +124,8 @@ class EvalLoss:
             return _join([self._forward(run, h, loss_only, record, cutter) for h in halves], cutter.unit)
         if record:
             self._record(out[0], seen, count)
+            if self.tokens is not None:
+                self.tokens += _tokens(batch)
         return out, (count if count is not None else units)
 
     def _cutter(self, batch: Mapping) -> Cutter | None:
@@ -162,6 +169,10 @@ class EvalLoss:
     # --- the evaluation's result --------------------------------------------------------------------------------
     def finish(self, metrics: dict, prefix: str, collective) -> None:
         """Replace ``{prefix}_loss`` by the exact mean over every rank's counted units (every rank calls this)."""
+        if self.tokens is not None:
+            dtype = torch.float32 if self.device.type == "mps" else torch.float64
+            tokens = collective.sum(torch.tensor([float(self.tokens)], dtype=dtype, device=self.device))
+            metrics[f"{prefix}_tokens"] = int(tokens.item())
         if self.mode == "model":
             return
         dtype = torch.float32 if self.device.type == "mps" else torch.float64
@@ -219,6 +230,16 @@ def _concat(values: list, dim: int):
 
 def _rows(batch: Mapping) -> int:
     return next((int(v.shape[0]) for v in batch.values() if torch.is_tensor(v) and v.dim() > 0), 0)
+
+
+def _tokens(batch: Mapping) -> int:
+    """A batch's tokens as TRL counts them: its attention mask, else (padding-free) its packed row's length."""
+    if torch.is_tensor(batch.get("attention_mask")):
+        return int(batch["attention_mask"].sum())
+    if torch.is_tensor(batch.get("position_ids")):
+        return int(batch["position_ids"].shape[-1])
+    ids = batch.get("input_ids")
+    return int(ids.numel()) if torch.is_tensor(ids) else 0
 
 
 def _for_loss(count: torch.Tensor | None, device) -> torch.Tensor | None:

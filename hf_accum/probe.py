@@ -36,6 +36,8 @@ from .probe_loop import (
     probe_micro_batches,
 )
 
+Seeder = Callable[[int, Meter], tuple[int | None, dict[str, Any] | None]]  # (budget, meter) -> (seed, record)
+
 
 # --- the step -----------------------------------------------------------------------------------------------
 def _default_forward(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
@@ -160,11 +162,14 @@ def probe_model(
     optimize: str = "memory",
     log: Log | None = None,
     lever: Any = None,
+    seeder: Seeder | None = None,
 ) -> tuple[ProbeResult, Plan]:
     """Probe ``model`` and plan ``target_batch_size``: returns what was measured and the exact plan.
 
     ``lever`` (`checkpointing.Lever`: ``num_layers`` and ``at(k)``, a context setting k checkpointed layers): also
     choose how many layers recompute (:func:`probe_levels`); the plan then records k, and the caller applies it.
+    ``seeder(budget_bytes, meter)``: ``(seed, record)``, an estimate of the largest fit to start the search from and
+    what to record of it in ``result.extra["estimate"]`` (`estimating.seed`; not with a lever).
 
     The probe steps a fresh optimizer (``optimizer_cls(trainable params, **optimizer_kwargs)``, or one
     like ``optimizer`` if given, whose own state is never touched) and leaves the model, its gradients
@@ -183,11 +188,15 @@ def probe_model(
         budget = resolve_budget(meter, budget_bytes, budget_fraction, names=budget_names)
         step_fn = make_step_fn(model, opt, make_batch or random_token_batch(model, seq_len), forward=forward,
                                autocast_dtype=autocast_dtype, max_grad_norm=max_grad_norm)
+        seed, estimated = seeder(budget, meter) if seeder is not None and lever is None else (None, None)
         try:
-            result = _search(step_fn, meter, budget, cap, per_rank, optimize=optimize, log=log, lever=lever)
+            result = _search(step_fn, meter, budget, cap, per_rank, optimize=optimize, log=log, lever=lever,
+                             seed=seed)
         finally:
             opt.state.clear()  # the probe's optimizer state goes now, not whenever the closures die
     result.extra["seq_len"] = seq_len
+    if estimated is not None:
+        result.extra["estimate"] = estimated
     return result, _with_level(plan_from_result(result, target_batch_size, world_size), result)
 
 
@@ -236,11 +245,11 @@ def _meter_for(model: torch.nn.Module, opt: torch.optim.Optimizer, meter: Meter 
 
 
 def _search(step_fn: StepFn, meter: Meter, budget: int, cap: int, per_rank: int, *, optimize: str, log: Log | None,
-            lever: Any) -> ProbeResult:
-    """The micro-batch search, or with ``lever`` the search across its levels."""
+            lever: Any, seed: int | None = None) -> ProbeResult:
+    """The micro-batch search (from ``seed`` when given), or with ``lever`` the search across its levels."""
     if lever is None:
         return probe_micro_batches(step_fn, meter, budget, cap, must_resolve=forward_breakpoints(per_rank),
-                                   optimize=optimize, log=log)
+                                   optimize=optimize, log=log, seed=seed)
     if optimize == "throughput" and log is not None:  # said, not silently dropped
         log("auto_tune_optimize='throughput': the checkpointing lever already chooses rows and layers by "
             "measured step time; no separate timing of every size")

@@ -107,6 +107,7 @@ def probe_micro_batches(
     warmup: bool = True,
     limit_bytes: int | None = None,
     log: Log | None = None,
+    seed: int | None = None,
 ) -> ProbeResult:
     """Find the largest micro-batch whose step fits ``budget_bytes``, measuring real steps.
 
@@ -117,6 +118,7 @@ def probe_micro_batches(
     most a step may be predicted to need before it is refused unrun (default: the meter's capacity
     minus what others hold).  ``optimize="throughput"`` also times every fitting size in
     ``must_resolve`` and sets ``chosen_micro_batch_size`` to the one with the least time per optimizer step.
+    ``seed``: an estimate of the largest fit to start the search from (`MicroBatchSearch`'s ``seed``).
     """
     if optimize not in ("memory", "throughput"):
         raise ValueError(f'optimize must be "memory" or "throughput", got {optimize!r}')
@@ -124,7 +126,7 @@ def probe_micro_batches(
     capacity = meter.capacity_bytes()
     if limit_bytes is None and not meter.catches_oom:
         limit_bytes = capacity - meter.unavailable_bytes()
-    search = MicroBatchSearch(budget_bytes, max_micro_batch, must_resolve=must_resolve)
+    search = MicroBatchSearch(budget_bytes, max_micro_batch, must_resolve=must_resolve, seed=seed)
     trials: list[Trial] = []
     result = ProbeResult(trials, 0, None, int(budget_bytes), capacity, max_micro_batch, optimize=optimize)
     result.device = str(meter.describe().get("device", meter.name))

@@ -51,6 +51,7 @@ def summary(result: ProbeResult, plan: Plan, seq_len: int, budget_source: str | 
         lines.append(f"next usable size {result.next_size} does not fit ({result.next_verdict})")
     lines.append(f"plan: {plan.describe()}  ({plan.target_batch_size * seq_len:,} tokens per optimizer step at "
                  f"seq {seq_len})")
+    lines += estimate_lines(result)
     return "\n".join(lines)
 
 
@@ -65,6 +66,7 @@ def to_json(result: ProbeResult, plan: Plan, seq_len: int) -> dict[str, Any]:
         "seq_len": seq_len,
         "fitted": data["fitted"],
         "trials": data["trials"],
+        **({"estimate": result.extra["estimate"]} if "estimate" in result.extra else {}),
     }
 
 
@@ -125,3 +127,38 @@ def plot(result: ProbeResult, plan: Plan, *, seq_len: int | None = None, model: 
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+# --- the estimate beside the measurement (a probe started from the estimate: `estimating.seed`) ----------------------
+def predicted_vs_measured(result: ProbeResult) -> list[tuple[int, float, int, str]]:
+    """``(micro, predicted bytes, measured peak bytes, how predicted)`` for every size the probe measured, when the
+    probe recorded an estimate (``result.extra["estimate"]``): the estimate's own peak at that size ("ran"), else its
+    line through the sizes it ran ("line"). Empty without an estimate."""
+    estimate = result.extra.get("estimate")
+    if not estimate:
+        return []
+    peaks = {int(k): v for k, v in estimate.get("peaks", {}).items()}
+    line = estimate.get("fitted")
+    rows = []
+    for t in sorted(result.measured_trials, key=lambda t: t.micro_batch_size):
+        if t.peak_bytes is None:
+            continue
+        if t.micro_batch_size in peaks:
+            rows.append((t.micro_batch_size, peaks[t.micro_batch_size], t.peak_bytes, "ran"))
+        elif line is not None:
+            rows.append((t.micro_batch_size, line[0] + line[1] * t.micro_batch_size, t.peak_bytes, "line"))
+    return rows
+
+
+def estimate_lines(result: ProbeResult) -> list[str]:
+    """The estimate the probe started from, then predicted vs measured at each size both have (see
+    `predicted_vs_measured`); nothing when the probe did not start from an estimate."""
+    estimate = result.extra.get("estimate")
+    if not estimate:
+        return []
+    lines = [f"estimate ({estimate.get('device')}, fake tensors): largest fit {estimate['largest_fit']}, measured "
+             f"{result.max_micro_batch_size}"]
+    for micro, predicted, measured, how in predicted_vs_measured(result):
+        lines.append(f"  micro {micro}: predicted {_mib(predicted)} MiB{' (its line)' if how == 'line' else ''}, "
+                     f"measured {_mib(measured)} MiB ({predicted / measured - 1:+.1%})")
+    return lines

@@ -18,7 +18,7 @@ from hf_accum import flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_gpu.py")
-SECTIONS = ["1_model", "2_probe", "3_train", "4_oom", "5_throughput", "6_tokens", "7_estimate"]
+SECTIONS = ["1_model", "2_probe", "3_train", "4_oom", "5_throughput", "6_tokens", "7_estimate", "8_levers"]
 
 
 def load_script():
@@ -65,6 +65,9 @@ def test_quick_run_writes_every_section_with_its_figures(quick_run):
     for r in rows:
         assert 1 <= r["chosen_micro"] <= r["reported_max"] <= r["largest_really_fitting"] <= r["target"]
         assert r["chosen_fits"] is True and r["probe_trials"] >= 1 and r["probe_seconds"] > 0
+        # the probe again, started from the estimate: its trials counted, its maximum measured (the same search)
+        assert r["seeded_trials"] >= 1 and r["seeded_max"] == r["reported_max"], r
+        assert r["estimate_line"].startswith("estimate"), r
         sizes = [p["micro"] for p in r["sweep"]]
         assert 1 in sizes and r["chosen_micro"] in sizes
         # CUDA-only figures are null on CPU, with the reason
@@ -97,6 +100,19 @@ def test_quick_run_writes_every_section_with_its_figures(quick_run):
         (m, seq, micro) for m in ("lora", "full") for seq in (64, 32) for micro in (1, 2)}
     assert all(abs(r["error_vs_peak"]) <= 0.05 and r["estimate_bytes"] > 0 for r in est["rows"])
 
+    lev = s["8_levers"]
+    assert "CUDA only" in lev["skipped"]["offload"] and "offload" not in {r["level"] for r in lev["rows"]}
+    assert {(r["level"], r["layers"], r["micro"]) for r in lev["rows"]} == {
+        (kind, k, m) for kind, k in (("none", 0), ("full", 1), ("full", 2), ("selective", 1), ("selective", 2))
+        for m in (1, 2)}
+    assert all(r["result"] == "ok" and r["step_seconds"] > 0 and r["peak_allocated_bytes"] > 0 for r in lev["rows"])
+    by = {(r["level"], r["layers"], r["micro"]): r["peak_allocated_bytes"] for r in lev["rows"]}
+    assert by[("full", 2, 2)] < by[("none", 0, 2)]  # the levers really were on
+    tuner = lev["tuner"]
+    assert tuner["plan"]["checkpointed_layers"] >= 1  # the budget leaves no room for no checkpointing
+    assert tuner["measured"]["result"] == "ok" and tuner["measured"]["charged_bytes"] <= tuner["budget_bytes"]
+    assert "| level (section 8, seq 32) | micro 1 | micro 2 |" in stdout
+
     png = out / "bench_gpu.png"
     assert data["png"] and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| section | status |" in stdout  # the table
@@ -109,8 +125,8 @@ def test_sections_runs_only_those(tmp_path):
     assert list(data["sections"]) == ["1_model"]
     assert all(s["status"] == "ok" for s in data["sections"].values())
     assert data["png"] is None and "section 2 not selected" in data["png_null_reason"]
-    with pytest.raises(SystemExit, match="sections are 1-7"):
-        bench.main(["--quick", "--sections", "8", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="sections are 1-8"):
+        bench.main(["--quick", "--sections", "9", "--out", str(tmp_path)])
 
 
 def test_set_overrides_one_size_and_refuses_what_is_not_a_size():
@@ -249,3 +265,38 @@ def test_fused_chunks_quick_writes_every_size(tmp_path):
     data = json.loads((tmp_path / "fused_chunks.json").read_text())
     assert set(data["fused"]) == {"16", "64"} and data["unfused"]["peak_bytes"] > 0
     assert all(m["seconds_per_step"] > 0 and m["peak_bytes"] > 0 for m in data["fused"].values())
+
+
+def test_the_levers_sweep_records_an_oom_and_goes_on(tmp_path, monkeypatch):
+    """An out-of-memory step at one grid point is recorded as "OOM", that level is not run at larger micro-batches,
+    every other point still runs; any other error stops the sweep."""
+    import dataclasses
+
+    from hf_accum.compat import gradient_checkpointing
+
+    bench = load_script()
+    ctx = bench.Ctx(dataclasses.replace(bench.QUICK, micros8=(1, 2, 3)), True, bench.Clock(None), str(tmp_path))
+    model = ctx.llama()
+    real = bench.make_step_fn
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def failing_step_fn(model, opt, make_batch):
+        step = real(model, opt, make_batch)
+
+        def wrapped(micro):
+            if micro >= 2 and gradient_checkpointing.checkpointed_count(model) == 0:
+                raise error
+            return step(micro)
+
+        return wrapped
+
+    monkeypatch.setattr(bench, "make_step_fn", failing_step_fn)
+    levels = [("none", 0), ("full", 2)]
+    rows, not_run = bench.lever_sweep(ctx, model, 16, levels, end=time.monotonic() + 600)
+    got = {(r["level"], r["micro"]): r["result"] for r in rows}
+    assert got == {("none", 1): "ok", ("full", 1): "ok", ("none", 2): "OOM", ("full", 2): "ok", ("full", 3): "ok"}
+    assert not_run == [{"level": "none", "layers": 0, "micro": 3, "reason": "OOM at micro 2"}]
+    assert gradient_checkpointing.checkpointed_count(model) == 0  # every level's context restored the model
+    error = ValueError("a shape error is no OOM")
+    with pytest.raises(ValueError, match="no OOM"):
+        bench.lever_sweep(ctx, model, 16, levels, end=time.monotonic() + 600)

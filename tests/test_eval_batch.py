@@ -107,3 +107,24 @@ def test_a_plan_without_an_eval_batch_keeps_its_four_fields():
     assert Plan(4, 2, 1, 8).to_dict() == {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "world_size": 1,
                                           "target_batch_size": 8}
     assert Plan(4, 2, 1, 8, eval_batch_size=16).to_dict()["eval_batch_size"] == 16
+
+
+def test_planning_the_eval_batch_on_a_reused_plan_keeps_its_probe_record(tmp_path, caplog):
+    """The plan file a run reused is rewritten with the eval batch, and still holds what the probe measured."""
+    def run(evaluates):
+        args = AccumTrainingArguments(output_dir=str(tmp_path), target_batch_size=8, max_steps=1, report_to=[],
+                                      use_cpu=True, disable_tqdm=True, remove_unused_columns=False, save_strategy="no",
+                                      eval_strategy="steps" if evaluates else "no", eval_steps=1,
+                                      memory_budget_bytes=64 * 2**20)
+        trainer = AccumTrainer(model=tiny_llama(torch.float32), args=args, train_dataset=lm_examples(16),
+                               eval_dataset=eval_set(), data_collator=pad_collate)
+        trainer.train()
+        return json.loads((tmp_path / PLAN_FILE).read_text())
+
+    probed = run(evaluates=False)
+    assert probed["probe"] and probed["probe"]["trials"] and "eval_batch_size" not in probed["plan"]
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        reused = run(evaluates=True)
+    assert "stored plan (reused " in caplog.text and "eval batch 24 per rank" in caplog.text
+    assert reused["plan"]["eval_batch_size"] == 24
+    assert reused["probe"] == probed["probe"] and reused["key"] == probed["key"]

@@ -56,3 +56,38 @@ def test_the_recipe_scope_lets_other_warnings_through():
                 warnings.warn(message, category, stacklevel=1)
     assert [str(w.message) for w in seen] == ["Setting `save_embedding_layers` to `False` for another reason.",
                                               "`some_other_api` is deprecated"]
+
+
+# A CPU with AVX512-BF16 is simulated: bitsandbytes then tries its optional Hub kernel on import and logs the line.
+_AVX512_BF16 = """
+import importlib.abc, importlib.machinery, sys
+
+class _Patch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "bitsandbytes.functional":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.has_avx512bf16 = lambda: True
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _Patch())
+"""
+
+
+@pytest.mark.parametrize("imports", [
+    "import hf_accum; import peft",
+    "import transformers; import hf_accum; from transformers import Trainer",
+    "import transformers; import hf_accum; import peft",
+    None,  # the control: without hf_accum the line is there, so the simulation reaches it
+])
+def test_bitsandbytes_kernel_line_is_dropped_whenever_hf_accum_comes_before_bitsandbytes(imports):
+    code = _AVX512_BF16 + (imports or "import peft")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert ("pip install kernels" in run.stderr) is (imports is None), run.stderr[-3000:]

@@ -349,6 +349,12 @@ def test_the_summary_is_written(run):
         assert summary[key] is not None, key
     assert summary["tokens_per_second"] > 0 and summary["steps"] == run.trainer.state.global_step > 0
     assert summary["first_loss"] == summary["losses"][0]["loss"]
+    if torch.cuda.is_available():  # a null peak is never left unexplained
+        assert summary["training_peak_memory_bytes"] > 0 and "max_memory_allocated" in summary[
+            "training_peak_memory_note"]
+    else:
+        assert summary["training_peak_memory_bytes"] is None
+        assert summary["training_peak_memory_note"].startswith("not measured off CUDA")
 
 
 def test_the_saved_adapter_reloads_onto_a_fresh_base_with_the_same_logits(run):

@@ -72,3 +72,34 @@ def test_sft_trainer_plans_the_batch_and_its_gradients_are_one_pass_over_the_eff
     assert first_step["num_tokens"] == sum(
         int(b["attention_mask"].sum()) for b in trainer.windows[0]
     )
+
+
+def test_eval_tokens_are_the_evaluation_tokens_and_eval_num_tokens_is_trl_s_training_count(tmp_path):
+    """TRL logs `eval_num_tokens` as the training tokens seen so far: AccumSFTTrainer gives TRL's own SFTTrainer's
+    number there, and adds `eval_tokens`, the evaluation set's tokens (its attention masks, counted here by hand)."""
+    tok = tiny.build_tokenizer()
+
+    def rows(n, seed):
+        return Dataset.from_list([{"prompt": r["prompt"], "completion": r["response"]}
+                                  for r in tiny.generate_instruction_data(n, seed=seed)])
+
+    train, evaluation = rows(24, 1), rows(10, 2)
+    model = tiny.build_model("causal_lm", tokenizer=tok, dtype=torch.float64, hidden_size=32)
+    common = dict(num_train_epochs=1, learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True, bf16=False,
+                  seed=0, disable_tqdm=True, max_length=64, per_device_eval_batch_size=3)
+    metrics = {}
+    for cls, config, extra in [(SFTTrainer, SFTConfig, dict(per_device_train_batch_size=4, gradient_accumulation_steps=3)),
+                               (AccumSFTTrainer, AccumSFTConfig, dict(target_batch_size=12, probe_max_micro_batch=4))]:
+        args = config(output_dir=str(tmp_path / cls.__name__), **common, **extra)
+        trainer = cls(model=copy.deepcopy(model), args=args, train_dataset=train, eval_dataset=evaluation,
+                      processing_class=tok)
+        trainer.train()
+        metrics[cls] = trainer.evaluate()
+        trained = sum(int(b["attention_mask"].sum()) for b in trainer.get_train_dataloader())
+        assert metrics[cls]["eval_num_tokens"] == trained  # TRL's meaning: the training tokens so far
+    assert metrics[AccumSFTTrainer]["eval_num_tokens"] == metrics[SFTTrainer]["eval_num_tokens"]
+    prepared = trainer.eval_dataset  # tokenized and truncated as TRL prepares it
+    by_hand = sum(min(len(r["input_ids"]), 64) for r in prepared)
+    assert metrics[AccumSFTTrainer]["eval_tokens"] == by_hand
+    assert by_hand != metrics[AccumSFTTrainer]["eval_num_tokens"]
+    assert "eval_tokens" not in metrics[SFTTrainer]

@@ -36,6 +36,12 @@ def trl_metrics_kept(method):
     return wrapped
 
 
+def trl_counts_tokens(trainer) -> bool:
+    """Whether ``trainer`` keeps TRL's `num_tokens` metric (`_total_train_tokens`, counted in `compute_loss`). TRL logs
+    it at evaluation too, as ``eval_num_tokens``: the training tokens seen so far, not the evaluation's."""
+    return "_total_train_tokens" in vars(trainer)
+
+
 def trl_fuses_lm_head() -> bool:
     """Whether TRL's SFTTrainer computes its loss through `add_fused_lm_head` (a patched `model.forward` called with
     `fused_lm_head=True`, TRL >= 1.x) rather than from the model's logits."""

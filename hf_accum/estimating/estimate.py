@@ -110,12 +110,16 @@ def estimate_model(
     max_micro_batch: int | None = None,
     log=None,
     also: tuple[int, ...] = (),
+    all_peaks: bool = True,
+    optimizer: dict[str, Any] | None = None,
 ) -> Estimate:
     """Estimate the plan of ``build()`` (a callable returning the model, run under fake tensors so no weights exist).
 
     ``device``: "cpu" (like for like with the probe's CPU meter) or "cuda" (see `CUDA_ASSUMPTIONS`).
     ``device_memory``: the card's memory in bytes; the budget is ``budget_bytes`` or a fraction of it (0.9).
-    ``also``: further micro-batch sizes to predict (a comparison with sizes a real probe measured)."""
+    ``also``: further micro-batch sizes to predict (a comparison with sizes a real probe measured).
+    ``all_peaks=False``: ``peaks`` holds only the sizes the search ran (no further steps: the seed of a real probe).
+    ``optimizer``: AdamW's keywords where they differ from the device's default (e.g. ``{"foreach": True}``)."""
     if device not in DEVICES:
         raise ValueError(f"device={device!r}: give one of {', '.join(DEVICES)}")
     if device_memory <= 0:
@@ -132,8 +136,10 @@ def estimate_model(
             result, plan = probe_model(
                 model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
                 budget_bytes=budget_bytes, make_batch=estimate_batch(model, seq_len), autocast_dtype=autocast,
-                max_micro_batch=max_micro_batch, meter=meter, log=log, optimizer_kwargs=optimizer_kwargs(device))
-            peaks = every_peak(model, meter, seq_len, result.max_micro_batch_size, autocast, also, device)
+                max_micro_batch=max_micro_batch, meter=meter, log=log,
+                optimizer_kwargs={**optimizer_kwargs(device), **(optimizer or {})})
+            peaks = (every_peak(model, meter, seq_len, result.max_micro_batch_size, autocast, also, device)
+                     if all_peaks else dict(sorted(meter.peaks.items())))
         finally:
             meter.close()
     for trial in result.trials:  # a step on fake tensors takes no device time: its seconds would mislead

@@ -28,6 +28,25 @@ def _rounded(nbytes: int, granule: int) -> int:
     return -(-nbytes // granule) * granule if granule > 1 else nbytes
 
 
+_MASKED = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+           torch.ops.aten._index_put_impl_.default)
+
+
+def _worst_case_masks(args: tuple) -> tuple:
+    """``args`` of an indexing op with each boolean mask replaced by the integer indices of an all-true mask (a
+    fake mask has no values; the probe's batches label every position but one, so all-true is the step's size)."""
+    indices = args[1]
+    if not any(i is not None and i.dtype is torch.bool for i in indices):
+        return args
+    out = []
+    for i in indices:
+        if i is not None and i.dtype is torch.bool:
+            out += [torch.zeros(i.numel(), dtype=torch.long, device=i.device)] * i.dim()
+        else:
+            out.append(i)
+    return (args[0], out, *args[2:])
+
+
 class StorageCounter(TorchDispatchMode):
     """Counts the bytes of every live storage created by an operator while it is active.
 
@@ -44,6 +63,8 @@ class StorageCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             return True if args[0].dtype is torch.bool else 1
+        if func in _MASKED:  # a boolean mask's shape depends on its values: every element counted as set
+            args = _worst_case_masks(args)
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):

@@ -44,6 +44,7 @@ class Planner:
         self.plan_given = False  # self.plan only records the sizes as given (auto_tune off): never stored
         self.key: dict | None = None
         self.probe_result = None
+        self.reused_probe: dict | None = None  # the probe record of a reused plan file: kept when it is rewritten
         self.budget_bytes: int | None = None  # the memory budget tune() resolved (the eval batch is measured in it)
         self.pending_probe: tuning.Prepared | None = None  # DeepSpeed: probed through the engine, in the loop
         self.probing = False  # left set when the probe stops the run: the stop message says so
@@ -129,7 +130,8 @@ class Planner:
 
     def save(self, folder: str, *, probe: bool = True, plan: Plan | None = None) -> str:
         """The plan file in ``folder`` (with what the probe measured unless ``probe`` is False). Returns its path."""
-        record = self.probe_result.to_dict() if probe and self.probe_result is not None else None
+        record = None if not probe else self.probe_result.to_dict() if self.probe_result is not None \
+            else self.reused_probe
         return save_plan(folder, self.key or {}, plan or self.plan, record)
 
     def _check_deepspeed_batch(self, plan: Plan) -> None:
@@ -187,6 +189,7 @@ class Planner:
                 f"world size = target_batch_size={trainer.args.target_batch_size}."
             )
         plan, self.probe_result, self.key = tuning.tune(trainer, prepared, store=self.stores_plan)
+        self.reused_probe = prepared.stored[1].get("probe") if prepared.stored is not None else None
         self.apply(plan)
         return plan
 
@@ -198,6 +201,7 @@ class Planner:
         prepared = tuning.prepare(trainer)
         if prepared.stored is not None:
             plan, self.probe_result, self.key = tuning.tune(trainer, prepared, store=self.stores_plan)
+            self.reused_probe = prepared.stored[1].get("probe")
             self.apply(plan)
             return
         target = trainer.args.target_batch_size

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..token_budget import TokenBudget
-from .plan import Plan, divisors, forwards_for, plan_for_micro
+from .plan import Plan, forwards_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,24 +26,23 @@ class InForce:
 
 
 class OomPolicy:
-    """The default: one forward more per window (windows loaded whole), or the next smaller micro-batch dividing
-    the per-rank target (micro-batches loaded as given); a token budget shrinks to three quarters."""
+    """The default, one rule for windows loaded whole and for micro-batches loaded as given: the largest cut below
+    the one that failed that needs the fewest forwards per loaded batch (one forward more, near-equal: the window
+    when loaded whole, the user's micro-batch when loaded as given); a token budget shrinks to three quarters."""
 
     token_factor = 0.75
 
     def smaller(self, now: InForce) -> Plan | None:
         """The next smaller plan for ``now``'s target, keeping the checkpointing level the model has; None at 1."""
-        if now.whole_windows and now.plan is not None:
-            current = now.units or now.plan.micro_batch_size
-            if current <= 1:
-                return None
-            return _keeping_level(now.plan, plan_for_micro(now.plan.target_batch_size, now.world, current - 1))
-        current = now.units or now.micro
-        per_rank = now.target // now.world
-        smaller = [d for d in divisors(per_rank) if d < current]
-        if not smaller:
+        whole = now.whole_windows and now.plan is not None
+        current = now.units or (now.plan.micro_batch_size if whole else now.micro)
+        if current <= 1:
             return None
-        return _keeping_level(now.plan, Plan(smaller[-1], per_rank // smaller[-1], now.world, now.target))
+        target = now.plan.target_batch_size if whole else now.target
+        window = target // now.world
+        loaded = window if whole else min(now.micro, window)  # what each forward is cut from
+        cut = forwards_for(loaded, forwards_for(loaded, current - 1))  # fewest forwards below current, largest cut
+        return _keeping_level(now.plan, Plan(cut, forwards_for(window, cut), now.world, target))
 
     def smaller_tokens(self, budget: TokenBudget, longest: int) -> TokenBudget | None:
         """micro_batching="tokens": a smaller budget (same samples, same windows); None when it could not hold the

@@ -56,6 +56,11 @@ class MicroBatchSearch:
        ``must_resolve`` (the divisors of the per-rank target, the sizes the plan can use) lies between
        the largest fit and the estimate, so the next divisor is known to exceed the budget, measured or
        predicted (:meth:`next_over`).
+
+    ``seed``: an estimate of the largest fitting size (`hf_accum.estimating`, on fake tensors) to start from instead
+    of step 1: measure it, then the size above it (fits and the next does not: the answer, in two trials); if it
+    does not fit, the size below it; when neither brackets the boundary, steps 1-5 go on from what was measured.
+    Only measurements decide: a wrong seed costs trials, never the answer.
     """
 
     budget_bytes: float
@@ -63,6 +68,7 @@ class MicroBatchSearch:
     must_resolve: Sequence[int] = ()
     goal: float = GOAL_FRACTION
     observations: list[Observation] = field(default_factory=list)
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0:
@@ -70,6 +76,8 @@ class MicroBatchSearch:
         if self.max_micro_batch < 1:
             raise ValueError(f"max_micro_batch must be >= 1, got {self.max_micro_batch}")
         self.must_resolve = sorted({int(d) for d in self.must_resolve if 1 <= d <= self.max_micro_batch})
+        if self.seed is not None:
+            self.seed = min(max(int(self.seed), 1), self.max_micro_batch)
         self._pending_prediction: tuple[int, float] | None = None
 
     # -- state ---------------------------------------------------------------------------------------
@@ -201,6 +209,9 @@ class MicroBatchSearch:
     # -- policy --------------------------------------------------------------------------------------
     def propose(self) -> int | None:
         """The next micro-batch size to measure, or None when the search is done."""
+        seeded = self._seeded()
+        if seeded is not None:
+            return self._remember(seeded)
         if not self.observations:
             return 1
         lo, hi = self.largest_fit, self.smallest_failure
@@ -260,6 +271,24 @@ class MicroBatchSearch:
         return obs
 
     # -- helpers -------------------------------------------------------------------------------------
+    def _seeded(self) -> int | None:
+        """The seeded start (see the class docstring): the seed, then the size above it if it fitted, else the size
+        below; then micro-batch 1 if nothing has fitted yet. None once the seed's neighbourhood is measured."""
+        if self.seed is None:
+            return None
+        tried = {o.micro for o in self.observations}
+        fits = {o.micro: o.fits for o in self.observations}
+        s = self.seed
+        if s not in tried:
+            return s
+        if fits[s]:
+            return s + 1 if s + 1 <= self.max_micro_batch and s + 1 not in tried else None
+        if s > 1 and s - 1 not in tried:
+            return s - 1
+        if self.largest_fit == 0 and 1 not in tried:
+            return 1
+        return None
+
     def _safe_jump(self, lo: int) -> int:
         """Step 2: the size that fits when memory above the baseline grows at most linearly from 0."""
         first = next(o for o in self.observations if o.micro == lo and o.charged_bytes is not None)

@@ -19,6 +19,7 @@ from transformers import Trainer, TrainerCallback
 
 from .. import allocator, checkpointing
 from ..compat import trainer_internals
+from ..estimating.seed import probe_with_estimate
 from ..loss import loss_shifts_labels
 from ..meters import CpuMeter, CudaMeter, Meter
 from ..probe import probe_model, random_token_batch, resolve_budget
@@ -129,7 +130,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
             return measure(make, length, max_micro, None)
 
     def measure(make, length, max_micro, lever):
-        return probe_model(
+        return (probe_with_estimate if args.probe_from_estimate else probe_model)(
             trainer.model,
             seq_len=length,
             target_batch_size=args.target_batch_size,

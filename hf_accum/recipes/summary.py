@@ -41,6 +41,7 @@ def run_summary(built, result, plan: dict[str, Any], resume: str | None, cuda_pe
         "peak_memory_bytes": probe.get("peak_bytes"),
         "probe": probe,
         "training_peak_memory_bytes": cuda_peak,
+        "training_peak_memory_note": _training_peak_note(cuda_peak),
         "trainable_parameters": built.trainable,
         "total_parameters": built.total,
         "examples": len(data.dataset),
@@ -87,6 +88,14 @@ def _probe_summary(trainer, micro: int) -> dict[str, Any]:
         out["peak_bytes"] = int(fitted["a_bytes"] + fitted["b_bytes_per_sample"] * micro)
         out["peak_source"] = "the probe's line through its measurements"
     return out
+
+def _training_peak_note(cuda_peak: int | None) -> str:
+    """Where training_peak_memory_bytes comes from, or why it is null."""
+    if cuda_peak is not None:
+        return "torch.cuda.max_memory_allocated over train()"
+    return ("not measured off CUDA: the CPU meter replays the profiler's allocation events, which is for the probe's "
+            "single steps (profiling every step would slow the run many times); peak_memory_bytes is the probe's "
+            "figure at the plan's micro-batch")
 
 def _versions() -> dict[str, str | None]:
     return {name: _version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes", "trl")}

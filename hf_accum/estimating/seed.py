@@ -1,0 +1,163 @@
+"""The real probe started from the estimate: `probe_with_estimate` runs the estimate on the model's own config
+(fake tensors, the same settings, the device the run uses) and seeds the probe's micro-batch search with the
+estimated largest fit, so a right estimate leaves two trials (the fit and the size above it).
+
+The plan is always the measured one: the estimate only says where to look first (`MicroBatchSearch`'s ``seed``).
+When the estimate cannot be made (a quantized base, checkpointing, a model not built from its config, ...) the probe
+searches as before, and says why in one log line. What the estimate predicted is kept in
+``result.extra["estimate"]``, so the plan file records it beside what was measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ..meters import Meter
+from ..probe import Seeder, probe_model
+from ..probe_loop import NothingFitsError, ProbeResult
+from .estimate import estimate_model
+
+
+def probe_with_estimate(model: torch.nn.Module, **kwargs: Any):
+    """`probe.probe_model` (same keywords), its search seeded by the estimate of ``model`` (see the module
+    docstring). ``kwargs["log"]`` says whether the estimate ran and what it predicted."""
+    seeder = seeder_for(model, seq_len=kwargs["seq_len"], target_batch_size=kwargs["target_batch_size"],
+                        world_size=kwargs.get("world_size", 1), autocast_dtype=kwargs.get("autocast_dtype"),
+                        max_micro_batch=kwargs.get("max_micro_batch"), log=kwargs.get("log"))
+    return probe_model(model, seeder=seeder, **kwargs)
+
+
+def seeder_for(model: torch.nn.Module, *, seq_len: int, target_batch_size: int, world_size: int = 1,
+               autocast_dtype: torch.dtype | None = None, max_micro_batch: int | None = None,
+               log: Callable[[str], None] | None = None) -> Seeder:
+    """The ``seeder`` of `probe.probe_model`: the estimate of ``model`` under the probe's budget and meter."""
+    say = log or (lambda _msg: None)
+
+    def seeder(budget_bytes: int, meter: Meter) -> tuple[int | None, dict[str, Any] | None]:
+        device = "cuda" if next(model.parameters()).device.type == "cuda" else "cpu"
+        build = None
+        try:
+            why = unsupported_reason(model, autocast_dtype)
+            build = None if why is not None else builder_like(model)
+        except Exception as exc:  # noqa: BLE001 -- any failure means: search as before
+            why = f"cannot rebuild it from its config ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        if build is None:
+            say(f"estimate skipped ({why}): the search starts from micro-batch 1")
+            return None, None
+        began = time.perf_counter()
+        try:
+            est = estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size,
+                                 device_memory=meter.capacity_bytes(), device=device, world_size=world_size,
+                                 budget_bytes=budget_bytes, bf16=autocast_dtype is torch.bfloat16,
+                                 max_micro_batch=max_micro_batch, all_peaks=False)
+            result = est.result
+        except NothingFitsError as exc:
+            result = exc.result
+        except Exception as exc:  # noqa: BLE001 -- an estimate never stops a probe
+            say(f"estimate failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}): the search starts "
+                "from micro-batch 1")
+            return None, None
+        record = estimate_record(result, device, time.perf_counter() - began)
+        say(f"estimate ({device}, fake tensors, {record['seconds']:.1f} s): largest fit {record['largest_fit']}; "
+            f"the search starts there")
+        return max(1, record["largest_fit"]), record
+
+    return seeder
+
+
+def estimate_record(result: ProbeResult, device: str, seconds: float) -> dict[str, Any]:
+    """What the plan file keeps of the estimate: its largest fit, its peak at every size it ran, its line."""
+    peaks = {t.micro_batch_size: t.peak_bytes for t in result.trials if t.peak_bytes is not None}
+    return {"largest_fit": result.max_micro_batch_size, "device": device, "seconds": round(seconds, 3),
+            "peaks": {str(k): v for k, v in sorted(peaks.items())},
+            "fitted": None if result.fitted is None else [result.fitted[0], result.fitted[1]]}
+
+
+def unsupported_reason(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> str | None:
+    """Why the estimate cannot stand for ``model``'s step, None when it can."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "vocab_size", None) is None:
+        return "not a transformers causal LM with a config"
+    if getattr(config, "quantization_config", None) is not None or any(
+            getattr(model, f"is_loaded_in_{b}bit", False) for b in (4, 8)):
+        return "a quantized (4-bit/8-bit) base is not modelled"
+    if autocast_dtype is not None and autocast_dtype is not torch.bfloat16:
+        return f"{autocast_dtype} autocast is not modelled (bf16 is)"
+    return _fused_reason(model, autocast_dtype)
+
+
+def _fused_reason(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> str | None:
+    """The fused loss's checkpointed chunks are ordinary operators the estimate counts; torch's own
+    ``linear_cross_entropy`` kernel allocates inside one call, which fake tensors do not see."""
+    from .. import fused_loss
+
+    if _fused_patch(model) is None:
+        return None
+    head = model.get_output_embeddings()
+    hidden = torch.empty(0, dtype=head.weight.dtype, device=head.weight.device)
+    if autocast_dtype is None and fused_loss.implementation_for(hidden, head.weight) == "torch":
+        return "the fused loss runs torch's linear_cross_entropy kernel, whose memory fake tensors do not see"
+    return None
+
+
+def _fused_patch(model: torch.nn.Module):
+    from ..fused_loss import causal_lm_module
+
+    inner = causal_lm_module(model)
+    patch = None if inner is None else getattr(inner.__dict__.get("forward"), "_hf_accum_fused_loss", None)
+    return patch if patch is not None and patch.active else None
+
+
+def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
+    """A callable building ``model`` again from its config (and its LoRA config), in its weights' dtype, with the
+    same parameters trainable, the same layers checkpointed (non-reentrant) and the fused loss where ``model`` has
+    it; ValueError where the names differ."""
+    from transformers import AutoModelForCausalLM
+
+    from ..compat.gradient_checkpointing import enable_checkpointing
+
+    peft_config = _peft_config(model)
+    base = model.get_base_model() if peft_config is not None else model
+    dtype = model.get_input_embeddings().weight.dtype
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
+    fused = _fused_patch(model) is not None
+    checkpointed = {name: m.gradient_checkpointing for name, m in model.named_modules()
+                    if isinstance(getattr(m, "gradient_checkpointing", None), bool)}
+
+    def build() -> torch.nn.Module:
+        from ..fused_loss import patch_model
+
+        built = AutoModelForCausalLM.from_config(base.config, dtype=dtype)
+        if any(checkpointed.values()):
+            enable_checkpointing(built, SimpleNamespace(gradient_checkpointing=True,
+                                                        gradient_checkpointing_kwargs={"use_reentrant": False}))
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            built = get_peft_model(built, peft_config)
+        names = dict(built.named_parameters())
+        if names.keys() != trainable.keys():
+            raise ValueError("its parameters differ from those of a model built from its config")
+        for name, p in names.items():
+            p.requires_grad_(trainable[name])
+        for name, m in built.named_modules():  # the layers the model checkpoints, and only those
+            if name in checkpointed and isinstance(getattr(m, "gradient_checkpointing", None), bool):
+                m.gradient_checkpointing = checkpointed[name]
+        if fused:
+            patch_model(built)
+        return built
+
+    return build
+
+
+def _peft_config(model: torch.nn.Module):
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        return None
+    active = getattr(model, "active_adapter", None)
+    return configs[active if isinstance(active, str) and active in configs else next(iter(configs))]

@@ -1,0 +1,173 @@
+"""The real probe started from the estimate (`estimating.seed.probe_with_estimate`): fewer trials, the same measured
+answer, and one log line and today's search whenever the estimate cannot stand for the step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_accum.estimating import seed as seed_module
+from hf_accum.estimating.seed import probe_with_estimate
+from hf_accum.probe import probe_model
+
+MiB = 2**20
+PROBE = dict(seq_len=128, target_batch_size=8, budget_bytes=12 * MiB)
+
+
+def _llama():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0,
+                                            task_type="CAUSAL_LM"))
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_estimate_seeds_the_search_and_the_answer_stays_measured(lora):
+    model = _lora(_llama()) if lora else _llama()
+    plain, plain_plan = probe_model(model, **PROBE)
+    said = []
+    seeded, plan = probe_with_estimate(model, log=said.append, **PROBE)
+    assert seeded.max_micro_batch_size == plain.max_micro_batch_size and plan == plain_plan
+    estimate = seeded.extra["estimate"]
+    assert estimate["largest_fit"] == seeded.max_micro_batch_size  # like for like on CPU the estimate is right
+    sizes = [t.micro_batch_size for t in seeded.trials]
+    right = seeded.max_micro_batch_size
+    assert sizes == [right, right + 1] and len(sizes) <= len(plain.trials), (sizes, plain.trials)
+    assert [t.fits for t in seeded.trials] == [True, False]  # measured: the size above did not fit
+    measured = {t.micro_batch_size: t.peak_bytes for t in seeded.trials}
+    for micro, predicted in estimate["peaks"].items():  # the record: the estimate's own peaks, within 5%
+        if int(micro) in measured:
+            assert abs(predicted / measured[int(micro)] - 1) <= 0.05
+    assert any("estimate (cpu, fake tensors" in line for line in said)
+
+
+def test_a_wrong_estimate_costs_trials_not_the_answer(monkeypatch):
+    model = _llama()
+    plain, _ = probe_model(model, **PROBE)
+    real = seed_module.estimate_model
+
+    def too_high(*args, **kwargs):
+        est = real(*args, **kwargs)
+        est.result.max_micro_batch_size = 8  # the estimate says everything fits
+        return est
+
+    monkeypatch.setattr(seed_module, "estimate_model", too_high)
+    seeded, _ = probe_with_estimate(model, **PROBE)
+    assert seeded.trials[0].micro_batch_size == 8 and not seeded.trials[0].fits
+    assert seeded.max_micro_batch_size == plain.max_micro_batch_size
+    assert seeded.extra["estimate"]["largest_fit"] == 8
+
+
+def test_a_failing_estimate_says_so_in_one_line_and_searches_as_before(monkeypatch):
+    model = _llama()
+    plain, _ = probe_model(model, **PROBE)
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("no fake kernel for this op\nsecond line")
+
+    monkeypatch.setattr(seed_module, "estimate_model", broken)
+    said = []
+    seeded, _ = probe_with_estimate(model, log=said.append, **PROBE)
+    failed = [line for line in said if line.startswith("estimate failed")]
+    assert failed == ["estimate failed (RuntimeError: no fake kernel for this op): the search starts from "
+                      "micro-batch 1"]
+    assert [t.micro_batch_size for t in seeded.trials] == [t.micro_batch_size for t in plain.trials]
+    assert seeded.max_micro_batch_size == plain.max_micro_batch_size and "estimate" not in seeded.extra
+
+
+def test_a_quantized_base_is_not_estimated_one_line_and_todays_search():
+    model = _llama()
+    model.config.quantization_config = {"load_in_4bit": True}  # what a 4-bit load leaves on the config
+    plain, _ = probe_model(model, **PROBE)
+    said = []
+    seeded, _ = probe_with_estimate(model, log=said.append, **PROBE)
+    assert [line for line in said if line.startswith("estimate")] == [
+        "estimate skipped (a quantized (4-bit/8-bit) base is not modelled): the search starts from micro-batch 1"]
+    assert [t.micro_batch_size for t in seeded.trials] == [t.micro_batch_size for t in plain.trials]
+    assert "estimate" not in seeded.extra
+
+
+def test_checkpointed_layers_are_estimated_checkpointed():
+    model = _llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.model.layers[1].gradient_checkpointing = False  # one of two layers recomputes
+    with torch.device("meta"):
+        built = seed_module.builder_like(model)()
+    assert [layer.gradient_checkpointing for layer in built.model.layers] == [True, False]
+    plain, _ = probe_model(model, **PROBE)
+    seeded, _ = probe_with_estimate(model, **PROBE)
+    assert seeded.extra["estimate"]["largest_fit"] == seeded.max_micro_batch_size == plain.max_micro_batch_size
+    assert len(seeded.trials) <= 2
+
+
+@pytest.mark.parametrize("autocast, words", [(torch.float16, "float16 autocast")])
+def test_unsupported_reasons(autocast, words):
+    assert words in seed_module.unsupported_reason(_llama(), autocast)
+    assert seed_module.unsupported_reason(_llama(), torch.bfloat16) is None
+    assert "config" in seed_module.unsupported_reason(torch.nn.Linear(2, 2), None)
+
+
+def test_the_rebuilt_model_trains_what_the_model_trains():
+    model = _llama()
+    model.model.embed_tokens.weight.requires_grad_(False)  # a frozen embedding: the estimate freezes it too
+    with torch.device("meta"):
+        built = seed_module.builder_like(model)()
+    assert {n: p.requires_grad for n, p in built.named_parameters()} == {
+        n: p.requires_grad for n, p in model.named_parameters()}
+
+
+def test_the_report_shows_predicted_beside_measured():
+    from hf_accum.probe_report import estimate_lines, predicted_vs_measured, summary, to_json
+
+    result, plan = probe_with_estimate(_llama(), **PROBE)
+    rows = predicted_vs_measured(result)
+    assert [m for m, *_ in rows] == sorted(t.micro_batch_size for t in result.measured_trials)
+    for micro, predicted, measured, how in rows:
+        assert how in ("ran", "line") and abs(predicted / measured - 1) <= 0.05, (micro, predicted, measured)
+    lines = estimate_lines(result)
+    assert lines[0] == (f"estimate (cpu, fake tensors): largest fit {result.extra['estimate']['largest_fit']}, "
+                        f"measured {result.max_micro_batch_size}")
+    assert len(lines) == 1 + len(rows) and all(" predicted " in line and " measured " in line for line in lines[1:])
+    assert "\n".join(lines) in summary(result, plan, PROBE["seq_len"])
+    assert to_json(result, plan, PROBE["seq_len"])["estimate"] == result.extra["estimate"]
+    plain, plain_plan = probe_model(_llama(), **PROBE)
+    assert estimate_lines(plain) == [] and "estimate" not in to_json(plain, plain_plan, PROBE["seq_len"])
+
+
+@pytest.mark.parametrize("from_estimate", [True, False])
+def test_the_trainer_starts_from_the_estimate_and_the_plan_file_records_it(tmp_path, from_estimate):
+    # checkpoint_layers fixed: with "auto" the level search (level_probe.py) chooses k and is not seeded
+    import json
+
+    from hf_accum import AccumTrainer, AccumTrainingArguments
+    from hf_accum.planning.store import PLAN_FILE
+    from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
+
+    tok = build_tokenizer()
+    args = AccumTrainingArguments(output_dir=str(tmp_path), target_batch_size=16, memory_budget_bytes=8 * MiB,
+                                  use_cpu=True, report_to=[], max_steps=1, save_strategy="no", disable_tqdm=True,
+                                  fused_loss=False, checkpoint_layers="0", probe_from_estimate=from_estimate)
+    trainer = AccumTrainer(model=build_model(tokenizer=tok), args=args, train_dataset=build_sft_dataset(48, tok),
+                           data_collator=SFTCollator(tok))
+    trainer.tune()
+    with open(tmp_path / PLAN_FILE) as f:
+        probe = json.load(f)["probe"]
+    result = trainer.probe_result
+    if not from_estimate:
+        assert "estimate" not in probe["extra"] and result.trials[0].micro_batch_size == 1
+        return
+    estimate = probe["extra"]["estimate"]  # beside what was measured: its largest fit, its peaks, its line
+    assert estimate["largest_fit"] == result.extra["estimate"]["largest_fit"] >= 1
+    assert estimate["peaks"] and len(estimate["fitted"]) == 2 and estimate["device"] == "cpu"
+    assert result.trials[0].micro_batch_size == min(estimate["largest_fit"], 16)
+    measured = {t["micro_batch_size"]: t["peak_bytes"] for t in probe["trials"] if t["peak_bytes"]}
+    assert any(m in measured for m in map(int, estimate["peaks"]))
