@@ -199,7 +199,7 @@ def test_the_probes_step_bounds_a_real_training_step_on_padded_rows(tmp_path):
     import random
 
     from hf_accum.meters import CpuMeter, live_tensor_bytes
-    from hf_accum.planning.tuning import probe_batches
+    from hf_accum.planning.data_scan import probe_batches
     from hf_accum.probe import make_step_fn
 
     from .exactness import pad_collate, tiny_llama
