@@ -354,18 +354,15 @@ class AccumTrainingArguments(TrainingArguments):
 
     def _check_target_batch_size(self) -> None:
         world = self.world_size
-        derived = self.per_device_train_batch_size * self.gradient_accumulation_steps * world
+        derived = Settings(self).given_batch()
         if self.target_batch_size is None or self.target_batch_size == derived:
             return
         if self.tunes:
-            if self.target_batch_size % world:
-                from .planning.plan import nearest_exact_targets
+            from .planning.plan import indivisible_target
 
-                options = " or ".join(map(str, nearest_exact_targets(self.target_batch_size, world)))
-                raise ValueError(
-                    f"target_batch_size={self.target_batch_size} is not divisible by the world size {world}: "
-                    f"micro x accumulation x world must equal it exactly. Set target_batch_size to {options}."
-                )
+            problem = indivisible_target(self.target_batch_size, world)
+            if problem:
+                raise ValueError(f"{problem}.")
             if self.gradient_accumulation_steps != field_default(self, "gradient_accumulation_steps"):
                 # An accumulation states an effective batch of its own: two contradicting targets, refused. (A
                 # micro-batch alone, or values that multiply to the target, are harmless: tune() warns they are
@@ -429,7 +426,7 @@ class AccumTrainingArguments(TrainingArguments):
     @property
     def effective_batch_size(self) -> int:
         """Samples per optimizer step over all ranks, as configured now."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+        return Settings(self).given_batch()
 
 
 def _parse_nonfinite_limit(value):

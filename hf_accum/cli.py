@@ -102,25 +102,24 @@ def _check_probe_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
             raise UsageError(f"{args.recipe!r} looks like an override; give the recipe first: "
                              f"hf-accum probe RECIPE {args.recipe}")
         for dest, key in BARE_MODEL_FLAGS.items():
-            if getattr(args, dest) != parser.get_default(dest):
+            if vars(args)[dest] != parser.get_default(dest):
                 flag = "--" + dest.replace("_", "-")
                 raise UsageError(f"{flag} is for a bare model; with a recipe use {key}")
     elif args.overrides:
         raise UsageError(f"key=value overrides ({args.overrides[0]}) go with a recipe: hf-accum probe RECIPE "
                          f"{' '.join(args.overrides)}")
     for name in ("seq_len", "target_batch", "world_size", "lora_r", "max_micro_batch", "budget_bytes"):
-        value = getattr(args, name)
+        value = vars(args)[name]
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')}={value} must be a positive integer")
     if args.budget is not None and not 0 < args.budget <= 1:
         raise UsageError(f"--budget={args.budget} must be a fraction in (0, 1]; "
                          "for an absolute budget use --budget-bytes")
-    if args.target_batch % args.world_size:
-        from .planning.plan import nearest_exact_targets
+    from .planning.plan import indivisible_target
 
-        options = " or ".join(map(str, nearest_exact_targets(args.target_batch, args.world_size)))
-        raise UsageError(f"--target-batch={args.target_batch} is not divisible by "
-                         f"--world-size={args.world_size}; use --target-batch {options}")
+    problem = indivisible_target(args.target_batch, args.world_size, "--target-batch", "--world-size")
+    if problem:
+        raise UsageError(problem)
     _check_output_file("--json", args.json)
     _check_output_file("--plot", args.plot)
     if args.plot:
@@ -246,16 +245,21 @@ def _bare_model_budget(args: argparse.Namespace) -> tuple[int | None, str, str]:
 
 
 def _probe_recipe(args: argparse.Namespace) -> int:
-    from .recipes.config import wants_quantization
+    from .recipes.config import load_recipe, wants_quantization
 
     _import_bitsandbytes_only_if(args, wants_quantization(args.recipe, args.overrides))
+    recipe = load_recipe(args.recipe, args.overrides)  # every value a rule can check, before torch is imported
+    store = any(item.partition("=")[0].strip() in ("output_dir", "training.output_dir") for item in args.overrides)
+    if store:
+        from .recipes.preflight import check_writable
+
+        check_writable(str(recipe.training["output_dir"]))
     from .probe_loop import NothingFitsError
     from .probe_report import table
     from .recipes.run import probe_recipe
 
-    store = any(item.partition("=")[0].strip() in ("output_dir", "training.output_dir") for item in args.overrides)
     try:
-        out = probe_recipe(args.recipe, args.overrides, store=store, say=lambda msg: print(msg, flush=True))
+        out = probe_recipe(recipe, store=store, say=lambda msg: print(msg, flush=True))
     except NothingFitsError as exc:
         print(table(exc.result, getattr(exc, "seq_len", 0)))
         raise
@@ -337,13 +341,16 @@ def _run_train(args: argparse.Namespace) -> int:
     from .recipes.config import load_recipe, wants_quantization
 
     _import_bitsandbytes_only_if(args, wants_quantization(args.recipe, args.overrides))
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides)  # every value a rule can check, before torch is imported
     if args.print_config:
         from .recipes.config import format_recipe
 
         recipe.validate()
         print(format_recipe(recipe), end="")
         return 0
+    from .recipes.preflight import check_writable
+
+    check_writable(str(recipe.training["output_dir"]))  # as fast; run_recipe checks the rest of output_dir
     from .recipes.run import run_recipe
 
     run_recipe(recipe, resume_command=resume_command(args.recipe, args.overrides))
@@ -401,7 +408,7 @@ def _parse(parser: argparse.ArgumentParser, raw: list[str]) -> argparse.Namespac
     args, extra = parser.parse_known_args(raw)
     overrides = [item for item in extra if "=" in item and not item.startswith("-")]
     unknown = [item for item in extra if item not in overrides]
-    if unknown or (overrides and getattr(args, "overrides", None) is None):
+    if unknown or (overrides and vars(args).get("overrides") is None):
         parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
     if overrides:
         args.overrides = [*args.overrides, *overrides]
@@ -417,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in raw if a in ("probe", "train")), None)
     try:
         args = _parse(parser, raw)
-        if getattr(args, "func", None) is None:
+        if vars(args).get("func") is None:
             parser.print_help()
             return 2
         args.own_process = argv is None

@@ -10,7 +10,6 @@ from transformers import Trainer
 
 from . import levers
 from .args import resolve_nonfinite_limit
-from .compat import deepspeed_integration, parallel
 from .settings import Settings
 
 logger = logging.getLogger("hf_accum.trainer")  # the trainer's messages, under the logger they always had
@@ -18,7 +17,6 @@ logger = logging.getLogger("hf_accum.trainer")  # the trainer's messages, under 
 
 def refuse_unsupported_setups(trainer) -> None:
     """Every setup hf_accum cannot run exactly fails here, at construction, naming what to set."""
-    parallel.refuse_silent_engine_fallback(trainer)
     levers.check_requests(trainer.model, trainer.args)
     if trainer._trl is not None and trainer._normalization != "model":
         base, mixed = trainer._trl
@@ -26,8 +24,7 @@ def refuse_unsupported_setups(trainer) -> None:
         if problem:
             raise ValueError(f"{type(trainer).__name__} (hf_accum over {base}): {problem}")
     if hasattr(trainer.args, "max_nonfinite_steps"):
-        steps_in_backward = deepspeed_integration.engine_steps_in_backward(trainer)
-        limit, line = resolve_nonfinite_limit(trainer.args.max_nonfinite_steps, steps_in_backward)
+        limit, line = resolve_nonfinite_limit(trainer.args.max_nonfinite_steps, trainer.engine.steps_in_backward)
         trainer.args.max_nonfinite_steps = limit  # our copy: "auto" resolved for this engine
         if line and trainer._normalization != "model":
             (logger.warning if limit is None else logger.info)(line)  # DeepSpeed's: nothing is skipped for you
@@ -43,8 +40,8 @@ def adjust_args_copy(trainer) -> None:
     """What the trainer changes on its own copy of the arguments once constructed (the caller's object is never
     written to)."""
     args = trainer.args
-    if parallel.sharded_at_load(trainer.model) and not args.save_only_model:
-        # transformers cannot checkpoint this model's optimizer state (see `parallel.sharded_at_load`); the
+    if not trainer.engine.checkpoints_optimizer and not args.save_only_model:
+        # transformers cannot checkpoint this model's optimizer state (a model sharded at load: `engines.fsdp`); the
         # checkpoints hf_accum itself writes when it stops (a signal, non-finite losses) then hold the weights
         # and the plan, not an optimizer file that could never be loaded. The stop messages say so.
         args.save_only_model = True

@@ -37,10 +37,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .compat import parallel, trainer_internals, trl_internals
+from .compat import trainer_internals, trl_internals
 from .loss import LabelSpec
-from .oom import free_memory, is_oom
-from .protocol import Policy
+from .oom import guarded
 from .units import Cutter, detect_unit, make_cutter
 
 logger = logging.getLogger(__name__)
@@ -56,8 +55,7 @@ def eval_loss_for(trainer) -> EvalLoss:
     except ValueError as exc:  # a model whose loss hf_accum cannot count: transformers' value, said once
         labels = str(exc)
     # An OOM re-run forwards more on one rank: not where forwards run collectives (FSDP, ZeRO, TRL's metrics).
-    can_split = (trainer.accelerator.num_processes == 1
-                 or parallel.window_policy(trainer, trainer.collectives_in_compute_loss) is Policy.RERUN)
+    can_split = trainer.engine.evaluates_alone(trainer.collectives_in_compute_loss)
     return EvalLoss(trainer, trainer._normalization, trainer.batch_unit, labels, can_split=can_split,
                     cap=trainer._eval_cap, said=trainer._eval_said)
 
@@ -107,21 +105,19 @@ class EvalLoss:
             chunks = cutter.cut(batch, self.cap, trim=False)
             return _join([self._forward(run, c, loss_only, record, cutter) for c in chunks], cutter.unit)
         count = self._count(batch, cutter)
-        try:
+        def forward():
             with trainer_internals.prediction_loss_counted(self.trainer, _for_loss(count, self.device)) as seen:
-                out = run(batch, loss_only)
-        except Exception as exc:
-            if not (is_oom(exc) and splittable and units > 1):
-                raise
-            out = None  # leave the except block first: its traceback holds the failed forward's activations
-        if out is None:
-            free_memory()
+                return run(batch, loss_only), seen
+
+        done, oom = guarded(forward, catch=splittable and units > 1)
+        if oom:
             self.cap = min(self.cap or units, (units + 1) // 2)
             logger.warning("hf_accum: out of memory in evaluation on a batch of %d; re-running that batch in halves "
                            "(the metrics are those of a clean run); later batches: at most %d per forward",
                            units, self.cap)
             halves = cutter.cut_even(batch, 2, trim=False)
             return _join([self._forward(run, h, loss_only, record, cutter) for h in halves], cutter.unit)
+        out, seen = done
         if record:
             self._record(out[0], seen, count)
             if self.tokens is not None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .meters import Meter
-from .oom import free_memory, is_oom
+from .oom import guarded
 from .planning.levels import CheckpointChooser, Choice, Level, fit_time_line, scale_line
 from .planning.search import MicroBatchSearch
 from .probe_loop import (
@@ -188,14 +188,11 @@ def _levels(results: dict[int, ProbeResult], step_fn: StepFn, meter: Meter,
 
 
 def _timed_step(step_fn: StepFn, meter: Meter, lever: Any, micro: int, k: int) -> float | None:
-    try:
+    def timed() -> float:
         with lever.at(k):
             return meter.time(lambda: step_fn(micro), micro_batch_size=micro)
-    except Exception as exc:
-        if not is_oom(exc):
-            raise
-    free_memory()
-    return None
+
+    return guarded(timed)[0]  # None after an out-of-memory error
 
 
 def _tightest_budget(budget_bytes: float) -> float:

@@ -1,4 +1,5 @@
-"""How peak memory is read: one interface, three implementations (CUDA, CPU, fake).
+"""How peak memory is read: one interface, three implementations (CUDA, CPU, fake; the fourth, on fake tensors, is
+estimating/paper_meter.py); and how a number of bytes is written (`format_bytes`, the one byte formatter).
 
 A meter runs a callable once and reports the peak memory it reached, including what was already live
 when it started (weights, optimizer state), so every implementation answers the same question: "how
@@ -27,6 +28,17 @@ import torch
 from .compat import parallel, torch_features
 
 MiB = 1 << 20
+GiB = 1 << 30
+
+
+def format_bytes(n: float | None, unit: str | None = None, none: str = "?") -> str:
+    """The one way hf_accum writes a number of bytes: "1.860 GiB" from 1 GiB up, "64.0 MiB" below (``none`` for
+    an unknown). ``unit="MiB"``: the number alone in MiB ("1,234.5"), for a table column whose header names it."""
+    if n is None:
+        return none
+    if unit == "MiB":
+        return f"{n / MiB:,.1f}"
+    return f"{n / GiB:.3f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
 
 # The CUDA caching allocator serves requests of 1-10 MiB from fresh 20 MiB segments (``kLargeBuffer`` in
 # c10/cuda/CUDACachingAllocator.cpp) and rounds larger ones to 2 MiB; so reserved memory grows in steps of

@@ -1,14 +1,20 @@
 """The one place that decides whether an exception is an out-of-memory error, and frees memory after one.
 
-Callers catch ``Exception``, ask :func:`is_oom`, and re-raise everything else: a shape error or a NaN
-check must never be mistaken for "this micro-batch does not fit".
+Callers run a step through :func:`guarded`, the one out-of-memory guard: it asks :func:`is_oom` and re-raises
+everything else (a shape error or a NaN check must never be mistaken for "this micro-batch does not fit"), and after
+an out-of-memory error frees memory outside the except block, where the traceback no longer pins the failed step's
+activations.
 """
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 # Message fragments of allocation failures that do not arrive as ``torch.OutOfMemoryError`` (older
 # builds, other back-ends, or an OOM re-wrapped as a plain RuntimeError by a library).  The list follows
@@ -60,3 +66,21 @@ def free_memory() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def guarded(step: Callable[[], T], *, catch: bool = True,
+            never: tuple[type[BaseException], ...] = ()) -> tuple[T | None, bool]:
+    """Run ``step()``: ``(its result, False)``, or ``(None, True)`` after an out-of-memory error, memory freed
+    (`free_memory`, once the except block has ended and its traceback, holding the failed step's frames and their
+    activations, is gone). Any other exception propagates, as does an out-of-memory error when ``catch`` is False
+    and an exception of a type in ``never`` (a control-flow signal raised while an OOM was being handled carries that
+    OOM as its context)."""
+    try:
+        return step(), False
+    except never:
+        raise
+    except Exception as exc:
+        if not (catch and is_oom(exc)):
+            raise
+    free_memory()
+    return None, True

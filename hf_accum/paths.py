@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import tempfile
 
+PLAN_FILE = "hf_accum_plan.json"  # the plan file in output_dir and in each checkpoint (planning/store.py writes it)
+
 
 def nearest_existing(path: str) -> str:
     parent = os.path.abspath(path)

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from .loss import loss_shifts_labels
 from .paths import can_create_in, nearest_existing
+from .planning.data_scan import is_sequence, rows
 from .settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -75,27 +76,9 @@ def _target_name(args) -> str:
     return "per_device_train_batch_size x gradient_accumulation_steps x world size"
 
 
-def _rows(dataset, keys=("input_ids", "labels")):
-    """(index, *values) of each row that has every key; HF datasets are read in batches."""
-    columns = getattr(dataset, "column_names", None)
-    if isinstance(columns, list) and hasattr(dataset, "iter"):
-        if not set(keys) <= set(columns):
-            return
-        start = 0
-        for batch in dataset.select_columns(list(keys)).iter(batch_size=1000):
-            for offset, values in enumerate(zip(*(batch[k] for k in keys))):
-                yield start + offset, *values
-            start += len(batch[keys[0]])
-        return
-    for index in range(len(dataset)):
-        row = dataset[index]
-        if isinstance(row, dict) and all(k in row for k in keys):
-            yield index, *(row[k] for k in keys)
-
-
 def _check_label_alignment(dataset) -> None:
-    for index, ids, labels in _rows(dataset):
-        if not (_is_sequence(ids) and _is_sequence(labels)):
+    for index, ids, labels in rows(dataset):
+        if not (is_sequence(ids) and is_sequence(labels)):
             continue
         if len(labels) != len(ids):
             raise ValueError(
@@ -106,8 +89,8 @@ def _check_label_alignment(dataset) -> None:
 
 
 def _check_token_budget(dataset, budget: int) -> None:
-    for index, ids in _rows(dataset, ("input_ids",)):
-        if _is_sequence(ids) and len(ids) > budget:
+    for index, ids in rows(dataset, ("input_ids",)):
+        if is_sequence(ids) and len(ids) > budget:
             raise ValueError(
                 f"train_dataset row {index} has {len(ids)} tokens, more than max_tokens_per_forward={budget}: it "
                 f"cannot be forwarded alone. Truncate examples to at most {budget} tokens (tokenizer(..., "
@@ -117,8 +100,8 @@ def _check_token_budget(dataset, budget: int) -> None:
 
 
 def _check_no_empty_rows(dataset) -> None:
-    for index, ids in _rows(dataset, ("input_ids",)):
-        if _is_sequence(ids) and len(ids) == 0:
+    for index, ids in rows(dataset, ("input_ids",)):
+        if is_sequence(ids) and len(ids) == 0:
             raise ValueError(
                 f"train_dataset row {index} is empty (input_ids has 0 tokens): there is nothing in it to train on. "
                 "Remove empty examples before training (e.g. dataset.filter(lambda row: len(row['input_ids']) > 0))."
@@ -181,8 +164,3 @@ def check_output_dir_writable(output_dir: str) -> None:
         raise ValueError(f"output_dir={output_dir!r} cannot be written ({parent} is not writable); pass a "
                          "writable output_dir.")
 
-
-def _is_sequence(value) -> bool:
-    if hasattr(value, "shape"):
-        return len(value.shape) == 1
-    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from .level_probe import probe_levels
-from .meters import CpuMeter, CudaMeter, Meter, live_tensor_bytes
+from .meters import CpuMeter, CudaMeter, Meter, format_bytes, live_tensor_bytes
 from .planning.plan import (
     Plan,
     forward_breakpoints,
-    nearest_exact_targets,
+    indivisible_target,
     plan_batch,
     plan_for_micro,
 )
@@ -30,7 +30,6 @@ from .probe_loop import (
     NothingFitsError,
     ProbeResult,
     StepFn,
-    _gib,
     _nothing_fits_message,
     agree_max_micro_batch,
     probe_micro_batches,
@@ -117,24 +116,24 @@ def resolve_budget(
     bytes_name, fraction_name = names
     capacity = meter.capacity_bytes()
     usable = capacity - meter.unavailable_bytes()
-    held = f"{_gib(capacity)} capacity minus {_gib(capacity - usable)} held by other processes or outside torch"
+    held = f"{format_bytes(capacity)} capacity minus {format_bytes(capacity - usable)} held by other processes or outside torch"
     if budget_bytes is not None and budget_fraction is not None:
         raise ValueError(f"give either {bytes_name} or {fraction_name}, not both")
     if budget_bytes is None:
         fraction = DEFAULT_BUDGET_FRACTION if budget_fraction is None else budget_fraction
         if not 0 < fraction <= 1:
             raise ValueError(f"{fraction_name}={fraction} must be in (0, 1]: a fraction of the memory this process "
-                             f"can use on {meter.name} ({_gib(usable)} now)")
+                             f"can use on {meter.name} ({format_bytes(usable)} now)")
         budget_bytes = int(fraction * usable)
         if budget_bytes <= 0:
             raise ValueError(f"{fraction_name}={fraction} leaves no memory on {meter.name}: {held}. Free memory "
                              "held by other processes.")
         return budget_bytes
     if budget_bytes <= 0:
-        raise ValueError(f"{bytes_name}={budget_bytes} must be positive (the device has {_gib(capacity)})")
+        raise ValueError(f"{bytes_name}={budget_bytes} must be positive (the device has {format_bytes(capacity)})")
     if budget_bytes > usable:
         raise ValueError(
-            f"{bytes_name}={budget_bytes} ({_gib(budget_bytes)}) exceeds what this process can use on {meter.name} "
+            f"{bytes_name}={budget_bytes} ({format_bytes(budget_bytes)}) exceeds what this process can use on {meter.name} "
             f"now: {held}. Set {fraction_name} instead (a fraction of the memory usable when the probe starts, "
             f"e.g. 0.9), or free memory held by other processes."
         )
@@ -214,12 +213,9 @@ def _checked_window(model: torch.nn.Module, seq_len: int, target_batch_size: int
     """Cheap checks first: no step runs on input that cannot give a plan. Returns (per-rank window, cap)."""
     if target_batch_size < 1 or world_size < 1:
         raise ValueError(f"target_batch_size={target_batch_size} and world_size={world_size} must be >= 1")
-    if target_batch_size % world_size:
-        options = " or ".join(map(str, nearest_exact_targets(target_batch_size, world_size)))
-        raise ValueError(
-            f"target_batch_size={target_batch_size} is not divisible by world_size={world_size}; "
-            f"set target_batch_size to {options}"
-        )
+    problem = indivisible_target(target_batch_size, world_size)
+    if problem:
+        raise ValueError(f"{problem}.")
     max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if max_positions is not None and seq_len > max_positions:
         raise ValueError(

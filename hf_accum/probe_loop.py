@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .meters import Meter
-from .oom import free_memory, is_oom
+from .meters import Meter, format_bytes
+from .oom import guarded
 from .planning.plan import (
     choose_fastest,
 )
@@ -135,14 +135,8 @@ def probe_micro_batches(
         # The optimizer allocates its state (Adam: two tensors per parameter) in its first step; a trial
         # without it would under-measure every later step by that much.
         say("warm-up step at micro-batch 1 (creates the optimizer state; not a trial)")
-        try:
-            result.warmup_seconds = meter.time(lambda: step_fn(1), micro_batch_size=1)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            result.warmup_seconds = None
-        if result.warmup_seconds is None:  # outside the except block: its traceback no longer pins memory
-            free_memory()
+        result.warmup_seconds, oom = guarded(lambda: meter.time(lambda: step_fn(1), micro_batch_size=1))
+        if oom:
             trials.append(Trial(1, None, None, None, False, "out of memory"))
             return result
 
@@ -162,24 +156,16 @@ def _run_trial(
     if limit_bytes is not None and predicted is not None and predicted + search.margin_bytes() > limit_bytes:
         # CPU: the kernel's OOM killer would end the process instead of raising; never find out by trying.
         search.record(micro, None, fits=False)
-        say(f"micro-batch {micro}: refused, predicted {_gib(predicted)} > limit {_gib(limit_bytes)}")
+        say(f"micro-batch {micro}: refused, predicted {format_bytes(predicted)} > limit {format_bytes(limit_bytes)}")
         return Trial(micro, None, None, None, False, "refused", predicted)
-    m = None
-    try:
-        m = meter.measure(lambda: step_fn(micro), micro_batch_size=micro)
-    except Exception as exc:
-        if not is_oom(exc):
-            raise
-    if m is None:
-        # Freed here, after the except block: until it ends, the exception's traceback keeps the failed
-        # step's frames, and with them its activations, alive.
-        free_memory()
+    m, oom = guarded(lambda: meter.measure(lambda: step_fn(micro), micro_batch_size=micro))
+    if oom:
         search.record(micro, None)
         say(f"micro-batch {micro}: out of memory")
         return Trial(micro, None, None, None, False, "out of memory", predicted)
     obs = search.record(micro, m.charged_bytes, baseline_bytes=m.baseline_bytes, rounding_bytes=m.rounding_bytes)
     status = "fits" if obs.fits else "over budget"
-    say(f"micro-batch {micro}: peak {_gib(m.peak_bytes)}, {m.seconds:.3f} s, {status}")
+    say(f"micro-batch {micro}: peak {format_bytes(m.peak_bytes)}, {m.seconds:.3f} s, {status}")
     return Trial(micro, m.peak_bytes, m.reserved_bytes, m.seconds, obs.fits, status, predicted, m.baseline_bytes)
 
 
@@ -277,9 +263,9 @@ def _nothing_fits_message(result: ProbeResult) -> str:
                   and t.status != "refused"), None)
     need = None if first is None else (first.reserved_bytes or first.peak_bytes)
     amount = (
-        f"needs {_gib(need)}, {_gib(need - result.budget_bytes)} over the budget of {_gib(result.budget_bytes)}"
+        f"needs {format_bytes(need)}, {format_bytes(need - result.budget_bytes)} over the budget of {format_bytes(result.budget_bytes)}"
         if need
-        else f"ran out of memory under the budget of {_gib(result.budget_bytes)}"
+        else f"ran out of memory under the budget of {format_bytes(result.budget_bytes)}"
     )
     if levels is not None:
         return (
@@ -293,7 +279,3 @@ def _nothing_fits_message(result: ProbeResult) -> str:
         "train LoRA adapters instead of all weights, load the base model in 4-bit (QLoRA), shorten the probe "
         "sequence length, or raise the memory budget."
     )
-
-
-def _gib(n: float | None) -> str:
-    return "?" if n is None else f"{n / 2**30:.3f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"

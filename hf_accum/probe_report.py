@@ -1,16 +1,19 @@
-"""How a probe is shown: the table, the JSON file and the plot of `hf-accum probe`."""
+"""How a probe and its plan are shown: the table, the JSON file and the plot of `hf-accum probe`, the one plan line
+(the log, the recipes and `hf-accum probe`) and the figures the Trainer logs (`plan_figures`). Bytes are written by
+`meters.format_bytes`, the one byte formatter."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from .meters import MiB, format_bytes
 from .planning.plan import Plan
 from .probe_loop import ProbeResult
 
 
-def _mib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**20:,.1f}"
+def _mib(n: float | None) -> str:  # a table cell under a "MiB" header
+    return format_bytes(n, "MiB", none="-")
 
 
 def table(result: ProbeResult, seq_len: int) -> str:
@@ -94,7 +97,7 @@ def plot(result: ProbeResult, plan: Plan, *, seq_len: int | None = None, model: 
     the fitted line when the probe never ran that size. The title names the model and the sequence length."""
     import matplotlib.pyplot as plt
 
-    measured = sorted((t.micro_batch_size, t.peak_bytes / 2**20, t.fits) for t in result.trials if t.peak_bytes)
+    measured = sorted((t.micro_batch_size, t.peak_bytes / MiB, t.fits) for t in result.trials if t.peak_bytes)
     rows = plan.micro_batch_size  # the largest forward of the plan's cut
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for fits, style in ((True, dict(color="tab:green", label="measured: fits")),
@@ -105,19 +108,20 @@ def plot(result: ProbeResult, plan: Plan, *, seq_len: int | None = None, model: 
     if result.fitted is not None:
         top = max([m for m, _, _ in measured] + [rows]) + 1
         a, b = result.fitted
-        ax.plot([0, top], [a / 2**20, (a + b * top) / 2**20], color="gray", linestyle=":", label="fitted a + b·micro")
+        ax.plot([0, top], [a / MiB, (a + b * top) / MiB], color="gray", linestyle=":", label="fitted a + b·micro")
     for t in result.trials:  # the checkpointing level each point ran at, when the probe chose one
         if t.peak_bytes and t.checkpointed_layers is not None:
-            ax.annotate(f"k={t.checkpointed_layers}", (t.micro_batch_size, t.peak_bytes / 2**20), fontsize=7,
+            ax.annotate(f"k={t.checkpointed_layers}", (t.micro_batch_size, t.peak_bytes / MiB), fontsize=7,
                         xytext=(4, -10), textcoords="offset points")
     budget = f"budget {_mib(result.budget_bytes)} MiB" + (f" ({budget_source})" if budget_source else "")
-    ax.axhline(result.budget_bytes / 2**20, color="tab:orange", linestyle="--", label=budget)
-    at_level = [t for t in result.trials if t.peak_bytes and t.checkpointed_layers in (None, plan.checkpointed_layers)]
-    chosen = next((t.peak_bytes / 2**20 for t in at_level if t.micro_batch_size == rows), None)
+    ax.axhline(result.budget_bytes / MiB, color="tab:orange", linestyle="--", label=budget)
+    level = (result.extra.get("checkpointing") or {}).get("chosen_k")
+    at_level = [t for t in result.trials if t.peak_bytes and t.checkpointed_layers in (None, level)]
+    chosen = next((t.peak_bytes / MiB for t in at_level if t.micro_batch_size == rows), None)
     if chosen is not None:
         ax.scatter([rows], [chosen], s=160, facecolors="none", edgecolors="black", label=f"chosen micro {rows} (measured)")
     elif result.fitted is not None:  # a size the probe never ran (a divisor below the largest that fits)
-        chosen = (result.fitted[0] + result.fitted[1] * rows) / 2**20
+        chosen = (result.fitted[0] + result.fitted[1] * rows) / MiB
         ax.scatter([rows], [chosen], s=160, facecolors="none", edgecolors="black", linestyles="dashed",
                    label=f"chosen micro {rows} (not measured: on the fitted line)")
     ax.set_xlabel("micro-batch size")
@@ -162,3 +166,65 @@ def estimate_lines(result: ProbeResult) -> list[str]:
         lines.append(f"  micro {micro}: predicted {_mib(predicted)} MiB{' (its line)' if how == 'line' else ''}, "
                      f"measured {_mib(measured)} MiB ({predicted / measured - 1:+.1%})")
     return lines
+
+
+# --- the plan line and the logged figures ---------------------------------------------------------------
+def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *, reused: bool) -> dict[str, float]:
+    """The plan and what the probe measured, as the numbers the Trainer logs (so `report_to` records them)."""
+    figures: dict[str, float] = {
+        "hf_accum/micro_batch_size": plan.micro_batch_size,
+        "hf_accum/gradient_accumulation_steps": plan.gradient_accumulation_steps,
+        "hf_accum/world_size": plan.world_size,
+        "hf_accum/target_batch_size": plan.target_batch_size,
+        "hf_accum/budget_bytes": int(budget_bytes),
+        "hf_accum/plan_reused": int(reused),
+        # an uneven plan's micro is the most rows of a forward: micro x accumulation can exceed the window, so the
+        # window and its forwards are logged as such
+        "hf_accum/window": plan.window,
+        "hf_accum/forwards": plan.forwards,
+    }
+    if plan.token_budget is not None:
+        figures["hf_accum/token_budget"] = plan.token_budget
+        extra = (probe or {}).get("extra") or {}
+        for name, value in extra.get("expected", {}).items():
+            figures[f"hf_accum/expected_{name}" if not name.startswith("samples") else f"hf_accum/{name}"] = value
+        model = (extra.get("token_budget") or {}).get("cost_model")
+        for name in ("base_bytes", "per_row_bytes", "per_token_bytes", "per_token_sq_bytes"):
+            if model:
+                figures[f"hf_accum/cost_{name}"] = model[name]
+    if plan.levers:
+        from .levers import get_lever  # lazily: the report is imported without torch's models
+
+        for name, record in plan.levers.items():
+            figures.update(get_lever(name).figures(record))
+    if plan.step_seconds is not None:
+        figures["hf_accum/step_seconds"] = plan.step_seconds
+    trials = (probe or {}).get("trials") or []
+    measured = [t for t in trials if isinstance(t, dict) and t.get("status") != "refused"]
+    figures["hf_accum/probe_trials"] = len(measured)
+    # a peak says something about the plan only at the lever level it runs at
+    level = (((probe or {}).get("extra") or {}).get("checkpointing") or {}).get("chosen_k")
+    measured = [t for t in measured if t.get("checkpointed_layers") in (None, level)]
+    # The plan's micro-batch may not have been run (a larger one was, and fit): the smallest fitting size at or
+    # above it is a measured upper bound of its peak.
+    above = [t for t in measured if t.get("fits") and t.get("peak_bytes") and t["micro_batch_size"] >= plan.micro_batch_size]
+    if above:
+        nearest = min(above, key=lambda t: t["micro_batch_size"])
+        figures["hf_accum/peak_bytes_per_step"] = int(nearest["peak_bytes"])
+        figures["hf_accum/peak_measured_at_micro_batch"] = int(nearest["micro_batch_size"])
+    return figures
+
+
+def plan_line(plan: Plan, figures: dict[str, float]) -> str:
+    """The one plan line, the same in the log, the recipes and `hf-accum probe`: the plan (`Plan.describe`), the
+    peak measured against the budget, and how it was found. Everything else is in the plan file and the logged
+    figures (`plan_figures`)."""
+    peak = figures.get("hf_accum/peak_bytes_per_step")
+    at = figures.get("hf_accum/peak_measured_at_micro_batch")
+    memory = f"budget {format_bytes(figures['hf_accum/budget_bytes'])}"
+    if peak is not None:
+        memory = (f"peak {'' if at == plan.micro_batch_size else '≤ '}{format_bytes(peak)} of {memory}")
+    if plan.step_seconds is not None:
+        memory += f"; {plan.step_seconds:.2f} s per optimizer step measured"
+    found = "stored plan" if figures.get("hf_accum/plan_reused") else f"{figures['hf_accum/probe_trials']} probe trials"
+    return f"hf_accum plan: {plan.describe()}; {memory}; {found}"

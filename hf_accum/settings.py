@@ -82,9 +82,14 @@ class Settings:
     def exact_target(self, world: int | None = None) -> int:
         """The effective batch the run is configured for now: target_batch_size, or what the batch settings give
         over ``world`` ranks (default: the arguments' world size). The one place this is derived."""
+        return self.target_batch_size or self.given_batch(world)
+
+    def given_batch(self, world: int | None = None) -> int:
+        """What the batch settings give per optimizer step: per_device_train_batch_size x gradient_accumulation_steps
+        x ``world`` ranks (default: the arguments' world size); ``world=1``: one rank's window."""
         args = self.args
-        return self.target_batch_size or (args.per_device_train_batch_size * args.gradient_accumulation_steps
-                                          * (args.world_size if world is None else world))
+        return (args.per_device_train_batch_size * args.gradient_accumulation_steps
+                * (args.world_size if world is None else world))
 
 
 def field_default(args, name: str):

@@ -9,7 +9,6 @@ import logging
 import os
 
 from . import finite_grads
-from .compat import parallel
 from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted
 from .settings import Settings
 
@@ -21,7 +20,7 @@ def stop_message(trainer, reason: str) -> str:
     restart with (the planner's next smaller plan)."""
     if trainer.planner.probing:
         return f"hf_accum: {reason}. Every rank stops before the first optimizer step; no weights were changed."
-    if parallel.sharded_at_load(trainer.model):
+    if not trainer.engine.resumable:
         how = "Restart (a new run: a model sharded at load time cannot be resumed) with"
     elif trainer.args.save_only_model:
         how = "Restart (a new run from the last checkpoint's weights: save_only_model=True saves no optimizer state) with"
@@ -34,9 +33,10 @@ def stop_message(trainer, reason: str) -> str:
     )
 
 
-def refuse_unresumable(model, resume_from_checkpoint) -> None:
-    """A model sharded at load time has no optimizer state in its checkpoints: resuming it is refused."""
-    if resume_from_checkpoint and parallel.sharded_at_load(model):
+def refuse_unresumable(engine, resume_from_checkpoint) -> None:
+    """A model sharded at load time has no optimizer state in its checkpoints (its ``engine`` is not resumable):
+    resuming it is refused."""
+    if resume_from_checkpoint and not engine.resumable:
         raise ValueError(
             f"resume_from_checkpoint={resume_from_checkpoint!r} cannot resume exactly: the model was sharded at "
             "load time (distributed_config=...), and transformers checkpoints no optimizer state for such a "
@@ -49,7 +49,7 @@ def refuse_unresumable(model, resume_from_checkpoint) -> None:
 
 def resume_advice(trainer, where: str) -> str:
     """How to go on from the checkpoint ``where`` after a stop."""
-    if parallel.sharded_at_load(trainer.model):
+    if not trainer.engine.resumable:
         return (f"This run cannot be resumed (its model was sharded at load time; transformers saves no optimizer "
                 f"state for it): start a new run from the weights in {where} "
                 "(from_pretrained(CHECKPOINT, distributed_config=...)); the optimizer and schedule start over.")

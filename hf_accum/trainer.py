@@ -2,11 +2,12 @@
 memory-planned micro-batch, and recovery from out-of-memory errors mid-training.
 
 `AccumulationMixin` is a thin adapter. It holds a `Planner` (planning/planner.py: the one writer of the plan and
-of every batch setting it implies) and a window engine (`window.py`, which knows no Trainer: it cuts and runs each
-window and owns the rank-agreement protocol, `protocol.py`). The overrides below only hand them the Trainer's
+of every batch setting it implies), a window engine (`window.py`, which knows no Trainer: it cuts and runs each
+window and owns the rank-agreement protocol, `protocol.py`) and the engine it runs on (`engines/`: one process,
+DDP, FSDP or DeepSpeed behind one seam; it never asks which). The overrides below only hand them the Trainer's
 pieces, each calling `super()`:
-- `get_batch_samples` begins the window (its count on every rank); under DeepSpeed with auto_tune, the first
-  one first runs the planner's probe through the engine `train()` built (`_probe_through_engine`);
+- `get_batch_samples` begins the window (its count on every rank); where the probe runs through the engine
+  `train()` built (DeepSpeed) with auto_tune, the first one first runs it (`_probe_through_engine`);
 - `training_step` runs one loaded batch through the engine, which calls back `_chunk_step` per chunk;
 - `_chunk_step` is the Trainer's own `training_step` on one chunk, its loss scaled by the chunk's exact share
   (the one place the user's `compute_loss` is wrapped: `scaled_loss.loss_scaled`);
@@ -20,7 +21,6 @@ pieces, each calling `super()`:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import logging
@@ -29,11 +29,11 @@ import weakref
 
 from transformers import Trainer, TrainerCallback
 
-from . import construction, evaluation, finite_grads, levers, scaled_loss, stopping
+from . import construction, engines, evaluation, finite_grads, levers, scaled_loss, stopping
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments
 from .checkpoints import check_resume
-from .compat import deepspeed_integration, parallel, trainer_internals, trl_internals
+from .compat import trainer_internals, trl_internals
 from .evaluation import EvalLoss
 from .fused_loss import with_fused_loss
 from .loss import LabelSpec, label_spec
@@ -92,6 +92,7 @@ class AccumulationMixin:
         self._eval_cap: int | None = None  # the most units per evaluation forward known to fit, after an OOM
         self._eval_said: set[str] = set()
         self._stop_request = StopRequest()
+        self._parallel = engines.select(self)  # the engine seam: DDP, FSDP, DeepSpeed or one process
         construction.refuse_unsupported_setups(self)
         self._skips_nonfinite = self.settings.max_nonfinite_steps is not None
         construction.adjust_args_copy(self)
@@ -114,6 +115,11 @@ class AccumulationMixin:
     @property
     def planner(self) -> Planner:
         return self._planner
+
+    @property
+    def engine(self) -> engines.Engine:
+        """The engine this trainer runs on, behind one seam (`hf_accum/engines/`; not the window engine)."""
+        return self._parallel
 
     @property
     def settings(self) -> Settings:
@@ -182,7 +188,7 @@ class AccumulationMixin:
     def _build_engine(self, batch, world: int) -> WindowEngine:
         cutter = make_cutter(self.batch_unit or detect_unit(batch), self._label_spec())
         collective = TorchDistributed(world, self.args.device) if world > 1 else Local()
-        policy = parallel.window_policy(self, self.collectives_in_compute_loss)
+        policy = self.engine.window_policy(self.collectives_in_compute_loss)
         engine = WindowEngine(cutter, self._normalization, WindowProtocol(collective, policy),
                               shrink=_weakly(self._planner.after_oom), reset=_weakly(self._zero_grad),
                               shrink_tokens=_weakly(self._planner.after_oom_tokens), device=self.args.device)
@@ -211,19 +217,14 @@ class AccumulationMixin:
         if trainer_internals.trainer_divides_by_accumulation(self, local_for_loss):
             undo = trainer_internals.window_length(self)
             scale = share * undo  # pre-compensate training_step's division
-        sync = contextlib.nullcontext() if final else self._no_gradient_sync(model)
         scaled = scaled_loss.loss_scaled(self, engine, scale, final, undo)
-        with sync, deepspeed_integration.engine_boundary(self, final), scaled as raw:
+        with self.engine.chunk(model, final), scaled as raw:
             returned = super().training_step(model, inputs, local_for_loss)
         self._forwarded_tokens += trainer_internals.main_input_tokens(self, inputs)
         if not self._post_checked:
             self._post_checked = True
             scaled_loss.check_post_processing(returned, raw, share)
         return returned
-
-    def _no_gradient_sync(self, model):
-        # FSDP2 applied at load time is no accelerate wrapper: its switch is on the model itself.
-        return parallel.no_gradient_sync(model) if parallel.is_fsdp2(model) else self.accelerator.no_sync(model)
 
     # --- planning ---------------------------------------------------------------------------------------------
     def apply_plan(self, plan: Plan, *, in_training_loop: bool = False) -> None:
@@ -251,8 +252,8 @@ class AccumulationMixin:
     @trl_internals.trl_metrics_kept
     def _probe_through_engine(self, batch) -> None:
         def train_step(inputs):  # one real step through the engine, which steps its optimizer at the boundary
-            with deepspeed_integration.engine_boundary(self, True), trainer_internals.window_length_set(self, 1):
-                super(AccumulationMixin, self).training_step(deepspeed_integration.deepspeed_engine(self), inputs)
+            with self.engine.boundary(True), trainer_internals.window_length_set(self, 1):
+                super(AccumulationMixin, self).training_step(self.engine.live_model(), inputs)
 
         self._planner.probe_through_engine(self._window_engine(batch), train_step, self._collective())
 
@@ -287,11 +288,11 @@ class AccumulationMixin:
     def _check_and_plan(self, resume_from_checkpoint):
         """Every check first (`_check_before_probe`, the checkpoint to resume), then the plan: probed, stored or
         given. Returns the checkpoint to resume (True resolved)."""
-        stopping.refuse_unresumable(self.model, resume_from_checkpoint)
+        stopping.refuse_unresumable(self.engine, resume_from_checkpoint)
         self._check_before_probe()
         # a run's checkpoints belong to its target batch (`checkpoints.check_resume`): True resolved, its plan
         resume_from_checkpoint, stored = check_resume(self.args, resume_from_checkpoint,
-                                                      deepspeed=deepspeed_integration.deepspeed_enabled(self))
+                                                      deepspeed=self.engine.own_optimizer_files)
         self._checked_before_probe = True
         levers.apply_requested(self.model, self.args)  # an explicit k (True: Trainer.train sets it)
         self._planner.start(stored, resume_from_checkpoint)

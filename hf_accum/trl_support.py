@@ -106,7 +106,9 @@ def mixed_into(cls: type) -> tuple[str, MixedInto] | None:
     if base is None:
         return None
     name = base.__name__
-    known = TRL_TRAINERS.get(name) if getattr(trl, name, None) is base else None
+    # trl's own class, or one a patch (unsloth, a test's swap) put in its place that derives from it
+    public = getattr(trl, name, None)
+    known = TRL_TRAINERS.get(name) if isinstance(public, type) and issubclass(public, base) else None
     if known is None:
         return f"{base.__module__}.{name}", MixedInto(refusal=(
             "hf_accum does not know the unit of its batches (rows, pairs, groups), so it cannot cut them exactly. "

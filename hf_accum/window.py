@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .loss import Window
-from .oom import free_memory, is_oom
+from .oom import free_memory, guarded
 from .planning.plan import forwards_for
 from .protocol import Local, Phase, Policy, Restart, StopTraining, WindowProtocol
 from .token_budget import TokenBudget
@@ -159,17 +159,8 @@ class WindowEngine:
             self.protocol.before_final()  # raises Restart on every rank together
         elif self.protocol.skipping:  # this window is re-run anyway
             return self._zero()
-        oom = False
-        try:
-            returned = run_chunk(chunk, final)
-        except Restart:
-            raise
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            oom = True
+        returned, oom = guarded(lambda: run_chunk(chunk, final), never=(Restart,))
         if oom:
-            free_memory()  # outside the except block: the traceback's frames (activations) are gone
             if not final:
                 self.protocol.micro_oom()
                 return self._zero()
@@ -183,15 +174,7 @@ class WindowEngine:
         other ranks before its backward. Returns ``(output, keep)``: ``keep`` is 0.0 when this iteration only
         completes DDP's synchronized step before every rank re-runs the window (multiply the loss by it)."""
         spare = sliver(inputs, self.cutter.unit) if self.world > 1 else None  # compute_loss may pop labels
-        oom = False
-        try:
-            out = forward(inputs, *args, **kwargs)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            oom = True
-        if oom:
-            free_memory()
+        out, oom = guarded(lambda: forward(inputs, *args, **kwargs))
         if not self.protocol.after_final_forward(oom):
             return out, 1.0
         if oom:  # the other ranks ran a synchronizing forward: complete that iteration on a sliver

@@ -1,4 +1,4 @@
-"""Shared pytest hooks."""
+"""Shared pytest hooks, fixtures (`tok`) and the trainer factory the tuning tests share (`sft_trainer`)."""
 
 import pytest
 import torch
@@ -22,3 +22,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The tiny model's character-level tokenizer (`hf_accum.tiny`), one per test module."""
+    from hf_accum.tiny import build_tokenizer
+
+    return build_tokenizer()
+
+
+def sft_trainer(tok, model=None, **kw):
+    """An `AccumTrainer` on 48 generated SFT rows (the tiny model unless ``model``), on CPU, saving and reporting
+    nothing; ``kw`` are the arguments (each test module passes its own defaults)."""
+    from hf_accum import AccumTrainer, AccumTrainingArguments
+    from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset
+
+    args = AccumTrainingArguments(**{**dict(use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True), **kw})
+    return AccumTrainer(model=model if model is not None else build_model(tokenizer=tok), args=args,
+                        train_dataset=build_sft_dataset(48, tok), data_collator=SFTCollator(tok))

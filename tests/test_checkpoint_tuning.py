@@ -7,33 +7,27 @@ import logging
 import pytest
 import torch
 
-from hf_accum import AccumTrainer, AccumTrainingArguments
+from hf_accum import AccumTrainingArguments
 from hf_accum.compat import deepspeed_integration, gradient_checkpointing
 from hf_accum.levers import checkpointing
 from hf_accum.planning.plan import Plan
 from hf_accum.planning.store import PLAN_FILE
 from hf_accum.probe_loop import NothingFitsError
-from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
+from hf_accum.tiny import build_model
 
+from .conftest import sft_trainer
 from .exactness import ExplicitArgsWrapper, tiny_llama
 
 MiB = 2**20
 LAYERS = 4
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
 def make(tmp_path, tok, model=None, **kw):
     # the checkpointing lever alone (the selective lever, which contains its levels, is tested in test_selective_lever)
-    defaults = dict(output_dir=str(tmp_path), target_batch_size=16, memory_budget_bytes=9 * MiB, use_cpu=True,
-                    report_to=[], max_steps=2, save_strategy="no", disable_tqdm=True, probe_seq_len=128,
-                    levers="selective=off")
-    args = AccumTrainingArguments(**{**defaults, **kw})
+    defaults = dict(output_dir=str(tmp_path), target_batch_size=16, memory_budget_bytes=9 * MiB, max_steps=2,
+                    probe_seq_len=128, levers="selective=off")
     model = model if model is not None else build_model(tokenizer=tok, num_layers=LAYERS)
-    return AccumTrainer(model=model, args=args, train_dataset=build_sft_dataset(48, tok), data_collator=SFTCollator(tok))
+    return sft_trainer(tok, model, **{**defaults, **kw})
 
 
 def test_auto_measures_both_levels_chooses_verifies_and_applies_k(tmp_path, tok, caplog):

@@ -237,7 +237,7 @@ def test_load_time_sharding_is_read_from_the_model_and_transformers_still_cannot
         return  # transformers 5.17: no load-time sharding (tests/test_fsdp2.py is skipped there)
     assert isinstance(inspect.getattr_static(PreTrainedModel, "is_distributed_loading_by_transformers"), property)
     # hf_accum refuses resume_from_checkpoint for such models because transformers checkpoints no optimizer state
-    # for them; when this refusal goes, resuming may have become possible: revisit AccumTrainer._refuse_unresumable
+    # for them; when this refusal goes, resuming may have become possible: revisit stopping.refuse_unresumable
     assert "Resuming is not supported for models sharded at load time" in inspect.getsource(Trainer.__init__)
 
 

@@ -45,7 +45,7 @@ def child_env(**extra) -> dict:
 
 def launch_two_ranks(out, runs, trainer="accum"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           os.path.join(ROOT, "tests", "ddp_worker.py"), "--out", str(out), "--trainer", trainer, *runs]
+           os.path.join(ROOT, "tests", "workers", "ddp_worker.py"), "--out", str(out), "--trainer", trainer, *runs]
     env = child_env()
     proc = run_two_ranks(cmd, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -105,7 +105,7 @@ def test_two_ranks_cut_an_uneven_window_exactly(tmp_path):
 @pytest.mark.slow
 def test_ranks_with_different_budgets_agree_on_the_most_constrained_plan(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           os.path.join(ROOT, "tests", "ddp_tune_worker.py"), str(tmp_path)]
+           os.path.join(ROOT, "tests", "workers", "ddp_tune_worker.py"), str(tmp_path)]
     env = child_env(KINETO_LOG_LEVEL="3")
     proc = run_two_ranks(cmd, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -137,7 +137,7 @@ def test_ranks_with_different_budgets_agree_on_one_checkpointing_level(tmp_path)
 
 def _torchrun(script, *argv, timeout=600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           os.path.join(ROOT, "tests", script), *map(str, argv)]
+           os.path.join(ROOT, "tests", "workers", script), *map(str, argv)]
     env = child_env(KINETO_LOG_LEVEL="3")
     return run_two_ranks(cmd, env, timeout)
 

@@ -3,7 +3,7 @@ plan reaches the engine (its micro / accumulation / train batch are the plan's; 
 field contradicting it refused), the engine steps once per window however hf_accum cuts it, final weights equal
 DDP's on the same data and target, an out-of-memory error stops every rank, and a resumed run is exact.
 
-The launches skip DeepSpeed's JIT-compiled shm op (inference-only; see `deepspeed_worker.skip_shm_comm_op`), so no
+The launches skip DeepSpeed's JIT-compiled shm op (inference-only; see `workers.deepspeed_worker.skip_shm_comm_op`), so no
 C++ compile runs in CI."""
 
 import importlib.util
@@ -103,7 +103,7 @@ def test_the_op_skip_the_launches_rely_on_means_no_compile():
 
     import deepspeed.ops
 
-    from .deepspeed_worker import skip_shm_comm_op
+    from .workers.deepspeed_worker import skip_shm_comm_op
 
     ops = deepspeed.ops.__compatible_ops__
     saved = dict(ops)
@@ -276,7 +276,7 @@ def test_oom_under_zero3_stops_every_rank_and_use_cpu_false_is_refused(tmp_path)
 @needs_deepspeed
 def test_one_process_pieces_and_oom_stop(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
-           os.path.join(ROOT, "tests", "deepspeed_worker.py"), "single", str(tmp_path)]
+           os.path.join(ROOT, "tests", "workers", "deepspeed_worker.py"), "single", str(tmp_path)]
     env = child_env()
     proc = run_two_ranks(cmd, env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -305,7 +305,7 @@ def test_deepspeed_with_default_arguments(tmp_path):
     """One process, ZeRO-2, no hf_accum argument set beyond the target: it trains; an explicit max_nonfinite_steps is
     refused; nothing fitting because of DeepSpeed's default buckets says so, naming their keys."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
-           os.path.join(ROOT, "tests", "deepspeed_worker.py"), "defaults", str(tmp_path)]
+           os.path.join(ROOT, "tests", "workers", "deepspeed_worker.py"), "defaults", str(tmp_path)]
     proc = run_two_ranks(cmd, child_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((tmp_path / "defaults.json").read_text())

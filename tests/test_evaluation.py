@@ -256,7 +256,7 @@ def test_two_ranks_give_the_single_process_token_mean(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           os.path.join(root, "tests", "ddp_eval_worker.py"), "--out", str(tmp_path), "1", "3", "8"]
+           os.path.join(root, "tests", "workers", "ddp_eval_worker.py"), "--out", str(tmp_path), "1", "3", "8"]
     proc = run_two_ranks(cmd, child_env(), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     import json

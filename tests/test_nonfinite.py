@@ -90,9 +90,9 @@ def test_nan_on_one_rank_makes_both_skip(tmp_path):
 
 def test_under_deepspeed_the_default_is_off_with_one_line_and_only_an_explicit_limit_is_refused(tmp_path, monkeypatch,
                                                                                                    caplog):
-    from hf_accum.compat import deepspeed_integration
+    from hf_accum.engines import Engine
 
-    monkeypatch.setattr(deepspeed_integration, "engine_steps_in_backward", lambda trainer: True)
+    monkeypatch.setattr(Engine, "steps_in_backward", True)  # the engine seam says: steps inside backward
     with caplog.at_level(logging.INFO, logger="hf_accum"):
         trainer = run(tmp_path, nan_calls=[5])  # max_nonfinite_steps left at its default
     assert trainer.args.max_nonfinite_steps is None and not trainer._skips_nonfinite

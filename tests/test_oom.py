@@ -62,3 +62,48 @@ def test_a_real_cpu_allocation_failure_is_recognised():
 
 def test_free_memory_runs_without_cuda():
     free_memory()
+
+
+# --- the one guard (oom.guarded) every step that may run out of memory goes through ------------------------------
+def test_guarded_returns_the_result_or_frees_memory_after_an_oom(monkeypatch):
+    import hf_accum.oom as oom
+
+    freed = []
+    monkeypatch.setattr(oom, "free_memory", lambda: freed.append(True))
+    assert oom.guarded(lambda: 7) == (7, False) and freed == []
+
+    def fails():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert oom.guarded(fails) == (None, True) and freed == [True]
+
+
+def test_guarded_lets_every_other_error_through(monkeypatch):
+    import hf_accum.oom as oom
+
+    monkeypatch.setattr(oom, "free_memory", lambda: pytest.fail("freed after an error that is not an OOM"))
+
+    def shape_error():
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        oom.guarded(shape_error)
+
+    def fails():
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    with pytest.raises(torch.OutOfMemoryError):  # catch=False: the caller cannot recover here
+        oom.guarded(fails, catch=False)
+
+    class Signal(Exception):
+        pass
+
+    def signal_during_an_oom():
+        try:
+            fails()
+        except torch.OutOfMemoryError:
+            raise Signal("re-run") from None  # its __context__ is still the OOM
+
+    assert is_oom(pytest.raises(Signal, signal_during_an_oom).value)  # would be taken for an OOM...
+    with pytest.raises(Signal):
+        oom.guarded(signal_during_an_oom, never=(Signal,))  # ...but `never` lets it through

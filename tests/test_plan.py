@@ -436,3 +436,18 @@ def test_the_goals_hold_on_average_over_a_family_of_curves(shape):
         assert plan_batch(target, 1, search.largest_fit) == plan_batch(target, 1, best)
         trials.append(len(tried))
     assert sum(trials) / len(trials) <= 4
+
+
+# --- the one divisibility check (plan_batch, the probe, the arguments, restoring a plan use it) -------------------
+@pytest.mark.parametrize("target, world, names, expected", [
+    (8, 4, (), None),
+    (12, 1, (), None),
+    (10, 4, (), "target_batch_size=10 is not divisible by world_size=4: micro x accumulation x world must equal it "
+                "exactly. Set target_batch_size to 8 or 12"),
+    (3, 4, ("--target-batch", "--world-size"), "--target-batch=3 is not divisible by --world-size=4: micro x "
+                                               "accumulation x world must equal it exactly. use --target-batch 4"),
+])
+def test_indivisible_target(target, world, names, expected):
+    from hf_accum.planning.plan import indivisible_target
+
+    assert indivisible_target(target, world, *names) == expected

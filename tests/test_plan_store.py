@@ -9,25 +9,18 @@ import sys
 
 import pytest
 
-from hf_accum import AccumTrainer, AccumTrainingArguments
 from hf_accum.planning.plan import Plan
 from hf_accum.planning.store import PLAN_FILE, PlanFileError, canonical, load_stored_plan, plan_from_record
-from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
+from hf_accum.tiny import build_model
+
+from .conftest import sft_trainer
 
 MiB = 2**20
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
 def make(out, tok, model=None, **kw):
-    defaults = dict(output_dir=str(out), target_batch_size=16, memory_budget_bytes=8 * MiB, use_cpu=True,
-                    report_to=[], max_steps=1, save_strategy="no", disable_tqdm=True)
-    args = AccumTrainingArguments(**{**defaults, **kw})
-    return AccumTrainer(model=model or build_model(tokenizer=tok), args=args,
-                        train_dataset=build_sft_dataset(48, tok), data_collator=SFTCollator(tok))
+    defaults = dict(output_dir=str(out), target_batch_size=16, memory_budget_bytes=8 * MiB, max_steps=1)
+    return sft_trainer(tok, model, **{**defaults, **kw})
 
 
 @pytest.mark.parametrize(

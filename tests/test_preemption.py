@@ -19,7 +19,7 @@ from hf_accum.preemption import EXIT_PREEMPTED
 
 from .test_ddp import ROOT, _free_port, child_env, run_two_ranks
 
-WORKER = os.path.join(ROOT, "tests", "preempt_worker.py")
+WORKER = os.path.join(ROOT, "tests", "workers", "preempt_worker.py")
 ENV = child_env()
 
 

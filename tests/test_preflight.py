@@ -6,16 +6,11 @@ import pytest
 import torch
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
-from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
+from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset
 
 from .exactness import lm_examples, pad_collate, tiny_llama
 
 MiB = 2**20
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
 
 
 def tuned(tmp_path, tok, rows, **kw):

@@ -139,3 +139,72 @@ def test_preference_stats_count_both_sequences_of_a_pair():
             {"prompt_ids": [1], "chosen_ids": [4], "rejected_ids": [6, 7, 8, 9]}]
     out = preference_stats(untokenized(), Dataset.from_list(rows))
     assert (out.mean_tokens, out.mean_targets, out.longest) == ((9 + 7) / 2, 1.0, 5)
+
+
+# --- the types as cached (values.encode/decode) and the value rules (recipes/rules.py) --------------------------
+SAMPLES = [None, True, False, 0, 3, -1, 2.5, "abc", "auto", "steps", "no", "cosine", "all-linear", ["a", "b"], [1],
+           {"a": 1}]
+
+
+def _every_field():
+    from peft import LoraConfig
+
+    from hf_accum.recipes.config import training_class
+    from hf_accum.recipes.sections import DataSection, ModelSection
+
+    for cls in {ModelSection, DataSection, LoraConfig, *(training_class(t) for t in ("causal_lm", "seq_cls", "dpo"))}:
+        for key, hint in values.field_types(cls).items():
+            yield f"{cls.__name__}.{key}", hint
+
+
+def test_a_cached_type_answers_as_the_annotation_it_was_read_from():
+    checked = 0
+    for name, hint in _every_field():
+        back = values.decode(json.loads(json.dumps(values.encode(hint))))
+        assert values.describe(back) == values.describe(hint), name
+        assert [values.fits(v, back) for v in SAMPLES] == [values.fits(v, hint) for v in SAMPLES], name
+        checked += 1
+    assert checked > 300  # every field of the sections, peft's LoraConfig and the three trainer configs
+
+
+def test_the_rules_name_keys_that_exist_and_choices_the_library_takes():
+    import torch
+
+    from hf_accum.loss import NORMALIZATIONS
+    from hf_accum.recipes import rules
+    from hf_accum.recipes.config import valid_keys
+
+    keys = {f"{s}.{k}" for task in rules.TASKS for s, ks in valid_keys(task).items() for k in ks}
+    assert {rule.key for rule in rules.RULES} <= keys
+    assert rules.LOSS_NORMALIZATIONS == NORMALIZATIONS
+    assert all(getattr(torch, name).is_floating_point for name in rules.WEIGHT_DTYPES if name != "auto")
+
+
+# A value the recipe rules refuse is refused by the arguments too (the Python API), so the table adds speed, never
+# a rule of its own.
+@pytest.mark.parametrize("field,value", [
+    ("learning_rate", -1.0), ("learning_rate", float("nan")), ("max_steps", 0), ("max_steps", -2),
+    ("target_batch_size", 0), ("per_device_train_batch_size", 0), ("gradient_accumulation_steps", 0),
+    ("memory_budget_bytes", 0), ("probe_seq_len", 0), ("probe_max_micro_batch", 0), ("max_tokens_per_forward", 0),
+    ("memory_budget", 1.5), ("memory_budget", 0.0), ("grow_back_steps", -1), ("checkpoint_layers", "abc"),
+    ("checkpoint_layers", -1), ("loss_normalization", "mean"), ("micro_batching", "rows"),
+    ("auto_tune_optimize", "speed"),
+])
+def test_what_the_rules_refuse_the_arguments_refuse(field, value, tmp_path):
+    from hf_accum import AccumTrainingArguments
+    from hf_accum.recipes import rules
+
+    with pytest.raises(RecipeError, match=f"training.{field}="):
+        rules.check_values({"training": {field: value}})
+    with pytest.raises(ValueError, match=f"{field}="):
+        AccumTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, **{field: value})
+
+
+def test_num_train_epochs_zero_is_refused_only_without_max_steps():
+    from hf_accum.recipes import rules
+
+    with pytest.raises(RecipeError, match="num_train_epochs=0 with max_steps=-1 trains nothing"):
+        rules.check_values({"training": {"num_train_epochs": 0, "max_steps": -1}})
+    with pytest.raises(RecipeError, match="num_train_epochs=0 with max_steps=-1"):
+        rules.check_values({"training": {"num_train_epochs": 0}})  # max_steps unset: -1
+    rules.check_values({"training": {"num_train_epochs": 0, "max_steps": 60}})  # max_steps decides: no error

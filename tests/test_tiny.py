@@ -9,11 +9,6 @@ from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments
 from hf_accum import tiny
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return tiny.build_tokenizer()
-
-
 def _targets(row):
     # Causal-LM losses shift labels by one, so position 0 is never a target.
     return sum(x != tiny.IGNORE_INDEX for x in row["labels"][1:])

@@ -307,7 +307,7 @@ def test_check_accumulation_in_tokens_mode_runs_one_forward_not_the_window(tmp_p
 
 
 def test_a_forwards_cost_in_tokens_is_read_from_the_probes_step_times():
-    from hf_accum.planning.tuning import _forward_tokens
+    from hf_accum.planning.tokens import _forward_tokens
     from hf_accum.probe_loop import Trial
 
     def trial(rows, length, overhead):

@@ -174,6 +174,18 @@ def test_a_trl_trainer_missing_from_the_table_is_refused():
         type("MyORPO", (AccumulationMixin, ORPOTrainer), {})(model="not loaded")
 
 
+def test_a_trl_trainer_replaced_by_a_subclass_in_trls_namespace_is_still_known(monkeypatch):
+    # unsloth (and trl_swap_suite.py's swap) put a subclass in place of trl.RewardTrainer: the mixin must still know
+    # RewardTrainer's unit, not refuse it as an unknown TRL class
+    from hf_accum.trl import AccumRewardTrainer, mixed_into
+
+    patched = type("PatchedRewardTrainer", (trl.RewardTrainer,), {})
+    monkeypatch.setattr(trl, "RewardTrainer", patched)
+    assert mixed_into(AccumRewardTrainer) == ("trl.RewardTrainer", TRL_TRAINERS["RewardTrainer"])
+    monkeypatch.setattr(trl, "RewardTrainer", object)  # not a subclass: not TRL's RewardTrainer any more
+    assert mixed_into(AccumRewardTrainer)[1].refusal is not None
+
+
 def dpo_trainer(tmp_path, cls, **config):
     tok = tiny.build_tokenizer()
     model = tiny.build_model("causal_lm", tokenizer=tok, dtype=torch.float64, hidden_size=32)

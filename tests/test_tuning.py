@@ -13,22 +13,16 @@ from hf_accum import AccumTrainer, AccumTrainingArguments
 from hf_accum.meters import CpuMeter
 from hf_accum.planning.store import PLAN_FILE
 from hf_accum.probe_loop import NothingFitsError
-from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
+from hf_accum.tiny import build_model
+
+from .conftest import sft_trainer
 
 MiB = 2**20
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
 def make(tmp_path, tok, **kw):
-    defaults = dict(output_dir=str(tmp_path), target_batch_size=16, memory_budget_bytes=8 * MiB, use_cpu=True,
-                    report_to=[], max_steps=2, save_strategy="no", disable_tqdm=True)
-    args = AccumTrainingArguments(**{**defaults, **kw})
-    return AccumTrainer(model=build_model(tokenizer=tok), args=args, train_dataset=build_sft_dataset(48, tok),
-                        data_collator=SFTCollator(tok))
+    defaults = dict(output_dir=str(tmp_path), target_batch_size=16, memory_budget_bytes=8 * MiB, max_steps=2)
+    return sft_trainer(tok, **{**defaults, **kw})
 
 
 def test_plan_is_measured_applied_and_written(tmp_path, tok, caplog):
@@ -205,7 +199,7 @@ def test_the_probes_step_bounds_a_real_training_step_on_padded_rows(tmp_path):
     import random
 
     from hf_accum.meters import CpuMeter, live_tensor_bytes
-    from hf_accum.planning.tuning import probe_batches
+    from hf_accum.planning.data_scan import probe_batches
     from hf_accum.probe import make_step_fn
 
     from .exactness import pad_collate, tiny_llama

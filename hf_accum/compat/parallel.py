@@ -1,5 +1,6 @@
-"""How the model is parallelized, read from torch and accelerate: DDP's and FSDP2's gradient-sync switches,
-parameters sharded at load time, and which window-protocol policy an engine allows. Pinned by tests/test_compat.py.
+"""How the model is parallelized, read from torch and accelerate: accelerate's FSDP, DDP's and FSDP2's
+gradient-sync switches, parameters sharded in place or at load time (what `hf_accum/engines/` reads to tell the
+engines apart). Pinned by tests/test_compat.py.
 """
 
 from __future__ import annotations
@@ -7,17 +8,16 @@ from __future__ import annotations
 import contextlib
 
 
-def window_policy(trainer, collectives_in_compute_loss: bool):
-    """``stop`` where some forward or backward runs collectives, so one rank may not skip it: FSDP / DeepSpeed
-    (accelerate's distributed type), parameters already sharded as DTensors (FSDP2 applied at load), or a
-    trainer whose `compute_loss` gathers metrics; ``rerun`` otherwise (one process, DDP)."""
+def accelerate_fsdp(trainer) -> bool:
+    """accelerate runs FSDP (``fsdp=``: its distributed type)."""
     from accelerate.utils import DistributedType
 
-    from ..protocol import Policy
+    return trainer.accelerator.distributed_type is DistributedType.FSDP
 
-    sharded_engine = trainer.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-    dtensor = any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())
-    return Policy.STOP if sharded_engine or dtensor or collectives_in_compute_loss else Policy.RERUN
+
+def has_dtensors(model) -> bool:
+    """Some parameter is a DTensor (sharded in place: FSDP2, or sharded at load time)."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 def is_fsdp2(model) -> bool:

@@ -1,11 +1,11 @@
-"""The probe through a live DeepSpeed engine.
+"""The probe through a live engine (DeepSpeed: `engines.deepspeed`), through the engine seam only.
 
 ZeRO partitions parameters, gradients and optimizer state when the engine is built, gathers ZeRO-3's parameters
 in every forward, and may offload: memory measured on the unwrapped model is not what training uses. So under
 DeepSpeed `train()` builds the engine first (each rank loading its whole window, which any micro-batch can cut),
 and at the first window the probe runs real steps through it — the Trainer's own `training_step` on the engine,
 its backward, its optimizer step at the boundary — at each micro-batch under test; then the engine is put back as
-it was (`deepspeed_integration.deepspeed_state_restored`: weights, optimizer state, schedule, counters).
+it was (`Engine.state_restored`: weights, optimizer state, schedule, counters).
 
 Those steps run collectives on every rank, so every rank must run the same trials in the same order: the budget
 and the limit are the smallest over the ranks, and each measurement is the largest over the ranks (one exchange
@@ -19,9 +19,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..compat import deepspeed_integration
-from ..meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes
-from ..oom import is_oom
+from ..meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes, format_bytes
+from ..oom import guarded
 from ..preserve import modes_and_rng_preserved
 from ..probe import plan_from_result
 from ..probe_loop import MakeBatch, NothingFitsError, ProbeResult, probe_micro_batches
@@ -52,11 +51,9 @@ class AgreedMeter(Meter):
         return self._run(lambda: self.inner.time(fn, micro_batch_size=micro_batch_size), micro_batch_size)
 
     def _run(self, measure, micro: int | None):
-        try:
-            return measure()
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
+        value, oom = guarded(measure)
+        if not oom:
+            return value
         fix = (f"lower {self.names} or set probe_max_micro_batch below {micro}" if micro and micro > 1 else
                self.fit_one or "to fit micro-batch 1, enable gradient_checkpointing, train LoRA adapters or offload to "
                "CPU in the DeepSpeed config")
@@ -99,25 +96,26 @@ def probe_through_engine(
     world = collective.world
     per_rank = args.target_batch_size // world
     cap = per_rank if max_micro_batch is None else min(per_rank, max_micro_batch)
-    engine = deepspeed_integration.engine_label(trainer)
+    seam = trainer.engine
+    engine = seam.label
     if isinstance(meter, CpuMeter) and meter.resident is None:
         meter = CpuMeter(resident=all_live_tensor_bytes)  # the profiler sees no tensor allocated before a step
     budget, limit = smallest(collective, budget_bytes, meter.capacity_bytes() - meter.unavailable_bytes())
-    state, buckets, element = _model_and_buffers(trainer)
+    state, buckets, element = _model_and_buffers(trainer.model, seam)
     fit_one = None
     if buffers_dominate(limit, state, buckets, element):  # an OOM at micro-batch 1 is then most likely theirs
         fit_one = (f"DeepSpeed's own communication buffers ({_sizes(buckets)} elements of {element} bytes) could "
                    f"take half of the memory this process can use, the model's weights, gradients and optimizer "
                    f"state far less: set smaller ones in the DeepSpeed config's \"zero_optimization\"")
     agreed = AgreedMeter(meter, collective, engine, budget_names, fit_one)
-    log(f"probing through {engine} at length {seq_len} (budget {budget / 2**20:.1f} MiB on every rank)")
+    log(f"probing through {engine} at length {seq_len} (budget {format_bytes(budget)} on every rank)")
 
     def step_fn(micro: int) -> None:  # a window of one micro-batch, as the engine is told
-        deepspeed_integration.set_deepspeed_batch(trainer, micro, 1)
+        seam.set_live_batch(micro, 1)
         train_step(make_batch(micro))
 
     try:
-        with deepspeed_integration.deepspeed_state_restored(trainer, os.path.join(args.output_dir, SCRATCH)), \
+        with seam.state_restored(os.path.join(args.output_dir, SCRATCH)), \
                 modes_and_rng_preserved(trainer.model):
             result = probe_micro_batches(step_fn, agreed, budget, cap, must_resolve=forward_breakpoints(per_rank),
                                          optimize=args.auto_tune_optimize, limit_bytes=limit, log=log)
@@ -141,11 +139,11 @@ def probe_through_engine(
 
 
 # --- when DeepSpeed's own buffers, not the model, are what does not fit -----------------------------------------
-def _model_and_buffers(trainer) -> tuple[int, dict[str, int], int]:
+def _model_and_buffers(model, engine) -> tuple[int, dict[str, int], int]:
     """The model's state bytes, the engine's bucket sizes (elements) and the element size its gradients use."""
-    params = list(trainer.model.parameters())
+    params = list(model.parameters())
     element = max((p.element_size() for p in params if p.requires_grad), default=4)
-    return model_state_bytes(params), deepspeed_integration.deepspeed_buckets(trainer), element
+    return model_state_bytes(params), engine.buffers(), element
 
 
 def _sizes(buckets: dict[str, int]) -> str:
@@ -172,14 +170,12 @@ def buffers_dominate(need_bytes: int, state_bytes: int, buckets: dict[str, int],
 
 def buffers_message(engine: str, need_bytes: int, budget_bytes: int, state_bytes: int, buckets: dict[str, int],
                     element_size: int) -> str:
-    from ..probe_loop import _gib
-
     sizes = _sizes(buckets)
     smaller = max(10 ** max(0, len(str(budget_bytes // 10 // element_size)) - 1), 1)  # a tenth of the budget
     return (
-        f"even micro-batch 1 does not fit: one training step through {engine} needs {_gib(need_bytes)} against a "
-        f"budget of {_gib(budget_bytes)}, and the model's weights, gradients and optimizer state are only "
-        f"{_gib(state_bytes)}: the rest is mostly DeepSpeed's own communication buffers ({sizes} elements of "
+        f"even micro-batch 1 does not fit: one training step through {engine} needs {format_bytes(need_bytes)} against a "
+        f"budget of {format_bytes(budget_bytes)}, and the model's weights, gradients and optimizer state are only "
+        f"{format_bytes(state_bytes)}: the rest is mostly DeepSpeed's own communication buffers ({sizes} elements of "
         f"{element_size} bytes; DeepSpeed's defaults where not set). Set them in the DeepSpeed config's "
         f'"zero_optimization" (e.g. ' + ", ".join(f'"{k}": {smaller}' for k in buckets) + "), or raise the "
         "memory budget; gradient checkpointing or LoRA would not shrink them."

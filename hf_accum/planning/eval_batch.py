@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
-from ..meters import CpuMeter, live_tensor_bytes
-from ..oom import free_memory, is_oom
+from ..meters import CpuMeter, format_bytes, live_tensor_bytes
+from ..oom import guarded
 from ..preserve import modes_and_rng_preserved
 from ..probe import resolve_budget
 from ..protocol import Local, TorchDistributed
 from ..settings import Settings
 from . import tuning
+from .data_scan import example_length, longest_index
 
 logger = logging.getLogger(__name__)
 
@@ -79,16 +80,8 @@ def choose_eval_batch(run: Callable[[dict], Any], make_batch: Callable[[int], di
     def fits(b: int) -> bool:
         batch = make_batch(b)
         held: list = []
-        try:
-            m = meter.measure(lambda: held.append(run(batch)), micro_batch_size=b)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            failed = True
-        else:
-            failed = False
+        m, failed = guarded(lambda: meter.measure(lambda: held.append(run(batch)), micro_batch_size=b))
         if failed:
-            free_memory()
             return False
         peaks[b] = m.charged_bytes + m.rounding_bytes
         kept[b] = _nbytes(held[0][1:] if held and isinstance(held[0], tuple) else None)
@@ -125,7 +118,7 @@ def plan_eval_batch(trainer, dataset, *, budget: int | None, run) -> EvalBatchCh
         return None
     loader = trainer.get_eval_dataloader(dataset)
     base = loader.dataset
-    example = base[max(range(len(base)), key=lambda i: tuning._length(base[i]))]
+    example = base[longest_index([example_length(base[i]) for i in range(len(base))])]
     collate = loader.collate_fn
     model = trainer.model
     meter = tuning.default_meter(model)
@@ -153,8 +146,8 @@ def plan_eval_batch(trainer, dataset, *, budget: int | None, run) -> EvalBatchCh
         choice = dataclasses.replace(choice, batch_size=agreed)
     given = args.per_device_eval_batch_size
     logger.warning("hf_accum: eval batch %d per rank: the largest whose measured evaluation step (the longest eval "
-                   "example, %s) fits the budget of %.1f MiB (peak %.1f MiB, %d trials)%s%s", choice.batch_size,
-                   "loss only" if loss_only else "logits kept", budget / 2**20, choice.peak_bytes / 2**20,
+                   "example, %s) fits the budget of %s (peak %s, %d trials)%s%s", choice.batch_size,
+                   "loss only" if loss_only else "logits kept", format_bytes(budget), format_bytes(choice.peak_bytes),
                    len(choice.trials),
                    "" if choice.accumulation_steps is None else
                    f"; eval_accumulation_steps {choice.accumulation_steps} unless set",

@@ -74,6 +74,19 @@ def nearest_exact_targets(target_batch_size: int, world_size: int) -> tuple[int,
     return (below, above) if below >= world_size else (above,)
 
 
+def indivisible_target(target_batch_size: int, world_size: int, target_name: str = "target_batch_size",
+                       world_name: str = "world_size") -> str | None:
+    """None when ``world_size`` ranks share ``target_batch_size`` samples equally; otherwise the one-line reason,
+    naming both settings (as the caller spells them: a flag's fix reads "use --flag N") and the nearest exact
+    targets. The one divisibility check."""
+    if target_batch_size % world_size == 0:
+        return None
+    options = " or ".join(map(str, nearest_exact_targets(target_batch_size, world_size)))
+    fix = f"use {target_name} {options}" if target_name.startswith("--") else f"Set {target_name} to {options}"
+    return (f"{target_name}={target_batch_size} is not divisible by {world_name}={world_size}: micro x accumulation x "
+            f"world must equal it exactly. {fix}")
+
+
 # --- memory model -------------------------------------------------------------------------------------
 def fit_memory_model(points: Iterable[tuple[int, float]], *, tail: int = 2) -> tuple[float, float]:
     """Least-squares line ``bytes ≈ a + b * micro`` through the ``tail`` largest micro-batch sizes.
@@ -239,13 +252,9 @@ def plan_batch(target_batch_size: int, world_size: int, max_micro_batch_size: in
     for name, value in (("target_batch_size", target_batch_size), ("world_size", world_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if target_batch_size % world_size:
-        options = " or ".join(str(t) for t in nearest_exact_targets(target_batch_size, world_size))
-        raise ValueError(
-            f"target_batch_size={target_batch_size} is not divisible by world_size={world_size}: "
-            f"micro × accumulation × world must equal the target exactly. Set target_batch_size to {options}, "
-            f"or run on a world size that divides {target_batch_size}."
-        )
+    problem = indivisible_target(target_batch_size, world_size)
+    if problem:
+        raise ValueError(f"{problem}, or run on a world size that divides {target_batch_size}.")
     if max_micro_batch_size < 1:
         raise ValueError(
             f"no micro-batch fits in memory (max_micro_batch_size={max_micro_batch_size}), so no plan reaches "

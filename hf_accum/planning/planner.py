@@ -2,7 +2,8 @@
 
 Everything the plan decides is written here and nowhere else: the plan, its key and the probe record; the per-device
 train and eval batch sizes and the accumulation steps on the trainer's copy of the arguments; the Trainer's private
-`_train_batch_size`; the window engine's cut and token budget; DeepSpeed's batch fields; the plan file. It writes at
+`_train_batch_size`; the window engine's cut and token budget; the engine's batch (DeepSpeed's batch fields, through
+the engine seam `trainer.engine`); the plan file. It writes at
 start (probe, stored or given plan), after an out-of-memory error (through its `OomPolicy`), when a lowered plan grows
 back (`step_ended`, after `grow_back_steps` clean optimizer steps) and when the eval batch is measured. The trainer
 reads `trainer.plan`; recipes and the CLI save through `save()`.
@@ -18,10 +19,9 @@ import logging
 import weakref
 from collections.abc import Callable
 
-from ..compat import deepspeed_integration, parallel
 from ..growback import GrowBack
 from ..levers import get_lever
-from ..protocol import Collective, Policy, StopTraining
+from ..protocol import Collective, StopTraining
 from ..settings import Settings
 from ..token_budget import TokenBudget
 from . import tuning
@@ -46,7 +46,7 @@ class Planner:
         self.probe_result = None
         self.reused_probe: dict | None = None  # the probe record of a reused plan file: kept when it is rewritten
         self.budget_bytes: int | None = None  # the memory budget tune() resolved (the eval batch is measured in it)
-        self.pending_probe: tuning.Prepared | None = None  # DeepSpeed: probed through the engine, in the loop
+        self.pending_probe: tuning.Prepared | None = None  # probed through the engine (DeepSpeed), in the loop
         self.probing = False  # left set when the probe stops the run: the stop message says so
         self.stores_plan = True  # `hf-accum probe RECIPE` saves the plan itself, where it is kept
         self.eval_planned = False  # auto_eval_batch_size: measured (or taken from a stored plan)
@@ -79,7 +79,7 @@ class Planner:
 
     def on_engine(self, plan: Plan) -> Plan:
         """The plan, naming the sharded engine that runs it (DeepSpeed and its ZeRO stage)."""
-        label = deepspeed_integration.engine_label(self._trainer)
+        label = self._trainer.engine.label
         return plan if label is None else dataclasses.replace(plan, engine=label)
 
     def given_plan(self) -> Plan:
@@ -100,9 +100,8 @@ class Planner:
         (same samples per window: the effective batch and step count are kept); here the plan is only recorded."""
         trainer, args = self._trainer, self._trainer.args
         plan = self.on_engine(plan)
-        into_deepspeed = not in_training_loop and deepspeed_integration.deepspeed_stage(trainer) is not None
-        if into_deepspeed:
-            self._check_deepspeed_batch(plan)  # before anything changes
+        if not in_training_loop:
+            trainer.engine.check_plan(plan)  # before anything changes
         engine = trainer._engine
         if engine is not None:
             engine.token_budget = token_budget(plan)
@@ -116,9 +115,7 @@ class Planner:
             set_train_batch_size(trainer, micro)
             if engine is not None:
                 engine.cut_units = self.cut(plan)
-            if into_deepspeed and args.deepspeed is not None:
-                # the engine, built in train(), gets the plan: "auto" batch fields filled from these arguments
-                deepspeed_integration.fill_deepspeed_config(trainer)
+            trainer.engine.plan_applied()  # the engine train() builds gets the plan (DeepSpeed's config)
         if plan.eval_batch_size is not None:  # a stored plan: measured at an earlier run's first evaluation
             args.per_device_eval_batch_size = plan.eval_batch_size
             self.eval_planned = True
@@ -135,21 +132,6 @@ class Planner:
             else self.reused_probe
         return save_plan(folder, self.key or {}, plan or self.plan, record)
 
-    def _check_deepspeed_batch(self, plan: Plan) -> None:
-        """Before the DeepSpeed engine is built, its batch fields must be able to take the plan: an explicit value
-        that contradicts it is refused, naming the field. (A live engine's fields are never changed: a plan changed
-        inside the loop is applied by cutting loaded batches, the engine stepping once per window.) Launched with
-        accelerate's DeepSpeed plugin instead of `deepspeed=`, its already-filled values must equal the plan."""
-        from ..deepspeed_batch import batch_contradiction
-
-        trainer = self._trainer
-        user = trainer.args.deepspeed
-        config = deepspeed_integration.deepspeed_user_config(user) if user is not None else deepspeed_integration.deepspeed_batch_config(trainer)
-        problem = batch_contradiction(config, plan.micro_batch_size, plan.gradient_accumulation_steps,
-                                      plan.world_size, plan.describe())
-        if problem:
-            raise ValueError(problem)
-
     # --- at start ---------------------------------------------------------------------------------------------
     def start(self, stored: Plan | None, resuming) -> None:
         """The plan train() runs with: probed (or reused from the plan file), given, or the checkpoint's."""
@@ -157,8 +139,8 @@ class Planner:
         if self.plan_given:  # recorded by an earlier train(): the arguments may have changed since
             self.plan, self.plan_given = None, False
         tunes = Settings(args).tunes
-        if tunes and self.plan is None and deepspeed_integration.deepspeed_stage(trainer) is not None:
-            self._tune_deepspeed()
+        if tunes and self.plan is None and trainer.engine.probes_through_engine:
+            self._tune_through_engine()
         elif tunes and self.plan is None:  # a tune() before train() counts
             trainer.tune()
         elif Settings(args).micro_batching == "tokens" and self.plan is None:
@@ -168,13 +150,13 @@ class Planner:
         if self.plan is None:  # the sizes as given are the plan in force: trainer.plan.describe() works
             world = trainer.accelerator.num_processes
             micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-            self.plan, self.plan_given = Plan(micro, accumulation, world, micro * accumulation * world), True
+            self.plan, self.plan_given = Plan(micro, accumulation, world, Settings(args).given_batch(world)), True
 
     def _given_token_plan(self) -> Plan:
         """micro_batching="tokens" with auto_tune off: the window as given, loaded whole, cut by the given budget."""
         trainer = self._trainer
         args, world = trainer.args, trainer.accelerator.num_processes
-        per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        per_rank = Settings(args).given_batch(world=1)
         return Plan(per_rank, 1, world, per_rank * world, token_budget=args.max_tokens_per_forward)
 
     def tune(self) -> Plan:
@@ -182,22 +164,19 @@ class Planner:
         trainer = self._trainer
         prepared = tuning.prepare(trainer)
         self.budget_bytes = prepared.budget
-        if prepared.stored is None and deepspeed_integration.deepspeed_stage(trainer) is not None:
-            raise ValueError(
-                "tune() cannot probe a DeepSpeed run before train(): ZeRO partitions the model when train() builds "
-                "the engine, and the probe measures through that engine. Call train() (it probes at the first "
-                "window), or set auto_tune=False with per_device_train_batch_size x gradient_accumulation_steps x "
-                f"world size = target_batch_size={trainer.args.target_batch_size}."
-            )
+        problem = trainer.engine.probe_before_train(trainer.args.target_batch_size) if prepared.stored is None else None
+        if problem:
+            raise ValueError(problem)
         plan, self.probe_result, self.key = tuning.tune(trainer, prepared, store=self.stores_plan)
         self.reused_probe = prepared.stored[1].get("probe") if prepared.stored is not None else None
         self.apply(plan)
         return plan
 
-    def _tune_deepspeed(self) -> None:
-        """Under DeepSpeed a stored plan is applied as usual; otherwise each rank loads its whole window (micro = the
-        per-rank target, accumulation 1: the engine is built for that) and the probe runs through the engine at
-        the first window (`probe_through_engine`), whose plan then cuts every loaded window."""
+    def _tune_through_engine(self) -> None:
+        """Where the probe runs through the engine (DeepSpeed), a stored plan is applied as usual; otherwise each
+        rank loads its whole window (micro = the per-rank target, accumulation 1: the engine is built for that) and
+        the probe runs through the engine at the first window (`probe_through_engine`), whose plan then cuts every
+        loaded window."""
         trainer = self._trainer
         prepared = tuning.prepare(trainer)
         if prepared.stored is not None:
@@ -212,7 +191,7 @@ class Planner:
         self.pending_probe = prepared
 
     def probe_through_engine(self, engine, train_step: Callable, collective: Collective) -> None:
-        """DeepSpeed: the probe pending since `start`, run through the live engine (``train_step(batch)``: one real
+        """The probe pending since `start`, run through the live engine (DeepSpeed) (``train_step(batch)``: one real
         step through it), then the plan cuts every loaded window of ``engine``."""
         trainer = self._trainer
         prepared, self.pending_probe = self.pending_probe, None
@@ -229,7 +208,7 @@ class Planner:
         self.plan = plan = self.on_engine(plan)
         self.configure(engine)  # each loaded window, cut into the plan's forwards
         # the engine loads whole windows, as the Trainer does; hf_accum sets its boundary per forward
-        deepspeed_integration.set_deepspeed_batch(trainer, plan.window, 1)
+        trainer.engine.set_live_batch(plan.window, 1)
 
     # --- after an out-of-memory error -------------------------------------------------------------------------
     def _in_force(self, units: int | None) -> InForce:
@@ -248,7 +227,7 @@ class Planner:
         """The engine's next cut after an OOM, applied as the plan in force (the effective batch and the step
         count are kept)."""
         trainer = self._trainer
-        self._refuse_rerun_under_deepspeed()
+        self._refuse_rerun()
         plan = self.smaller(units)
         if plan is None:
             raise RuntimeError(
@@ -266,7 +245,7 @@ class Planner:
     def after_oom_tokens(self, budget: TokenBudget) -> TokenBudget:
         """micro_batching="tokens": after an OOM, the policy's smaller token budget (same samples, same windows)."""
         trainer = self._trainer
-        self._refuse_rerun_under_deepspeed()
+        self._refuse_rerun()
         longest = trainer._engine.longest_loaded_unit()
         smaller = self.policy.smaller_tokens(budget, longest)
         if smaller is None:
@@ -310,13 +289,13 @@ class Planner:
         self.apply(plan, in_training_loop=True)
         self._trainer._engine.cut_units = self.cut(self.plan)
 
-    def _refuse_rerun_under_deepspeed(self) -> None:
-        """Re-running a window needs its gradients cleared; DeepSpeed ZeRO reduces each backward's gradients into its
-        own partitions, which `zero_grad` does not clear (and steps inside the final backward). So under DeepSpeed an
-        out-of-memory error stops every rank, one process included, with the plan to restart with."""
-        if deepspeed_integration.engine_steps_in_backward(self._trainer):
-            raise StopTraining("out of memory under DeepSpeed, whose engine already holds this window's reduced "
-                               "gradients in its own partitions (they cannot be cleared to re-run the window)")
+    def _refuse_rerun(self) -> None:
+        """Re-running a window needs its gradients cleared; an engine that reduces each backward's gradients into its
+        own partitions (DeepSpeed ZeRO: `zero_grad` does not clear them) says why not, and an out-of-memory error
+        then stops every rank, one process included, with the plan to restart with."""
+        reason = self._trainer.engine.no_rerun_reason
+        if reason:
+            raise StopTraining(reason)
 
     def restart_setting(self) -> str:
         """What to restart with after a stop: the settings of the plan one step smaller than the one in force."""
@@ -337,8 +316,7 @@ class Planner:
         asked, auto = auto, Settings(trainer.args).tunes if auto is None else auto
         if not auto or self.eval_planned:
             return False
-        if deepspeed_integration.deepspeed_enabled(trainer) or (trainer.accelerator.num_processes > 1 and parallel.window_policy(
-                trainer, collectives_in_compute_loss) is not Policy.RERUN):
+        if not trainer.engine.measures_eval_batch(collectives_in_compute_loss):
             # Each rank searches on its own: not where forwards run collectives (FSDP, ZeRO, TRL's metrics).
             self.eval_planned = True
             (logger.warning if asked else logger.info)(

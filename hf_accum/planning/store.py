@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
-from ..compat import checkpoint_files, deepspeed_integration, torch_features
+from ..compat import checkpoint_files, torch_features
 from ..levers.checkpointing import checkpointing_enabled
+from ..paths import PLAN_FILE
 from ..settings import Settings
-from .plan import OPTIONAL_FIELDS, Plan, plan_for_micro
+from .plan import OPTIONAL_FIELDS, Plan, indivisible_target, plan_for_micro
 
 logger = logging.getLogger(__name__)
 
-PLAN_FILE = "hf_accum_plan.json"
 _PLAN_FIELDS = ("micro_batch_size", "gradient_accumulation_steps", "world_size", "target_batch_size")
 
 
@@ -72,10 +72,10 @@ def key_fields(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> di
         "probe_max_micro_batch": args.probe_max_micro_batch,
         "target_batch_size": args.target_batch_size,
         "world_size": args.world_size,
-        "engine": deepspeed_integration.engine_label(trainer),
+        "engine": trainer.engine.label,
         "optimize": args.auto_tune_optimize,
         "micro_batching": args.micro_batching,
-        "versions": {name: _version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes")},
+        "versions": {name: library_version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes")},
     }
 
 
@@ -101,7 +101,7 @@ def canonical(value: Any) -> Any:
     return str(value)
 
 
-def _version(name: str) -> str | None:
+def library_version(name: str) -> str | None:
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -195,8 +195,9 @@ def restore_plan(checkpoint: str, world_size: int = 1) -> Plan:
     target = saved.get("target_batch_size")
     if not isinstance(target, int) or isinstance(target, bool) or target < 1:
         raise ValueError(f"{checkpoint}: its training_args.bin holds no target_batch_size; nothing to restore from.")
-    if target % world_size:
-        raise ValueError(f"{checkpoint}: target_batch_size={target} is not divisible by world_size={world_size}.")
+    problem = indivisible_target(target, world_size)
+    if problem:
+        raise ValueError(f"{checkpoint}: {problem}.")
     per_rank = target // world_size
     started = saved.get("per_device_train_batch_size")
     cap = started if isinstance(started, int) and started > 0 else per_rank

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..loading import KBIT_PREPARATIONS
+from . import rules
 from .files import SECTIONS, RecipeError, parse_value, read_yaml, recipe_path
+from .rules import TASKS
 from .sections import DataSection, ModelSection
 
 ALIASES = {"model": "model.name", "dataset": "data.dataset"}
-# model.task -> the peft task type of its LoRA. "dpo" trains a causal LM on preference pairs.
-TASKS = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS", "dpo": "CAUSAL_LM"}
 # model.task -> the class of its `training` section (module, name): the trainer's own config, so every key TRL
 # accepts is a recipe key. Imported on first use (TRL is slow to import; classification does not need it).
 TRAINING_CLASSES = {
@@ -66,7 +65,7 @@ def valid_keys(task: str = "causal_lm") -> dict[str, list[str]]:
 # --- the key lists, cached: reading them imports peft, TRL and transformers (seconds), so a mistyped key would take
 # that long to report. They are stored per installed version of those libraries and of hf_accum's own field
 # definitions; the first run after an install or upgrade reads them from the classes.
-_KEY_SOURCES = ("args.py", "trl.py", "tiny.py", "recipes/config.py", "recipes/sections.py")
+_KEY_SOURCES = ("args.py", "trl.py", "tiny.py", "recipes/config.py", "recipes/sections.py", "recipes/values.py")
 
 
 def _keys_cache_file() -> Path | None:
@@ -299,6 +298,7 @@ def load_recipe(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[
                 for sub in value:
                     resolve_key(f"{'.'.join(path_)}.{sub}", keys)
     check_types(config)
+    rules.check_values(config)
     task = task_of(config)
     if task != "seq_cls" and "max_length" in (config.get("data") or {}):
         raise RecipeError(f"data.max_length does not apply to model.task={task!r}: TRL tokenizes and truncates, so set "
@@ -347,82 +347,36 @@ def _layers_override_the_flag(config: dict[str, Any], overrides: Sequence[str]) 
             (config.get("training") or {}).pop(flag, None)
 
 
-# Values the run interprets before the dataclass sees them (checkpoint_layers: the field is a string for the
-# command-line parser, and the arguments take an integer K as well).
-_EXTRA_TYPES: dict[tuple[str, str], Any] = {("training", "resume_from_checkpoint"): bool | str | None,
-                                            ("training", "checkpoint_layers"): int | str | None}
-
-
 def _section_classes(task: str = "causal_lm") -> dict[str, type]:
     from peft import LoraConfig
 
     return {"model": ModelSection, "data": DataSection, "lora": LoraConfig, "training": training_class(task)}
 
 
+def field_specs(task: str = "causal_lm") -> dict[str, dict[str, list]]:
+    """section -> key -> [its annotation as JSON (`values.encode`), its default]: what `rules.check_types` reads,
+    cached with the keys (reading it imports the classes)."""
+    def read() -> dict[str, dict[str, list]]:
+        from .values import encode, field_types, plain_default
+
+        out = {}
+        for section, cls in _section_classes(task).items():
+            defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+            out[section] = {key: [encode(hint), plain_default(defaults.get(key))]
+                            for key, hint in field_types(cls).items()}
+        return out
+
+    return _cached(f"types:{task}", read)
+
+
 def check_types(config: dict[str, Any]) -> None:
     """Every value has its field's type (`learning_rate=abc` is an error here, not a TypeError mid-run)."""
-    from .values import describe, field_types, fits, kind
-
-    classes = _section_classes(task_of(config))
-    for section, values in config.items():
-        types = field_types(classes[section]) if section in classes else {}
-        defaults = {f.name: f.default for f in dataclasses.fields(classes[section])} if section in classes else {}
-        for key, value in (values or {}).items():
-            hint = _EXTRA_TYPES.get((section, key), types.get(key))
-            if hint is not None and not fits(value, hint):
-                raise RecipeError(
-                    f"{section}.{key}={value!r} is {kind(value)}, but {section}.{key} takes {describe(hint)}; "
-                    f"set it to such a value (e.g. {key}={_example(hint, defaults.get(key))})"
-                )
-
-
-def _example(hint: Any, default: Any = None) -> str:
-    import enum
-
-    from .values import fits
-
-    if isinstance(default, enum.Enum):
-        default = default.value
-    if isinstance(default, bool | str) or (isinstance(default, int | float) and default > 0):
-        if fits(default, hint):
-            return str(default).lower() if isinstance(default, bool) else str(default)
-    for candidate, text in ((0.0001, "1e-4"), (8, "8"), (True, "true"), ("name", "name"), ([], "[a,b]"), ({}, "{}")):
-        if fits(candidate, hint):
-            return text
-    return "null"
+    rules.check_types(config, field_specs(task_of(config)))
 
 
 def _check_sections(recipe: Recipe) -> None:
-    m, d = recipe.model, recipe.data
-    if m.task not in TASKS:
-        raise RecipeError(f"model.task={m.task!r} must be one of {list(TASKS)}")
-    if m.kbit_preparation not in KBIT_PREPARATIONS:
-        raise RecipeError(f"model.kbit_preparation={m.kbit_preparation!r} must be one of {list(KBIT_PREPARATIONS)}")
-    if m.quantization is not None and not isinstance(m.quantization, dict):
-        raise RecipeError(
-            f"model.quantization={m.quantization!r} must be a mapping of BitsAndBytesConfig arguments "
-            "(e.g. {load_in_4bit: true, bnb_4bit_quant_type: nf4}) or null"
-        )
-    for section, name, value in (("data", "max_length", d.max_length), ("data", "num_examples", d.num_examples),
-                                 ("model", "cpu_threads", m.cpu_threads)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise RecipeError(f"{section}.{name}={value!r} must be a positive integer")
-    if not isinstance(d.eval_examples, int) or isinstance(d.eval_examples, bool) or d.eval_examples < 0:
-        raise RecipeError(f"data.eval_examples={d.eval_examples!r} must be a whole number of rows to hold out for "
-                          "evaluation (0: none)")
-    strategy = str(recipe.training.get("eval_strategy", "no")).lower()
-    if strategy not in ("no", "intervalstrategy.no") and not d.eval_examples:
-        raise RecipeError(f"training.eval_strategy={strategy} evaluates during training, but no rows are held out: set "
-                          "data.eval_examples=N (the last N rows become the evaluation set)")
-    if m.dtype not in (None, "auto"):
-        import torch
-
-        if not isinstance(getattr(torch, str(m.dtype), None), torch.dtype):
-            raise RecipeError(f"model.dtype={m.dtype!r} is not a torch dtype; use float32, bfloat16, float16, auto or "
-                              "null")
-    r = recipe.lora.get("r")
-    if r is not None and r < 1:
-        raise RecipeError(f"lora.r={r!r} must be a positive integer (the adapter's rank, e.g. lora.r=16)")
+    """What `rules.RULES` cannot say as one key's values: the data file, and output_dir being set at all."""
+    d = recipe.data
     _check_dataset_value(d)
     if "output_dir" not in recipe.training:
         raise RecipeError("training.output_dir is not set: add output_dir to the recipe or pass output_dir=DIR")

@@ -12,14 +12,12 @@ lose or change the user's files is refused here, with nothing written.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
-from ..paths import can_create_in, nearest_existing
+from ..paths import PLAN_FILE, can_create_in, nearest_existing
 from .config import RecipeError
 
-PLAN_FILE = "hf_accum_plan.json"  # planning.store.PLAN_FILE, without importing torch for it
 _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 
 
@@ -28,22 +26,30 @@ def requested_target(args) -> int:
 
 
 def stored_target(folder: str) -> int | None:
-    """The `target_batch_size` of the plan stored in ``folder``; None when there is no readable one."""
+    """The `target_batch_size` of the plan stored in ``folder``, read through the planner's store; None when there is
+    no valid one (the trainer then says what is wrong with it, or plans anew)."""
+    from ..planning.store import PlanFileError, load_stored_plan  # imports torch: called once the run has it
+
     try:
-        with open(os.path.join(folder, PLAN_FILE)) as f:
-            return int(json.load(f)["plan"]["target_batch_size"])
-    except (OSError, ValueError, KeyError, TypeError):
+        plan = load_stored_plan(folder)
+    except PlanFileError:
         return None
+    return None if plan is None else plan.target_batch_size
 
 
-def check_output_dir(output_dir: str, target: int, *, what: str = "run") -> None:
-    """Writable, and not holding a plan for another target."""
+def check_writable(output_dir: str) -> None:
+    """A directory, or a path one can be created at; checked by the CLI before anything heavy is imported."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise RecipeError(f"training.output_dir={output_dir!r} is a file; pass output_dir=DIR with a directory")
     parent = nearest_existing(output_dir)
     if not can_create_in(parent):
         raise RecipeError(f"training.output_dir={output_dir!r} cannot be written ({parent} is not a writable "
                           "directory); pass output_dir=DIR with a writable place")
+
+
+def check_output_dir(output_dir: str, target: int, *, what: str = "run") -> None:
+    """Writable, and not holding a plan for another target."""
+    check_writable(output_dir)
     stored = stored_target(output_dir)
     if stored is not None and stored != target:
         raise RecipeError(

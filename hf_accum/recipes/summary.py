@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from ..planning.plan import Plan
-from ..planning.store import _version, stored_probe
+from ..planning.store import library_version, stored_probe
 
 
 def describe(plan: dict[str, Any]) -> str:
@@ -98,4 +98,4 @@ def _training_peak_note(cuda_peak: int | None) -> str:
             "figure at the plan's micro-batch")
 
 def _versions() -> dict[str, str | None]:
-    return {name: _version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes", "trl")}
+    return {name: library_version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes", "trl")}

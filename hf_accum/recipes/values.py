@@ -113,3 +113,55 @@ def kind(value: Any) -> str:
         return "null"
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string", list: "a list",
             dict: "a mapping"}.get(type(value), type(value).__name__)
+
+
+# --- the same annotations as JSON: cached with the recipe keys, so a wrong value is told without importing the
+# classes (transformers, TRL, peft: seconds). `decode(encode(hint))` fits and is described as ``hint`` is.
+_SCALARS = {bool: "bool", int: "int", float: "float", str: "str"}
+_SEQUENCES = ("Sequence", "Iterable", "Collection")
+
+
+def encode(hint: Any) -> Any:
+    """``hint`` as JSON data (see :func:`decode`); a class this module does not know becomes its name."""
+    if hint is Any or hint is object:
+        return "any"
+    if hint is None or hint is type(None):
+        return "null"
+    if hint in _SCALARS:
+        return _SCALARS[hint]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in _UNION_TYPES:
+        return {"union": [encode(a) for a in args]}
+    if origin is typing.Literal:
+        return {"literal": list(args)}
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return {"enum": hint.__name__, "values": [m.value for m in hint]}
+    container = origin or hint
+    if container in (list, tuple, set, frozenset) or getattr(container, "__name__", "") in _SEQUENCES:
+        return {"list": encode(args[0]) if args and args[0] is not Ellipsis else None}
+    if container is dict or getattr(container, "__name__", "") == "Mapping":
+        return "dict"
+    return {"class": getattr(hint, "__name__", str(hint))}
+
+
+def decode(spec: Any) -> Any:
+    """The annotation :func:`encode` wrote: the same answers from :func:`fits` and :func:`describe`."""
+    named = {"any": Any, "null": type(None), "dict": dict, **{v: k for k, v in _SCALARS.items()}}
+    if isinstance(spec, str):
+        return named[spec]
+    if "union" in spec:
+        return typing.Union[tuple(decode(s) for s in spec["union"])]  # noqa: UP007 (built from a list)
+    if "literal" in spec:
+        return typing.Literal[tuple(spec["literal"])]
+    if "enum" in spec:
+        return enum.Enum(spec["enum"], [(f"m{i}", v) for i, v in enumerate(spec["values"])])
+    if "list" in spec:
+        return list if spec["list"] is None else list[decode(spec["list"])]
+    return type(spec["class"], (), {})  # unknown: fits anything, described by its name
+
+
+def plain_default(default: Any) -> Any:
+    """A field's default as JSON data (an enum by its value); None where it is not a scalar."""
+    if isinstance(default, enum.Enum):
+        default = default.value
+    return default if isinstance(default, bool | int | float | str) else None

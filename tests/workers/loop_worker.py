@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.exactness import lm_examples, pad_collate, tiny_gpt2  # noqa: E402
 from tests.test_oom_recovery import OOMAt  # noqa: E402

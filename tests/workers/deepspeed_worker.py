@@ -22,7 +22,7 @@ import sys
 import torch
 from transformers import TrainerCallback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def skip_shm_comm_op():

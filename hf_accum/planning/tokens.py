@@ -1,0 +1,127 @@
+"""The token budget, measured (`micro_batching="tokens"`): the probe's measurements at the longest, the shortest
+and a middle example turned into the most tokens one forward may hold, its cost model (`token_budget.cost_model`)
+and what it is expected to cut the user's data into. The cutting itself is token_budget.py's."""
+
+from __future__ import annotations
+
+import math
+
+from ..probe_loop import ProbeResult
+from ..token_budget import TokenBudget, cost_model, predicted_peak
+from .data_scan import probe_batches
+from .plan import Plan
+
+
+def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
+               lengths: list[int] | None) -> tuple[Plan, ProbeResult]:
+    """``micro_batching="tokens"``: the most tokens one forward may hold, measured, not extrapolated.
+
+    For a fixed token count, a step's peak is convex in the padded length (per-row terms fall, attention's
+    quadratic term grows), so the largest token count fitting at the longest *and* at the shortest example fits
+    every length between: the budget is the smallest of the measured capacities (rows that fit x length) at the
+    longest example, the shortest that matters, and one between them. Their three lines make the cost model
+    (`token_budget.cost_model`), by which a length between may hold more rows. Each rank loads its whole window
+    (micro = the per-rank target, accumulation 1); the engine cuts it."""
+    per_rank = plan.target_batch_size // plan.world_size
+    at_longest = result.max_micro_batch_size * seq_len
+    # A forward never holds more rows than the window, so below at_longest / per_rank tokens per row the chunks
+    # are whole windows whose peak grows with their length: the short end that matters is the shortest example
+    # at or above that length.
+    make_short, short_len = probe_batches(trainer, shortest=-(-at_longest // per_rank), lengths=lengths)
+    measured = {seq_len: result}
+    if short_len < seq_len:
+        measured[short_len], _ = probe(make_short, short_len)
+        # a third length between them pins a row's cost that does not grow with its length (cost_model)
+        make_mid, mid_len = probe_batches(trainer, shortest=round(math.sqrt(short_len * seq_len)), lengths=lengths)
+        if short_len < mid_len < seq_len:
+            measured[mid_len], _ = probe(make_mid, mid_len)
+    rows_at = {length: r.max_micro_batch_size for length, r in measured.items()}
+    budget = min(rows * length for length, rows in rows_at.items())
+    budget = max(budget, seq_len)  # the longest example fits alone: the first probe found micro >= 1
+    model = None
+    if all(r.fitted is not None for r in measured.values()):
+        model = cost_model(result.fitted[0], {length: r.fitted[1] for length, r in measured.items()})
+    rows_model = None
+    if model is not None:
+        trials = [(t, length) for length, r in measured.items() for t in r.measured_trials]
+        rows_model = _usable(model, trials, result.budget_bytes, rows_at)
+        rows_model["forward_tokens"] = _forward_tokens(trials)
+    tokens = TokenBudget(budget, rows_model, rows_model["forward_tokens"] if rows_model else None)
+    result.extra["expected"] = _expected_cuts(lengths, per_rank, tokens, result.max_micro_batch_size)
+    short = min(measured)
+    result.extra["token_budget"] = {
+        "tokens_per_forward": budget, "longest": seq_len, "rows_at_longest": result.max_micro_batch_size,
+        "shortest": short, "rows_at_shortest": rows_at[short],
+        "rows_at": {str(k): v for k, v in rows_at.items()},
+        "short_trials": [t.__dict__ for length, r in measured.items() if length != seq_len
+                         for t in r.measured_trials],
+        "cost_model": model,
+    }
+    return Plan(per_rank, 1, plan.world_size, plan.target_batch_size, token_budget=budget,
+                token_model=rows_model), result
+
+
+def _forward_tokens(trials: list) -> float | None:
+    """What a forward costs beyond its tokens, in tokens: at each probed length, the intercept over the slope of
+    the step times against the tokens each step held; the largest of them (a noisy, shared machine can shrink one
+    line's intercept, and an under-estimate would cut windows into needlessly many forwards). The trials' steps
+    include the optimizer step, so this over-estimates a forward's cost: one more forward is taken only where it
+    clearly pays. None when some length lacks two timed sizes or a positive per-token time: fewest forwards."""
+    by_length: dict[int, list[tuple[int, float]]] = {}
+    for t, length in trials:
+        if t.seconds:
+            by_length.setdefault(length, []).append((t.micro_batch_size * length, t.seconds))
+    estimates = []
+    for points in by_length.values():
+        if len({x for x, _ in points}) < 2:
+            return None
+        mean_x = sum(x for x, _ in points) / len(points)
+        mean_y = sum(y for _, y in points) / len(points)
+        slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
+                 / sum((x - mean_x) ** 2 for x, _ in points))
+        if slope <= 0:
+            return None
+        estimates.append(max(0.0, (mean_y - slope * mean_x) / slope))
+    return max(estimates) if estimates else None
+
+
+def _usable(model: dict, trials: list, budget_bytes: int, rows_at: dict[int, int]) -> dict:
+    """The cost model as `TokenBudget` reads it: the bytes rows may use, the budget less the base and less the
+    model's worst under-prediction of a measured step (micro-batch 1 sits on the optimizer step's bend, which
+    never binds near the budget, so it is left out)."""
+    misses = [(t.reserved_bytes if t.reserved_bytes is not None else t.peak_bytes)
+              - predicted_peak(model, t.micro_batch_size, length)
+              for t, length in trials if t.micro_batch_size > 1 and t.peak_bytes is not None]
+    usable = budget_bytes - model["base_bytes"] - max([0.0, *misses])
+    return {**model, "usable_bytes": usable, "rows_at": {str(k): v for k, v in rows_at.items()}}
+
+
+def _expected_cuts(lengths: list[int] | None, per_rank: int, budget: TokenBudget,
+                   rows_at_longest: int) -> dict[str, float]:
+    """Forwards per optimizer step and padded / real tokens this budget gives on the user's data (windows of a
+    fixed shuffle), next to "samples" mode's plan at the micro-batch that fits the worst case, each cut by the rule
+    that would run it (`partition_padded`, `plan.near_equal_groups`)."""
+    import random
+
+    from ..token_budget import partition_padded
+    from .plan import near_equal_groups, plan_batch
+
+    if not lengths:
+        return {}
+    order = list(range(len(lengths)))
+    random.Random(0).shuffle(order)
+    windows = [[lengths[i] for i in order[w:w + per_rank]] for w in range(0, len(order), per_rank)]
+    micro = plan_batch(per_rank, 1, max(1, rows_at_longest)).micro_batch_size
+    real = sum(lengths) or 1
+    tokens = [partition_padded(w, budget) for w in windows]
+    samples = [near_equal_groups(w, micro) for w in windows]
+
+    def padded(cuts):
+        return sum(len(g) * max(w[i] for i in g) for w, gs in zip(windows, cuts) for g in gs) / real
+
+    return {
+        "forwards_per_step": sum(map(len, tokens)) / len(windows),
+        "padded_over_real": padded(tokens),
+        "samples_mode_forwards_per_step": sum(map(len, samples)) / len(windows),
+        "samples_mode_padded_over_real": padded(samples),
+    }
