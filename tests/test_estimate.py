@@ -119,3 +119,26 @@ def test_cli_estimate_refuses_in_one_line(gpt2_folder, capsys, flags, words):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and words in err
+
+
+def test_cli_estimate_of_a_missing_model_is_one_line(tmp_path, capsys, monkeypatch):
+    """A path that does not exist (or a hub id not in the offline cache) is one line and exit 2, as without
+    --estimate; it was a 47-line OSError traceback."""
+    from hf_accum.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = main(["probe", "--estimate", "--model", str(tmp_path / "nonexistent"), "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "--model=" in err and "could not be loaded" in err
+
+
+def test_cli_estimate_names_the_weights_dtype(gpt2_folder, tmp_path, capsys):
+    """--bf16 is autocast only: the weights keep the config's dtype, and the header says which (an 8B config without
+    a dtype estimates float32 weights, twice the bytes)."""
+    from hf_accum.cli import main
+
+    code = main(["probe", "--estimate", "--model", gpt2_folder, "--device", "cpu", "--device-memory", "1GiB",
+                 "--seq-len", "32", "--target-batch", "2", "--budget-bytes", str(8 * MiB)])
+    assert code == 0
+    assert "weights float32 (the config names no dtype)" in capsys.readouterr().out

@@ -171,3 +171,33 @@ def test_the_trainer_starts_from_the_estimate_and_the_plan_file_records_it(tmp_p
     assert result.trials[0].micro_batch_size == min(estimate["largest_fit"], 16)
     measured = {t["micro_batch_size"]: t["peak_bytes"] for t in probe["trials"] if t["peak_bytes"]}
     assert any(m in measured for m in map(int, estimate["peaks"]))
+
+
+def test_a_trainer_with_its_own_loss_is_not_seeded(tmp_path, caplog):
+    """The estimate models the model's own loss; TRL's SFT loss also builds entropy and accuracy from the logits
+    (a new user's lora_sft probe was seeded at 16 for a measured 4): such a trainer searches as before and says why."""
+    import json
+    import logging
+
+    from hf_accum import AccumTrainer, AccumTrainingArguments
+    from hf_accum.estimating.seed import trainer_reason
+    from hf_accum.planning.store import PLAN_FILE
+    from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
+
+    class OwnLoss(AccumTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    tok = build_tokenizer()
+    args = AccumTrainingArguments(output_dir=str(tmp_path), target_batch_size=16, memory_budget_bytes=8 * MiB,
+                                  use_cpu=True, report_to=[], max_steps=1, save_strategy="no", disable_tqdm=True,
+                                  fused_loss=False, checkpoint_layers="0")
+    trainer = OwnLoss(model=build_model(tokenizer=tok), args=args, train_dataset=build_sft_dataset(48, tok),
+                      data_collator=SFTCollator(tok))
+    assert "OwnLoss.compute_loss" in trainer_reason(trainer)
+    with caplog.at_level(logging.INFO, logger="hf_accum"):
+        trainer.tune()
+    with open(tmp_path / PLAN_FILE) as f:
+        probe = json.load(f)["probe"]
+    assert "estimate" not in probe["extra"] and trainer.probe_result.trials[0].micro_batch_size == 1
+    assert sum("estimate skipped (OwnLoss.compute_loss" in r.getMessage() for r in caplog.records) == 1

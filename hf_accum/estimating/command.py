@@ -27,8 +27,26 @@ def config_builder(name: str):
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         raise ValueError(f"--model {name}: the folder holds no config.json; give a folder saved with save_pretrained "
                          "or a hub id")
-    config = AutoConfig.from_pretrained(name)
+    from ..loading import hub_unreachable, not_loadable
+
+    unreachable = hub_unreachable("--model", name)
+    if unreachable is not None:
+        raise unreachable
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except OSError as exc:  # a missing path or a hub id not in the cache: one line, as the probe without --estimate
+        raise not_loadable("--model", name, exc) from None
     return lambda: AutoModelForCausalLM.from_config(config)
+
+
+def weights_dtype(name: str) -> str:
+    """The dtype the config builds the weights in (``dtype`` / ``torch_dtype``; float32 when it names none): the
+    estimate keeps it, and --bf16 is autocast only, so an 8B config without one estimates float32 weights."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(name)
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return str(named).removeprefix("torch.") if named is not None else "float32 (the config names no dtype)"
 
 
 def with_lora(build, r: int, targets: str | None):
@@ -69,7 +87,8 @@ def run(args: Any, say=print) -> int:
     build = config_builder(args.model)
     if args.lora:
         build = with_lora(build, args.lora_r, args.lora_target_modules)
-    say(f"estimating {args.model} for {args.device} with {memory / 2**30:.1f} GiB (fake tensors: nothing loaded) ...")
+    say(f"estimating {args.model} for {args.device} with {memory / 2**30:.1f} GiB (fake tensors: nothing loaded; "
+        f"weights {weights_dtype(args.model)}) ...")
     est = estimate_model(build, seq_len=args.seq_len, target_batch_size=args.target_batch, device_memory=memory,
                          device=args.device, world_size=args.world_size, budget_bytes=args.budget_bytes,
                          budget_fraction=args.budget, bf16=args.bf16, max_micro_batch=args.max_micro_batch,

@@ -20,7 +20,7 @@ from transformers import Trainer, TrainerCallback
 
 from .. import allocator, levers
 from ..compat import trainer_internals
-from ..estimating.seed import probe_with_estimate
+from ..estimating.seed import probe_with_estimate, trainer_reason
 from ..meters import CpuMeter, CudaMeter, Meter
 from ..probe import probe_model, resolve_budget
 from ..probe_loop import ProbeResult
@@ -122,6 +122,9 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
     chosen: list[int] = []
     optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, trainer.model)
     autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    unseeded = trainer_reason(trainer) if args.probe_from_estimate else "probe_from_estimate=False"
+    if unseeded is not None and args.probe_from_estimate:
+        logger.info("estimate skipped (%s): the search starts from micro-batch 1", unseeded)
 
     def probe(make, length, max_micro=args.probe_max_micro_batch):
         if lever is None:
@@ -134,7 +137,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
             return measure(make, length, max_micro, None)
 
     def measure(make, length, max_micro, lever):
-        return (probe_with_estimate if args.probe_from_estimate else probe_model)(
+        return (probe_model if unseeded else probe_with_estimate)(
             trainer.model,
             seq_len=length,
             target_batch_size=args.target_batch_size,
