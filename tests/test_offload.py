@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hf_accum import offload
-from hf_accum.levers import selective
 from hf_accum.compat import gradient_checkpointing
+from hf_accum.levers import selective
 
 from .exactness import tiny_llama
 from .test_checkpoint_layers import LAYERS, dropout_llama, flat_batch, grads, lora_llama, padded_batch, rel_error

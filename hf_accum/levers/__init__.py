@@ -6,12 +6,14 @@ levers and name none of them.
 
 from __future__ import annotations
 
+from . import offload, selective
 from .base import (
     Levels,
     Lever,
     apply_requested,
     check_requests,
     get_lever,
+    module_lever,
     parse_pins,
     pinned_records,
     register_lever,
@@ -19,12 +21,10 @@ from .base import (
     searched,
 )
 from .checkpointing import CheckpointingLever
-from .offload import OffloadLever
-from .selective import SelectiveLever
 
 register_lever(CheckpointingLever())
-register_lever(SelectiveLever())
-register_lever(OffloadLever())
+register_lever(module_lever(selective))
+register_lever(module_lever(offload))
 
-__all__ = ["Lever", "Levels", "apply_requested", "check_requests", "get_lever", "parse_pins", "pinned_records",
+__all__ = ["Lever", "Levels", "apply_requested", "check_requests", "get_lever", "module_lever", "parse_pins", "pinned_records",
            "register_lever", "registered", "searched"]

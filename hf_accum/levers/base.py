@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from types import SimpleNamespace
 from typing import Any, Protocol
 
 from ..settings import Settings
@@ -72,6 +73,17 @@ class Lever(Protocol):
 
 
 _REGISTRY: dict[str, Lever] = {}
+
+
+HOOKS = ("requested", "parse_pin", "check", "apply_requested", "levels", "pinned_record", "apply", "describe",
+         "figures")
+
+
+def module_lever(module) -> Lever:
+    """The registry's entry for a lever written as a module: its ``NAME``, its ``REPLACES`` (default none) and
+    its functions named as the protocol's hooks."""
+    return SimpleNamespace(name=module.NAME, replaces=getattr(module, "REPLACES", ()),
+                           **{hook: getattr(module, hook) for hook in HOOKS})
 
 
 def register_lever(lever: Lever) -> Lever:

@@ -69,32 +69,20 @@ def levels(trainer) -> None:
     return None
 
 
-class OffloadLever:
-    """The registry's entry (`levers.base.Lever`)."""
+def pinned_record(model, args) -> dict[str, Any] | None:
+    want = requested(args)
+    if want == "auto" or want == 0:
+        return None
+    return {"layers": want, "of": len(gradient_checkpointing.checkpointable_layers(model)), "pinned": True}
 
-    name = NAME
-    replaces: tuple[str, ...] = ()
-    requested = staticmethod(requested)
-    parse_pin = staticmethod(parse_pin)
-    check = staticmethod(check)
-    apply_requested = staticmethod(apply_requested)
-    levels = staticmethod(levels)
 
-    @staticmethod
-    def pinned_record(model, args) -> dict[str, Any] | None:
-        want = requested(args)
-        if want == "auto" or want == 0:
-            return None
-        return {"layers": want, "of": len(gradient_checkpointing.checkpointable_layers(model)), "pinned": True}
+def apply(model, record: dict[str, Any], args) -> None:
+    """Only pins are recorded, and a pin is applied from the request (`apply_requested`)."""
 
-    @staticmethod
-    def apply(model, record: dict[str, Any], args) -> None:
-        """Only pins are recorded, and a pin is applied from the request (`apply_requested`)."""
 
-    @staticmethod
-    def describe(record: dict[str, Any]) -> str:
-        return f"offload {record['layers']} of {record['of']} layers" + (" (as set)" if record.get("pinned") else "")
+def describe(record: dict[str, Any]) -> str:
+    return f"offload {record['layers']} of {record['of']} layers" + (" (as set)" if record.get("pinned") else "")
 
-    @staticmethod
-    def figures(record: dict[str, Any]) -> dict[str, Any]:
-        return {"hf_accum/offloaded_layers": record["layers"]}
+
+def figures(record: dict[str, Any]) -> dict[str, Any]:
+    return {"hf_accum/offloaded_layers": record["layers"]}

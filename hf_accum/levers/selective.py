@@ -176,36 +176,27 @@ def levels(trainer) -> Levels | None:
     return Levels(trainer.model, layers, kwargs)
 
 
-class SelectiveLever:
-    """The registry's entry (`levers.base.Lever`)."""
+REPLACES = (checkpointing.NAME,)  # its levels contain checkpointing's: one of the two is searched
 
-    name = NAME
-    replaces = (checkpointing.NAME,)
-    requested = staticmethod(requested)
-    parse_pin = staticmethod(parse_pin)
-    check = staticmethod(check)
-    apply_requested = staticmethod(apply_requested)
-    levels = staticmethod(levels)
 
-    @staticmethod
-    def pinned_record(model, args) -> dict[str, Any] | None:
-        want = requested(args)
-        if want == "auto" or want == 0:
-            return None
-        layers = len(gradient_checkpointing.checkpointable_layers(model))
-        return {"full": _full_pinned(args), "selective": want, "of": layers, "pinned": True}
+def pinned_record(model, args) -> dict[str, Any] | None:
+    want = requested(args)
+    if want == "auto" or want == 0:
+        return None
+    layers = len(gradient_checkpointing.checkpointable_layers(model))
+    return {"full": _full_pinned(args), "selective": want, "of": layers, "pinned": True}
 
-    @staticmethod
-    def apply(model, record: dict[str, Any], args) -> None:
-        if not record.get("pinned"):
-            set_layer_levels(model, record["full"], record["selective"], checkpointing.checkpoint_kwargs(args))
 
-    @staticmethod
-    def describe(record: dict[str, Any]) -> str:
-        return (f"checkpointing {record['full']} full + {record['selective']} selective of {record['of']} layers"
-                + (" (as set)" if record.get("pinned") else ""))
+def apply(model, record: dict[str, Any], args) -> None:
+    if not record.get("pinned"):
+        set_layer_levels(model, record["full"], record["selective"], checkpointing.checkpoint_kwargs(args))
 
-    @staticmethod
-    def figures(record: dict[str, Any]) -> dict[str, Any]:
-        return {"hf_accum/full_layers": record["full"], "hf_accum/selective_layers": record["selective"],
-                "hf_accum/num_layers": record["of"]}
+
+def describe(record: dict[str, Any]) -> str:
+    return (f"checkpointing {record['full']} full + {record['selective']} selective of {record['of']} layers"
+            + (" (as set)" if record.get("pinned") else ""))
+
+
+def figures(record: dict[str, Any]) -> dict[str, Any]:
+    return {"hf_accum/full_layers": record["full"], "hf_accum/selective_layers": record["selective"],
+            "hf_accum/num_layers": record["of"]}
