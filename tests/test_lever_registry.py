@@ -8,28 +8,23 @@ import logging
 
 import pytest
 
-from hf_accum import AccumTrainer, AccumTrainingArguments
+from hf_accum import AccumTrainingArguments
 from hf_accum.compat import gradient_checkpointing
 from hf_accum.levers import base, checkpointing, get_lever, registered, searched
 from hf_accum.planning.plan import Plan
 from hf_accum.planning.store import PLAN_FILE, PlanFileError, plan_from_record, read_plan_file
-from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
+from hf_accum.tiny import build_model
+
+from .conftest import sft_trainer
 
 MiB = 2**20
 LAYERS = 4
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
 def make(tmp_path, tok, **kw):
     defaults = dict(output_dir=str(tmp_path), target_batch_size=16, memory_budget_bytes=9 * MiB, use_cpu=True,
                     report_to=[], max_steps=1, save_strategy="no", disable_tqdm=True, probe_seq_len=128)
-    args = AccumTrainingArguments(**{**defaults, **kw})
-    model = build_model(tokenizer=tok, num_layers=LAYERS)
-    return AccumTrainer(model=model, args=args, train_dataset=build_sft_dataset(32, tok), data_collator=SFTCollator(tok))
+    return sft_trainer(tok, build_model(tokenizer=tok, num_layers=LAYERS), **{**defaults, **kw})
 
 
 # --- the plan's records -----------------------------------------------------------------------------------------

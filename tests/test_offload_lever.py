@@ -5,26 +5,21 @@ import logging
 
 import pytest
 
-from hf_accum import AccumTrainer, AccumTrainingArguments, offload
+from hf_accum import AccumTrainingArguments, offload
 from hf_accum.levers import get_lever, searched
-from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
+from hf_accum.tiny import build_model
+
+from .conftest import sft_trainer
 
 MiB = 2**20
 ABSENT = ("hf_accum: activation offload skipped: the model is on cpu, where activations already live in host memory "
           "(the lever is CUDA only)")
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
 def make(tmp_path, tok, **kw):
     defaults = dict(output_dir=str(tmp_path), target_batch_size=8, memory_budget_bytes=9 * MiB, use_cpu=True,
                     report_to=[], max_steps=1, save_strategy="no", disable_tqdm=True, probe_seq_len=64)
-    args = AccumTrainingArguments(**{**defaults, **kw})
-    model = build_model(tokenizer=tok, num_layers=3)
-    return AccumTrainer(model=model, args=args, train_dataset=build_sft_dataset(16, tok), data_collator=SFTCollator(tok))
+    return sft_trainer(tok, build_model(tokenizer=tok, num_layers=3), **{**defaults, **kw})
 
 
 def test_on_cpu_the_probe_log_says_in_one_line_that_offload_is_absent(tmp_path, tok, caplog):

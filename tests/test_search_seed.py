@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from hf_accum.planning.plan import forward_breakpoints, forwards_for
 from hf_accum.planning.search import MicroBatchSearch
 
+from .test_plan import linear, true_max
+
 MiB = 1 << 20
 
 
@@ -26,13 +28,6 @@ def drive(memory, budget, max_micro, *, seed=None, must=(), report_over=False):
         assert len(tried) <= 64, f"search does not terminate: {tried}"
     return tried, search
 
-
-def true_max(memory, budget, max_micro):
-    return max((m for m in range(1, max_micro + 1) if memory(m) <= budget), default=0)
-
-
-def linear(a, b):
-    return lambda m: a + b * m
 
 
 CURVES = [  # (memory, budget, per-rank target): the true largest fit lies inside the window
