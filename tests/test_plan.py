@@ -26,10 +26,10 @@ from hf_accum.planning.search import GOAL_FRACTION, MicroBatchSearch
 MiB = 1 << 20
 
 
-def drive(memory, budget, max_micro, *, must=(), baseline=0, rounding=0, report_over=False):
+def drive(memory, budget, max_micro, *, must=(), baseline=0, rounding=0, report_over=False, seed=None):
     """Run the search against a formula.  Over budget is an OOM (no value) unless ``report_over``, which
-    plays a CPU meter: the step runs and reports how far over it went."""
-    search = MicroBatchSearch(budget, max_micro, must_resolve=must)
+    plays a CPU meter: the step runs and reports how far over it went. ``seed``: where the search starts."""
+    search = MicroBatchSearch(budget, max_micro, must_resolve=must, seed=seed)
     tried = []
     while (micro := search.propose()) is not None:
         assert micro not in tried, f"{micro} proposed twice: {tried}"

@@ -10,23 +10,15 @@ from hypothesis import strategies as st
 from hf_accum.planning.plan import forward_breakpoints, forwards_for
 from hf_accum.planning.search import MicroBatchSearch
 
+from .test_plan import drive as plan_drive
 from .test_plan import linear, true_max
 
 MiB = 1 << 20
 
 
 def drive(memory, budget, max_micro, *, seed=None, must=(), report_over=False):
-    """The search against a formula; over budget is an OOM (no value) unless ``report_over`` (a CPU meter)."""
-    search = MicroBatchSearch(budget, max_micro, must_resolve=must, seed=seed)
-    tried = []
-    while (micro := search.propose()) is not None:
-        assert micro not in tried, f"{micro} proposed twice: {tried}"
-        assert 1 <= micro <= max_micro
-        tried.append(micro)
-        value = memory(micro)
-        search.record(micro, value if (value <= budget or report_over) else None, baseline_bytes=memory(0))
-        assert len(tried) <= 64, f"search does not terminate: {tried}"
-    return tried, search
+    """test_plan's search against a formula, started at ``seed``, the baseline read from the formula at 0."""
+    return plan_drive(memory, budget, max_micro, must=must, baseline=memory(0), report_over=report_over, seed=seed)
 
 
 
