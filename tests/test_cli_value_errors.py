@@ -40,7 +40,7 @@ CASES = [
     (["learning_rate=.nan"], "training.learning_rate=nan is not a finite number"),
     (["learning_rate=abc"], "training.learning_rate='abc' is a string, but training.learning_rate takes a number"),
     (["num_train_epochs=0", "max_steps=-1"], "training.num_train_epochs=0 with max_steps=-1 trains nothing"),
-    (["max_steps=0"], "training.max_steps=0 is not a number of steps"),
+    (["max_steps=0"], "training: max_steps=0 is not a number of steps"),
     (["checkpoint_layers=abc"], "training.checkpoint_layers='abc' must be 'auto' or an integer >= 0"),
     (["checkpoint_layers=-1"], "training.checkpoint_layers=-1 must be 'auto' or an integer >= 0"),
     (["target_batch_size=0"], "training.target_batch_size=0 must be a positive integer"),

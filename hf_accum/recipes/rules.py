@@ -129,8 +129,8 @@ RULES: tuple[Rule, ...] = (
          "training.num_train_epochs={value} with max_steps=-1 trains nothing (0 optimizer steps, an untrained model "
          "saved): set num_train_epochs > 0, or max_steps=N"),
     Rule("training.max_steps", lambda v, _c: not _integer(v) or v > 0 or v == -1,
-         "training.max_steps={value} is not a number of steps: set a positive max_steps to stop after that many "
-         "optimizer steps, or -1 to train num_train_epochs epochs"),
+         "training: max_steps={value} is not a number of steps: set a positive max_steps to stop after that many "
+         "optimizer steps, or -1 (the default) to train num_train_epochs epochs."),  # AccumTrainingArguments' words
     *(Rule(f"training.{name}", positive, _POSITIVE) for name in (
         "target_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps", "memory_budget_bytes",
         "probe_seq_len", "probe_max_micro_batch", "max_tokens_per_forward")),
