@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import Trainer
 
 from . import router_aux
 from .compat import trainer_internals
@@ -116,7 +115,7 @@ def _mismatch_cause(trainer, unit: str, mode: str) -> str:
     if unit == "rows":
         cause += ("; if one loss term spans several rows (a preference pair's chosen and rejected rows, a group of "
                   "completions, in-batch negatives), declare the trainer's batch_unit or use hf_accum.trl's trainers")
-    if trainer.compute_loss_func is not None or type(trainer).compute_loss is not Trainer.compute_loss:
+    if trainer_internals.computes_own_loss(trainer):
         cause += (f"; {type(trainer).__name__} computes its own loss: it must return the mean over its batch's "
                   f"{counted} (hf_accum passes that count as num_items_in_batch)")
     return cause

@@ -202,8 +202,7 @@ class AccumulationMixin:
         self.model.zero_grad(set_to_none=True)
 
     def _label_spec(self) -> LabelSpec:
-        custom = self.compute_loss_func is not None or type(self).compute_loss is not Trainer.compute_loss
-        return label_spec(self.model, self.args.label_names, custom_loss=custom)
+        return label_spec(self.model, self.args.label_names, custom_loss=trainer_internals.computes_own_loss(self))
 
     # --- one chunk: the Trainer's own training_step, its loss scaled to the chunk's exact share -------------------
     def _chunk_step(self, model, inputs, final: bool):

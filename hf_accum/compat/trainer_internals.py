@@ -23,6 +23,11 @@ from transformers import Trainer
 HAS_LOSS_IS_SCALED_FOR_GA = hasattr(Trainer, "loss_is_scaled_for_ga")
 
 
+def computes_own_loss(trainer) -> bool:
+    """The trainer's loss is not the model's own: a ``compute_loss_func`` or a ``compute_loss`` override."""
+    return trainer.compute_loss_func is not None or type(trainer).compute_loss is not Trainer.compute_loss
+
+
 def trainer_divides_by_accumulation(trainer, num_items_in_batch) -> bool:
     declared = getattr(trainer, "loss_is_scaled_for_ga", None) if HAS_LOSS_IS_SCALED_FOR_GA else None
     if declared is not None:

@@ -14,9 +14,9 @@ def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size:
     """The plan for ``model`` (a folder holding config.json, a hub id, or a callable building the model; nothing is
     loaded) on a card of ``device_memory`` (bytes or "80GiB"); ``lora_r``: train LoRA adapters of that rank.
     Other keywords as `estimate_model` (world_size, budget_bytes, budget_fraction, bf16, max_micro_batch, log)."""
-    from .command import config_builder, parse_size, with_lora
+    from .command import config_builder, load_config, parse_size, with_lora
 
-    build = config_builder(model) if isinstance(model, str) else model
+    build = config_builder(load_config(model)) if isinstance(model, str) else model
     if lora_r is not None:
         build = with_lora(build, lora_r, lora_target_modules)
     memory = parse_size(device_memory) if isinstance(device_memory, str) else int(device_memory)

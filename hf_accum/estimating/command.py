@@ -20,31 +20,34 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def config_builder(name: str):
-    """A callable building the model of ``name`` (a folder with config.json, or a hub id) from its config alone."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_config(name: str):
+    """The config of ``name`` (a folder with config.json, or a hub id), or one ValueError line as the probe gives."""
+    from transformers import AutoConfig
+
+    from ..loading import hub_unreachable, not_loadable
 
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         raise ValueError(f"--model {name}: the folder holds no config.json; give a folder saved with save_pretrained "
                          "or a hub id")
-    from ..loading import hub_unreachable, not_loadable
-
     unreachable = hub_unreachable("--model", name)
     if unreachable is not None:
         raise unreachable
     try:
-        config = AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name)
     except OSError as exc:  # a missing path or a hub id not in the cache: one line, as the probe without --estimate
         raise not_loadable("--model", name, exc) from None
+
+
+def config_builder(config):
+    """A callable building the model of ``config`` from the config alone (no weights)."""
+    from transformers import AutoModelForCausalLM
+
     return lambda: AutoModelForCausalLM.from_config(config)
 
 
-def weights_dtype(name: str) -> str:
+def weights_dtype(config) -> str:
     """The dtype the config builds the weights in (``dtype`` / ``torch_dtype``; float32 when it names none): the
     estimate keeps it, and --bf16 is autocast only, so an 8B config without one estimates float32 weights."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(name)
     named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return str(named).removeprefix("torch.") if named is not None else "float32 (the config names no dtype)"
 
@@ -84,11 +87,12 @@ def run(args: Any, say=print) -> int:
         from ..meters import CpuMeter
 
         memory = CpuMeter().capacity_bytes()
-    build = config_builder(args.model)
+    config = load_config(args.model)
+    build = config_builder(config)
     if args.lora:
         build = with_lora(build, args.lora_r, args.lora_target_modules)
     say(f"estimating {args.model} for {args.device} with {memory / 2**30:.1f} GiB (fake tensors: nothing loaded; "
-        f"weights {weights_dtype(args.model)}) ...")
+        f"weights {weights_dtype(config)}) ...")
     est = estimate_model(build, seq_len=args.seq_len, target_batch_size=args.target_batch, device_memory=memory,
                          device=args.device, world_size=args.world_size, budget_bytes=args.budget_bytes,
                          budget_fraction=args.budget, bf16=args.bf16, max_micro_batch=args.max_micro_batch,

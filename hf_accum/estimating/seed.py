@@ -82,14 +82,13 @@ def trainer_reason(trainer) -> str | None:
     """Why the estimate cannot stand for ``trainer``'s step, None when it can: it models the model's own loss
     (``model(**batch).loss``), so a ``compute_loss`` override (TRL's SFT loss also builds entropy and accuracy from
     the logits) or a ``compute_loss_func`` is a different step."""
-    from transformers import Trainer
+    from ..compat.trainer_internals import computes_own_loss
 
+    if not computes_own_loss(trainer):
+        return None
     if trainer.compute_loss_func is not None:
         return "compute_loss_func is set: the estimate models the model's own loss"
-    if type(trainer).compute_loss is not Trainer.compute_loss:
-        return (f"{type(trainer).__name__}.compute_loss is its own loss, not the model's, which is what the estimate "
-                "models")
-    return None
+    return f"{type(trainer).__name__}.compute_loss is its own loss, not the model's, which is what the estimate models"
 
 
 def unsupported_reason(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> str | None:
