@@ -5,11 +5,13 @@ own copy of the arguments."""
 from __future__ import annotations
 
 import logging
+import weakref
 
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from . import levers
 from .args import resolve_nonfinite_limit
+from .compat import bitsandbytes_cpu
 from .settings import Settings
 
 logger = logging.getLogger("hf_accum.trainer")  # the trainer's messages, under the logger they always had
@@ -34,6 +36,27 @@ def refuse_unsupported_setups(trainer) -> None:
             f"(n_gpu={trainer.args.n_gpu}). Launch one process per GPU with `torchrun` or `accelerate launch` "
             "(DDP/FSDP), or set loss_normalization='model'."
         )
+
+
+def keep_4bit_layers_unpacked(trainer) -> None:
+    """Every 4-bit layer of every model the trainer holds stays out of bitsandbytes' CPU inference layout, in which
+    training gradients are wrong (`compat.bitsandbytes_cpu`): before any forward of ours (the fused loss's check,
+    the probe, evaluation), and again when training begins (``model_init`` makes a new model in `Trainer.train`)."""
+    bitsandbytes_cpu.keep_unpacked(*bitsandbytes_cpu.trainer_modules(trainer))
+    if trainer.model_init is not None:  # the only way a trainer gets a new model
+        trainer.add_callback(_KeepUnpacked(trainer))
+
+
+class _KeepUnpacked(TrainerCallback):
+    """`keep_4bit_layers_unpacked` on the models of train() (before the first step). Holds the trainer weakly."""
+
+    def __init__(self, trainer):
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if trainer is not None:
+            bitsandbytes_cpu.keep_unpacked(*bitsandbytes_cpu.trainer_modules(trainer))
 
 
 def adjust_args_copy(trainer) -> None:

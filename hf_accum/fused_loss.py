@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .compat import deepspeed_integration, torch_features
+from .compat import bitsandbytes_cpu, deepspeed_integration, torch_features
 from .loss import IGNORE_INDEX, loss_shifts_labels
 from .settings import Settings
 
@@ -264,6 +264,7 @@ def _verify_forward(inner, head) -> str | None:
     embeddings = inner.get_input_embeddings()
     device = embeddings.weight.device if embeddings is not None else head.weight.device
     ids = (torch.arange(8, device=device) * 7 + 1).remainder(head.weight.shape[0]).unsqueeze(0)
+    bitsandbytes_cpu.keep_unpacked(inner)  # this eval-mode forward must not switch 4-bit layers to inference packing
     try:
         inner.eval()
         with torch.no_grad():

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .compat import bitsandbytes_cpu
 from .level_probe import probe_levels
 from .meters import CpuMeter, CudaMeter, Meter, format_bytes, live_tensor_bytes
 from .planning.plan import (
@@ -177,6 +178,7 @@ def probe_model(
     :class:`NothingFitsError` when micro-batch 1 exceeds the budget.
     """
     per_rank, cap = _checked_window(model, seq_len, target_batch_size, world_size, max_micro_batch)
+    bitsandbytes_cpu.keep_unpacked(model)  # a 4-bit layer packed by an eval-mode forward on CPU drops gradients
     with preserved(model):
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:

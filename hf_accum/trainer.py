@@ -78,6 +78,7 @@ class AccumulationMixin:
         given_dir = getattr(bound.arguments.get("args"), "output_dir", None)
         existed = given_dir is None or os.path.exists(given_dir)
         super().__init__(*bound.args, **bound.kwargs)
+        construction.keep_4bit_layers_unpacked(self)  # before any forward: an eval-mode one on CPU breaks QLoRA
         # transformers creates output_dir here; a run refused before training removes it again while still empty
         self._made_output_dir = given_dir if not existed else None
         # the batch settings the user gave, before any plan replaces them on our copy (tuning warns they are unused)
