@@ -79,7 +79,7 @@ def load_model(name: str = TINY, *, task: str = "causal_lm", dtype=None, quantiz
         unreachable = hub_unreachable(label, name)
         if unreachable is not None:
             raise unreachable
-        return _from_pretrained(label, name, name, task, dtype, num_labels, tokenizer, **extra)
+        return _unpacked(_from_pretrained(label, name, name, task, dtype, num_labels, tokenizer, **extra))
     from . import tiny as tiny_models
 
     base = tiny_models.build_model(task, tokenizer=tokenizer, num_labels=num_labels,
@@ -94,6 +94,15 @@ def load_model(name: str = TINY, *, task: str = "causal_lm", dtype=None, quantiz
     # Named "tiny", not after the temporary directory: peft records the name in the adapter config, and the plan key
     # holds that, so a random name would make every run probe again.
     model.name_or_path = model.config._name_or_path = TINY
+    return _unpacked(model)
+
+
+def _unpacked(model):
+    """A quantized base as hf_accum trains it, and as a trained one reloaded computes what it computed in training:
+    its 4-bit layers never switch to bitsandbytes' CPU inference layout (`compat.bitsandbytes_cpu`)."""
+    from .compat import bitsandbytes_cpu
+
+    bitsandbytes_cpu.keep_unpacked(model)
     return model
 
 
