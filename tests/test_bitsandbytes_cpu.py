@@ -156,6 +156,7 @@ def test_lora_gradients_after_evaluate_equal_those_of_a_model_never_in_eval_mode
     data = tiny.build_sft_dataset(8, tok)
     trainer = AccumTrainer(model=model, args=args(tmp_path), train_dataset=data, eval_dataset=data,
                            data_collator=tiny.SFTCollator(tok))
+    assert trainer.check_accumulation(num_micro_batches=2).passed
     trainer.evaluate()
     model.eval()
     with torch.no_grad():  # and a user's own eval-mode forward (generate, a callback) after the trainer adopted it
