@@ -1,6 +1,6 @@
 """bitsandbytes' CPU inference layout for 4-bit weights, kept out of every model hf_accum trains.
 
-bitsandbytes (0.49+, checked on 0.50.2) has `Linear4bit.forward` convert its weight **in place and for good** into a
+bitsandbytes (checked on 0.50.2) has `Linear4bit.forward` convert its weight **in place and for good** into a
 CPU "packed" layout the first time it runs on a CPU input in eval mode without grad, where the CPU has AVX512-BF16
 (the layer's `support_avx512bf16_for_cpu`, set from `has_avx512bf16()` at construction; the converted quant state
 carries `packing_format_for_cpu=True`). From then on every forward, training ones included, goes through
