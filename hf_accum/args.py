@@ -185,7 +185,7 @@ class AccumTrainingArguments(TrainingArguments):
                 "Pin levers to a level: comma-separated name=value, e.g. 'checkpointing=2' or "
                 "'selective=4,checkpointing=2' (the first 2 layers recompute fully, the next 4 selectively). A value "
                 "is 'auto' (the probe chooses by measured step time), 'off', or the lever's level; a lever not named "
-                "is 'auto'. The registered levers are in hf_accum/levers/ (README: the plan section)."
+                "is 'auto'. The registered levers are in hf_accum/levers/ (docs/plan.md, the levers table)."
             )
         },
     )

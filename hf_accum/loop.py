@@ -21,7 +21,7 @@ error instead of hanging.
 Checkpoints: ``acc.state_dict()`` / ``acc.load_state_dict()`` carry the cut in force after an OOM, so a resumed run
 keeps it. Save them with the model and optimizer; under FSDP2, with torch.distributed.checkpoint (each rank writes
 its own shards), e.g. ``dcp.save({"model": model_sd, "optim": optim_sd, "accumulator": acc.state_dict()}, ...)``
-with ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` (README, "Scaling out").
+with ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` (docs/scaling.md, "Scaling out").
 
 The probe and plan are available too (`hf_accum.probe.probe_model`), to choose the micro-batch before the loop.
 """

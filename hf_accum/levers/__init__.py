@@ -1,4 +1,4 @@
-"""The levers, one module each, registered here in one line each (`base.register_lever`; README "Adding a lever").
+"""The levers, one module each, registered here in one line each (`base.register_lever`; docs/development.md, "Adding a lever").
 
 `base` holds the protocol and the registry; the probe, the plan, the planner and the figures iterate the registered
 levers and name none of them.

@@ -5,7 +5,7 @@ The probe chooses its level by measured step time within the budget, unless the 
 records it. Everything lever-specific lives in the lever's own module; the probe (`level_probe.probe_levels`), the
 plan (`planning.plan.Plan.levers`), the plan file, the planner and the logged figures iterate the registered levers
 through this protocol and name none of them. Adding one: its file, its tests, one `register_lever` line in
-`levers/__init__.py`, and its docs (README "Adding a lever").
+`levers/__init__.py`, and its docs (docs/development.md, "Adding a lever").
 
 A plan record is a small dict of plain JSON numbers, ``{"layers": 2, "of": 4}``: every integer but ``of`` counts
 layers at some level, so their sum is at most ``of`` (`planning.plan.Plan` checks that much; the lever's own
