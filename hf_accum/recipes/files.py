@@ -12,7 +12,8 @@ from typing import Any
 SECTIONS = ("model", "data", "lora", "training")
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # hf_accum/
-# Packaged copy first (a wheel ships recipes/ as hf_accum/recipes_data), then the repository's own directory.
+# hf_accum/recipes_data: a wheel's copy of recipes/, in a checkout a symlink to it; recipes/ itself for a checkout
+# whose git wrote the symlink as a plain file (core.symlinks=false).
 RECIPE_DIRS = (_PACKAGE_DIR / "recipes_data", _PACKAGE_DIR.parent / "recipes")
 
 
