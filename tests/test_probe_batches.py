@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 
 import pytest
 import torch
@@ -122,3 +123,131 @@ def test_trl_packed_and_padding_free_rows(tmp_path, caplog, case):
     else:  # one row of several sequences per forward: each sequence alone in the reference
         assert all(b["input_ids"].shape[0] == 1 and "position_ids" in b for w in windows for b in w)
         assert max_relative_error(recorder.grads, reference_grads(recorder, windows, "tokens")) <= 1e-6
+
+
+# --- data the scan could not read before: 0-d tensors, a loader without .dataset, iterable TRL data ---------------
+class Regression(torch.nn.Module):
+    """transformers' tests' RegressionModel: y = a * x + b, MSE loss, one number per example."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Parameter(torch.tensor(0.5)), torch.nn.Parameter(torch.tensor(0.0))
+
+    def forward(self, input_x, labels=None, **kwargs):
+        y = input_x * self.a + self.b
+        return (torch.nn.functional.mse_loss(y, labels), y)
+
+
+def test_examples_of_0_d_tensors_are_scanned(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, generator=g)
+    data = datasets.Dataset.from_dict({"input_x": x.tolist(), "labels": (2 * x + 3).tolist()}).with_format("torch")
+    assert data[0]["input_x"].dim() == 0  # what transformers' test_trainer_with_datasets hands the trainer
+    args = AccumTrainingArguments(output_dir=str(tmp_path), **{**COMMON, "learning_rate": 0.1},
+                                  loss_normalization="samples")
+    trainer = AccumTrainer(model=Regression(), args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.probe_result is not None and trainer.state.global_step == 4
+
+
+class MultiLoader:
+    """transformers' tests' loader of loaders: no `.dataset`, no `.collate_fn`."""
+
+    def __init__(self, loaders):
+        self.loaders = loaders
+
+    def __len__(self):
+        return sum(len(loader) for loader in self.loaders)
+
+    def __iter__(self):
+        for loader in self.loaders:
+            yield from loader
+
+
+class TwoLoaders(AccumTrainer):
+    def get_train_dataloader(self):
+        return MultiLoader([super().get_train_dataloader(), super().get_train_dataloader()])
+
+
+def test_a_loader_without_dataset_is_scanned_for_its_widest_batch(tmp_path, caplog):
+    from .exactness import pad_collate
+
+    model = tiny_llama()
+    args = AccumTrainingArguments(output_dir=str(tmp_path), remove_unused_columns=False, **COMMON)
+    recorder = StepRecorder()
+    trainer = recording(TwoLoaders)(model=model, args=args, train_dataset=lm_examples(16, seed=1),
+                                    data_collator=pad_collate, callbacks=[recorder])
+    trainer.remove_callback(PrinterCallback)
+    with caplog.at_level(logging.INFO, logger="hf_accum"):
+        trainer.train()
+    assert "returned a MultiLoader without .dataset; the probe measures the widest batch" in caplog.text
+    assert trainer.probe_result is not None and trainer.plan.target_batch_size == 8
+    widest = max(b["input_ids"].shape[1] for w in trainer.windows for b in w)
+    assert trainer.planner.key["seq_len"] == widest  # the widest batch the loader yields is the probe's length
+    ref = reference_run(tiny_llama(), recorder, trainer.windows, "causal")
+    assert len(ref.grads) == 4 and max_step_error(recorder, ref) <= 1e-6
+
+
+def test_a_collator_that_fails_on_the_probe_batch_is_one_line(tmp_path):
+    def picky(rows):  # refuses one example twice in a batch: the probe's batch (copies of the longest) is such
+        if len(rows) > 1 and rows[0] is rows[1]:
+            raise RuntimeError("picky takes each example once\nsecond line of detail")
+        return default_data_collator(rows)
+
+    args = AccumTrainingArguments(output_dir=str(tmp_path), remove_unused_columns=False, **COMMON)
+    trainer = AccumTrainer(model=tiny_llama(), args=args, train_dataset=fixed_blocks(8), data_collator=picky)
+    with pytest.raises(ValueError) as err:
+        trainer.train()
+    message = str(err.value)
+    assert "\n" not in message and err.value.__cause__ is None and err.value.__suppress_context__
+    assert re.match(r"The data collator test_a_collator_that_fails_on_the_probe_batch_is_one_line\.<locals>\.picky "
+                    r"failed on the probe's batch \(\d+ copies of the longest training example\): RuntimeError: "
+                    r"picky takes each example once\. Fix the collator", message)
+    assert "probe_seq_len" in message
+
+
+def sft_iterable(tmp_path, **kw):
+    datasets = pytest.importorskip("datasets")
+    from hf_accum.trl import AccumSFTConfig, AccumSFTTrainer
+
+    rows = [{"input_ids": e["input_ids"]} for e in lm_examples(24, seed=5)]
+    args = AccumSFTConfig(output_dir=str(tmp_path), bf16=False, **{**COMMON, "max_steps": 2}, **kw)
+    return AccumSFTTrainer(model=tiny_llama(), args=args, processing_class=tiny.build_tokenizer(),
+                           train_dataset=datasets.Dataset.from_list(rows).to_iterable_dataset())
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_sft_iterable_dataset_is_planned_at_max_length(tmp_path, caplog, packing):
+    trainer = sft_iterable(tmp_path, max_length=24, packing=packing)
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        trainer.train()
+    assert trainer.state.global_step == 2 and trainer.probe_result is not None
+    assert ("the training set is an iterable dataset, so its longest example is unknown; the plan is for examples "
+            "of 24 tokens, the longest AccumSFTTrainer with max_length=24 (SFTTrainer truncates to it) lets "
+            "through.") in caplog.text
+    assert trainer.planner.key["seq_len"] == 24
+
+
+def test_sft_iterable_dataset_without_a_bound_is_refused(tmp_path):
+    trainer = sft_iterable(tmp_path, max_length=None)
+    with pytest.raises(ValueError, match="iterable dataset, so its longest example is unknown; set probe_seq_len"):
+        trainer.train()
+
+
+def test_dpo_iterable_dataset_is_planned_at_max_length(tmp_path, caplog):
+    pytest.importorskip("trl")
+    from hf_accum.trl import AccumDPOConfig, AccumDPOTrainer
+
+    from .test_dpo import preference_data
+
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model("causal_lm", tokenizer=tok, dtype=torch.float64, hidden_size=32)
+    args = AccumDPOConfig(output_dir=str(tmp_path), bf16=False, max_length=48, **{**COMMON, "max_steps": 2})
+    ref = tiny.build_model("causal_lm", tokenizer=tok, dtype=torch.float64, hidden_size=32)
+    trainer = AccumDPOTrainer(model=model, ref_model=ref, args=args, processing_class=tok,
+                              train_dataset=preference_data(16).to_iterable_dataset())
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        trainer.train()
+    assert trainer.state.global_step == 2 and trainer.planner.key["seq_len"] == 48
+    assert "AccumDPOTrainer with max_length=48 (DPOTrainer truncates to it)" in caplog.text
