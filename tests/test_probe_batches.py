@@ -251,3 +251,15 @@ def test_dpo_iterable_dataset_is_planned_at_max_length(tmp_path, caplog):
         trainer.train()
     assert trainer.state.global_step == 2 and trainer.planner.key["seq_len"] == 48
     assert "AccumDPOTrainer with max_length=48 (DPOTrainer truncates to it)" in caplog.text
+
+
+def test_tensor_rows_of_one_length_with_the_trainers_default_collator(tmp_path):
+    """transformers' tests' RepeatDataset (one 128-token tensor per row, no collator given): the probe once made
+    the second copy 127 tokens and `default_data_collator` could not stack them."""
+    x = torch.randint(1, VOCAB, (128,), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": x, "labels": x} for _ in range(16)]
+    args = AccumTrainingArguments(output_dir=str(tmp_path), **{**COMMON, "max_steps": 1})
+    trainer = AccumTrainer(model=tiny_llama(), args=args, train_dataset=data)
+    assert trainer.data_collator is default_data_collator
+    trainer.train()
+    assert trainer.state.global_step == 1 and trainer.planner.key["seq_len"] == 128
