@@ -33,6 +33,7 @@ def test_the_substitution_applies_once_or_names_what_changed():
         swap.swapped_source(text.replace("SFTTrainer(", "Other("), "SFTTrainer", "SFTConfig")
 
 
+@pytest.mark.slow  # four script runs, each mostly imports: ~40 s on 2 idle cores
 def test_trl_sft_script_swapped_trains_as_the_plain_one_packed_and_not(tmp_path):
     results = swap.run_cases(["sft", "sft-packed"], tmp_path, steps=2, timeout=300, jobs=4)
     print(swap.table(results))
