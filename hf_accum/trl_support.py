@@ -114,3 +114,24 @@ def mixed_into(cls: type) -> tuple[str, MixedInto] | None:
             "hf_accum does not know the unit of its batches (rows, pairs, groups), so it cannot cut them exactly. "
             f"Use {name} without AccumulationMixin, or a trainer hf_accum supports ({', '.join(TRL_TRAINERS)})"))
     return f"trl.{name}", known
+
+
+# The TRL trainers that cut every sequence to `max_length` (SFT truncates while preparing the data, DPO's collator
+# truncates prompt + completion, Reward drops longer pairs): with an iterable training set, whose longest example
+# cannot be read ahead, that bound is the probe's worst case.
+_TRUNCATING = {"SFTTrainer": "truncates", "DPOTrainer": "truncates", "RewardTrainer": "filters"}
+
+
+def length_bound(trainer) -> tuple[int, str] | None:
+    """The longest sequence ``trainer`` lets through and a phrase saying why, or None when nothing bounds it (not a
+    truncating TRL trainer, ``max_length=None``, or SFT told to skip its data preparation)."""
+    if not any(c.__module__.split(".")[0] == "trl" for c in type(trainer).__mro__):
+        return None
+    found = mixed_into(type(trainer))
+    name = found[0].rsplit(".", 1)[-1] if found else None
+    if name not in _TRUNCATING or trainer.args.max_length is None:
+        return None
+    if name == "SFTTrainer" and (trainer.args.dataset_kwargs or {}).get("skip_prepare_dataset"):
+        return None
+    n = int(trainer.args.max_length)
+    return n, f"{type(trainer).__name__} with max_length={n} ({name} {_TRUNCATING[name]} to it)"

@@ -120,8 +120,11 @@ class Cutter:
     def lengths(self, batch: Mapping) -> list[int]:
         """Tokens each unit needs (its row up to its last attended or counted position; a pair: its longer row)."""
         mask = batch.get("attention_mask")
-        ids = next(v for v in batch.values() if torch.is_tensor(v) and v.dim() == 2)
-        if not torch.is_tensor(mask) or mask.dim() != 2:
+        ids = next((v for v in batch.values() if torch.is_tensor(v) and v.dim() == 2), None)
+        if ids is None:  # rows of single numbers (a regression's x and y): one position each
+            rows = next(v for v in batch.values() if torch.is_tensor(v) and v.dim() >= 1)
+            per_row = [1] * int(rows.shape[0])
+        elif not torch.is_tensor(mask) or mask.dim() != 2:
             per_row = [int(ids.shape[1])] * int(ids.shape[0])
         else:
             keep = mask.bool()

@@ -206,7 +206,8 @@ def recording(trainer_cls):
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             batches, n = super().get_batch_samples(epoch_iterator, num_batches, device)
             self.windows = getattr(self, "windows", [])
-            self.windows.append([{k: v.detach().cpu().clone() for k, v in b.items()} for b in batches])
+            self.windows.append([{k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in b.items()}
+                                 for b in batches])  # TRL's padding-free batches carry ints (max_length_q)
             return batches, n
 
     Recording.__name__ = f"Recording{trainer_cls.__name__}"

@@ -155,3 +155,14 @@ def test_probe_and_train_in_two_processes_reuse_the_plan(tmp_path):
     train = cli("train", "lora_sft", "max_steps=1", "disable_tqdm=true", f"output_dir={out}", seed=2)
     assert train.returncode == 0, train.stderr
     assert json.loads((out / "run_summary.json").read_text())["reused_stored_plan"] is True
+
+
+def test_lora_sft_trains_packed(tmp_path, capsys):
+    """`hf-accum train lora_sft packing=true` (TRL's BFD packing: padding-free rows with seq_lengths) trains; the
+    probe once died on a packed row shortened without its last packed sequence (issue 46)."""
+    out = tmp_path / "packed"
+    argv = ["train", "lora_sft", "packing=true", "data.num_examples=200", "max_steps=2", "logging_steps=1",
+            "disable_tqdm=true", f"output_dir={out}"]
+    assert main(argv) == 0
+    assert "2 steps in" in capsys.readouterr().out and (out / "adapter_model.safetensors").is_file()
+    assert json.loads((out / PLAN_FILE).read_text())["plan"]["target_batch_size"] == 16

@@ -6,6 +6,7 @@ checks, HF datasets read in batches).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,6 +15,9 @@ import torch
 from ..compat import trainer_internals
 from ..loss import loss_shifts_labels
 from ..probe import random_token_batch
+from .probe_rows import collate_pads, collator_name, known_to_pad, probe_rows, sequence_length, stretched
+
+logger = logging.getLogger(__name__)
 
 
 def probe_batches(trainer, shortest: int | None = None,
@@ -33,14 +37,13 @@ def probe_batches(trainer, shortest: int | None = None,
         length = min(args.probe_seq_len, max(shortest, args.probe_seq_len // 8)) if shortest else args.probe_seq_len
         return random_token_batch(trainer.model, length), length
     loader = trainer.get_train_dataloader()
+    if not hasattr(loader, "dataset"):  # a trainer's own iterable (transformers' tests have one): scan its batches
+        return _yielded_batches(trainer, loader)
     dataset, collate = loader.dataset, loader.collate_fn
     try:
         size = len(dataset)
     except TypeError:
-        raise ValueError(
-            "The training set is an iterable dataset, so its longest example is unknown; set probe_seq_len to the "
-            "longest sequence length training will see."
-        ) from None
+        return _bounded_batches(trainer, dataset, collate)
     if size == 0:
         raise ValueError("train_dataset is empty: nothing to probe or train on.")
     if lengths is None:
@@ -50,13 +53,34 @@ def probe_batches(trainer, shortest: int | None = None,
         candidates = [i for i in range(size) if lengths[i] >= shortest] or [longest]
         longest = min(candidates, key=lengths.__getitem__)
     example = dataset[longest]
-    rows = _padded_rows(example, collate)
+    pads = known_to_pad(trainer.data_collator)
+    if pads is None:  # found by collating two of the data's own rows of different lengths (one length: no padding)
+        other = min(range(size), key=lengths.__getitem__)
+        pads = lengths[other] != lengths[longest] and collate_pads(collate, [example, dataset[other]])
+    return _collated(trainer, probe_rows(example, pads), collate, "the longest training example")
 
+
+def _collated(trainer, rows, collate, what: str) -> tuple[Callable[[int], dict[str, Any]], int]:
+    """``make_batch`` collating ``rows(micro)`` with the loader's collator, and the batch's length. A collator that
+    fails on it is named in one line (it is the user's code; training's batches may differ from the probe's)."""
     def make_batch(micro: int) -> dict[str, Any]:
-        return trainer_internals.prepare_inputs(trainer, collate(rows(micro)))
+        try:
+            batch = collate(rows(micro))
+        except Exception as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(
+                f"The data collator {collator_name(trainer.data_collator)} failed on the probe's batch ({micro} "
+                f"copies of {what}): {type(exc).__name__}: {reason}. Fix the collator or the data, or set "
+                "probe_seq_len to the longest sequence length training will see (the probe then measures random "
+                "tokens, causal LMs only)."
+            ) from None
+        return trainer_internals.prepare_inputs(trainer, batch)
 
-    first = make_batch(1)
-    seq_len = next((v.shape[1] for v in first.values() if torch.is_tensor(v) and v.dim() >= 2), 1)
+    return make_batch, _checked_length(trainer, make_batch(1))
+
+
+def _checked_length(trainer, batch) -> int:
+    seq_len = next((v.shape[1] for v in batch.values() if torch.is_tensor(v) and v.dim() >= 2), 1)
     max_positions = getattr(getattr(trainer.model, "config", None), "max_position_embeddings", None)
     if max_positions is not None and seq_len > max_positions:
         raise ValueError(
@@ -64,42 +88,77 @@ def probe_batches(trainer, shortest: int | None = None,
             f"max_position_embeddings={max_positions}. Truncate examples to at most {max_positions} tokens "
             "(e.g. tokenizer(..., truncation=True, max_length=...))."
         )
-    return make_batch, int(seq_len)
+    return int(seq_len)
+
+
+def _bounded_batches(trainer, dataset, collate):
+    """An iterable training set: its longest example is unknown, but a trainer that truncates (TRL's, to
+    max_length) bounds it. The probe measures one real example stretched to that bound; no bound: refused."""
+    from ..trl_support import length_bound
+
+    bound = length_bound(trainer)
+    if bound is None:
+        raise ValueError(
+            "The training set is an iterable dataset, so its longest example is unknown; set probe_seq_len to the "
+            "longest sequence length training will see."
+        )
+    n, why = bound
+    with torch.random.fork_rng(devices=[]):  # reading it draws no random number training would
+        example = next(iter(dataset), None)
+    if example is None:
+        raise ValueError("train_dataset is empty: nothing to probe or train on.")
+    logger.warning("hf_accum: the training set is an iterable dataset, so its longest example is unknown; the plan "
+                   "is for examples of %d tokens, the longest %s lets through.", n, why)
+    example = stretched(example, n) if isinstance(example, dict) else example
+    pads = bool(known_to_pad(trainer.data_collator))
+    return _collated(trainer, probe_rows(example, pads), collate, f"an example stretched to {n} tokens")
+
+
+def _yielded_batches(trainer, loader):
+    """A loader without ``.dataset`` (a trainer's own `get_train_dataloader`): the probe measures the widest batch it
+    yields, its fullest row repeated ``micro`` times (one pass over the loader)."""
+    with torch.random.fork_rng(devices=[]):  # a shuffling sampler draws its seed: training's order stays as it was
+        batches = [b for b in loader if isinstance(b, dict)]
+    if not batches:
+        raise ValueError(f"get_train_dataloader() returned a {type(loader).__name__} that yields no batch of named "
+                         "tensors: nothing to probe. Set auto_tune=False and give per_device_train_batch_size.")
+    batch = max(batches, key=lambda b: _width(b) * _rows_in(b))
+    rows = _rows_in(batch)
+    mask = batch.get("attention_mask")
+    row = int(mask.sum(-1).argmax()) if torch.is_tensor(mask) and mask.dim() == 2 else 0
+    logger.info("hf_accum: get_train_dataloader() returned a %s without .dataset; the probe measures the widest "
+                "batch it yields, one row repeated to each micro-batch.", type(loader).__name__)
+
+    def make_batch(micro: int) -> dict[str, Any]:
+        pick = torch.tensor([row] * micro)
+        return trainer_internals.prepare_inputs(trainer, {
+            k: v[pick] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == rows else v
+            for k, v in batch.items()})
+
+    return make_batch, _checked_length(trainer, make_batch(1))
+
+
+def _rows_in(batch: dict) -> int:
+    return next((v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() >= 1), 1)
+
+
+def _width(batch: dict) -> int:
+    return next((v.shape[1] for v in batch.values() if torch.is_tensor(v) and v.dim() >= 2), 1)
 
 
 def train_lengths(trainer) -> list[int] | None:
-    """Every training example's length; None for an iterable dataset (`probe_batches` says what to set)."""
+    """Every training example's length; None for an iterable dataset (`probe_batches` says what it plans from)."""
     dataset = trainer.train_dataset
     try:
-        return [example_length(dataset[i]) for i in range(len(dataset))]
+        size = len(dataset)
     except TypeError:
         return None
-
-
-def _padded_rows(example, collate) -> Callable[[int], list]:
-    """``rows(micro)``: the example ``micro`` times; where the collator pads, the last one a token shorter, so
-    the batch carries a padding mask as training's batches of mixed lengths do. A padding mask can cost more
-    than the tokens (SDPA falls back to kernels that build the masked scores), and one pad token leaves the
-    batch's real tokens, and so every per-token cost, as they were."""
-    n = example_length(example)
-    if not isinstance(example, dict) or n < 2:
-        return lambda micro: [example] * micro
-    shorter = {k: v[:-1] if hasattr(v, "__len__") and not isinstance(v, str) and len(v) == n else v
-               for k, v in example.items()}
-    mask = collate([example, shorter]).get("attention_mask")
-    if not torch.is_tensor(mask) or mask.dim() != 2 or bool(mask.all()):
-        return lambda micro: [example] * micro  # the collator does not pad (e.g. padding-free): nothing to mimic
-    return lambda micro: [example] * (micro - 1) + [shorter] if micro > 1 else [example]
+    return [example_length(dataset[i]) for i in range(size)]
 
 
 def example_length(example) -> int:
     """An example's length: its input_ids (or inputs_embeds, pixel_values), else its longest sequence."""
-    if isinstance(example, dict):
-        for key in ("input_ids", "inputs_embeds", "pixel_values"):
-            if key in example:
-                return len(example[key])
-        return max((len(v) for v in example.values() if hasattr(v, "__len__") and not isinstance(v, str)), default=0)
-    return len(example) if hasattr(example, "__len__") else 0
+    return sequence_length(example)
 
 
 def longest_index(lengths: Sequence[int]) -> int:
