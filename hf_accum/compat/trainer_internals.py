@@ -92,6 +92,13 @@ def window_length_set(trainer, length: int):
 _MISSING = object()
 
 
+def one_forward_window(trainer):
+    """A forward that is a window of its own (a probe step, an evaluation forward): `window_length` 1 while it runs.
+    TRL's SFT `compute_loss` reads the attribute for its MoE router term whenever it gets `num_items_in_batch`,
+    and only the Trainer's loop sets it."""
+    return window_length_set(trainer, 1)
+
+
 def prepare_inputs(trainer, batch):
     """Move a collated batch to the device as the training loop does (`Trainer._prepare_inputs`)."""
     return trainer._prepare_inputs(batch)
@@ -111,7 +118,10 @@ def prediction_loss_counted(trainer, num_items):
         driven = len(args) < 2  # (return_outputs, num_items_in_batch) positionally: not ours to replace
         if driven and num_items is not None:
             kwargs["num_items_in_batch"] = num_items
-        out = original(model, inputs, *args, **kwargs)
+        # TRL's SFT loss divides its MoE router term by the window's length when given a count; its own
+        # prediction_step gives none (one forward, weight 1), and outside training the length is not even set
+        with one_forward_window(trainer):
+            out = original(model, inputs, *args, **kwargs)
         seen.append((out[0] if isinstance(out, tuple) else out) if driven else None)
         return out
 

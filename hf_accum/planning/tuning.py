@@ -148,7 +148,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
             optimizer_cls=optimizer_cls,
             optimizer_kwargs=optimizer_kwargs,
             optimizer=trainer.optimizer,
-            forward=lambda model, batch: trainer.compute_loss(model, batch, num_items_in_batch=_items(trainer, batch)),
+            forward=lambda model, batch: _probe_forward(trainer, model, batch),
             autocast_dtype=autocast,
             max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
             meter=prepared.meter,
@@ -159,6 +159,12 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
         )
 
     return probe
+
+
+def _probe_forward(trainer, model, batch):
+    """One probe step's loss, as a training forward computes it: a window of one forward (its micro-batch)."""
+    with trainer_internals.one_forward_window(trainer):
+        return trainer.compute_loss(model, batch, num_items_in_batch=_items(trainer, batch))
 
 
 def _items(trainer, batch) -> torch.Tensor | None:
