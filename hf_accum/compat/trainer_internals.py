@@ -39,19 +39,39 @@ def trainer_divides_by_accumulation(trainer, num_items_in_batch) -> bool:
 
 
 @contextlib.contextmanager
-def printers_muted(trainer):
+def printers_without(trainer, keys):
     """transformers' console callbacks (`ProgressCallback`, `PrinterCallback`) print every dict `Trainer.log` sends.
-    The plan's figures are for `log_history` and the `report_to` integrations (the one plan line already said it), so
-    for that one call the handler's `callbacks` list leaves them out."""
+    The plan's figures ride on the run's first log entry for `log_history` and the `report_to` integrations (the one
+    plan line already said them), so for that one call the console callbacks in the handler's `callbacks` list see
+    the entry without ``keys``; whatever a printer takes out of what it sees (`total_flos`) leaves the entry too,
+    as it would have."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     handler = trainer.callback_handler
     kept = handler.callbacks
-    handler.callbacks = [c for c in kept if not isinstance(c, PrinterCallback | ProgressCallback)]
+    handler.callbacks = [_Without(c, frozenset(keys)) if isinstance(c, PrinterCallback | ProgressCallback) else c
+                         for c in kept]
     try:
         yield
     finally:
         handler.callbacks = kept
+
+
+class _Without:
+    """A console callback that is handed each log entry without some keys (`printers_without`)."""
+
+    def __init__(self, callback, keys: frozenset):
+        self._callback, self._keys = callback, keys
+
+    def __getattr__(self, name):
+        return getattr(self._callback, name)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        shown = {k: v for k, v in (logs or {}).items() if k not in self._keys}
+        result = self._callback.on_log(args, state, control, logs=shown, **kwargs)
+        for key in [k for k in (logs or {}) if k not in self._keys and k not in shown]:
+            del logs[key]
+        return result
 
 
 def main_input_tokens(trainer, inputs) -> int:
