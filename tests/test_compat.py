@@ -466,3 +466,17 @@ def test_the_console_callbacks_can_be_left_out_of_one_log_call(tmp_path, capsys)
     assert "hf_accum/figure" not in printed and "'loss'" in printed and "2.5" in printed and "total_flos" not in printed
     trainer.log({"hf_accum/other": 2.0})  # without the context the printer prints, as transformers does
     assert "hf_accum/other" in capsys.readouterr().out
+
+
+def test_the_loop_ends_each_step_and_saves_through_the_methods_the_trainer_overrides():
+    """`AccumulationMixin._maybe_log_save_evaluate` acts on each optimizer step after the callbacks' on_step_end and
+    before the Trainer logs and saves; `_save_checkpoint` writes the checkpoint that on_save follows."""
+    import inspect
+
+    loop = inspect.getsource(Trainer._run_epoch)  # one epoch of the loop (transformers 5.17 to 5.24)
+    step_end = loop.index("callback_handler.on_step_end(")
+    assert loop.index("self._maybe_log_save_evaluate(", step_end) > step_end
+    saving = inspect.getsource(Trainer._maybe_log_save_evaluate)
+    assert "self._save_checkpoint(model, trial)" in saving
+    assert saving.index("self._save_checkpoint(") < saving.index("callback_handler.on_save(")
+    assert saving.index("self.log(") < saving.index("self._save_checkpoint(")

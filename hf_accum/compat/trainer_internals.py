@@ -9,7 +9,9 @@ unless it believes the loss is already normalized for accumulation. The rule cha
 of its first training step against this prediction at run time.
 
 Also the private Trainer fields the window engine, the evaluation and the check read or set (each with the test
-that pins it in tests/test_compat.py).
+that pins it in tests/test_compat.py), and the two private Trainer methods `AccumulationMixin` overrides instead of
+adding callbacks to the user's list: `_maybe_log_save_evaluate` (the loop calls it right after the callbacks'
+`on_step_end`, before it logs and saves) and `_save_checkpoint` (where `on_save` would come right after).
 """
 
 from __future__ import annotations
