@@ -101,15 +101,15 @@ class AccumulationMixin:
         # Plain TrainingArguments: nothing of ours (no grow_back_steps, no max_nonfinite_steps).
         self._controls_steps = isinstance(self.args, AccumTrainingArguments) and self._normalization != "model"
         self._plans_in_checkpoints = bool(self.settings.target_batch_size)  # only runs with a target have a plan
-        self._step_ended_at: int | None = None  # the optimizer step `_after_step` last handled
+        self._window_ended = False  # a window ran since `_after_step` last acted
         self._figures_logged = False  # the plan's figures went with this run's first log entry
 
     # --- after each optimizer step, at each checkpoint, in the first log entry ---------------------------------
     def _maybe_log_save_evaluate(self, *args, **kwargs):
-        # The Trainer's loop calls this right after the callbacks' on_step_end (and again at an epoch's end, for
-        # the same step): the step control acts once per optimizer step, before the Trainer logs and saves.
-        if self._controls_steps and self._engine is not None and self._step_ended_at != self.state.global_step:
-            self._step_ended_at = self.state.global_step
+        # The Trainer's loop calls this right after the callbacks' on_step_end (and again at an epoch's end): the
+        # step control acts once per optimizer step whose window ran, before the Trainer logs and saves.
+        if self._controls_steps and self._window_ended:
+            self._window_ended = False
             self._after_step()
         return super()._maybe_log_save_evaluate(*args, **kwargs)
 
@@ -208,6 +208,8 @@ class AccumulationMixin:
             engine.begin([inputs])
         self._forwarded_tokens = 0
         returned = engine.step(inputs, lambda chunk, final: self._chunk_step(model, chunk, final))
+        if not engine.active:
+            self._window_ended = True  # the optimizer step follows: `_maybe_log_save_evaluate` acts on it
         if not engine.active and engine.outcome.skip and self._skips_nonfinite:
             self._skip_step(model)
         return returned
@@ -327,7 +329,7 @@ class AccumulationMixin:
             if self.settings.check_accumulation:
                 self.check_accumulation()
             handle = self.settings.handle_preemption and self._normalization != "model"
-            self._step_ended_at, self._figures_logged = None, False
+            self._window_ended, self._figures_logged = False, False
             try:
                 with self._stop_request.installed(handle):
                     output = super().train(resume_from_checkpoint, *args, **kwargs)
