@@ -25,9 +25,11 @@ def refuse_unsupported_setups(trainer) -> None:
         problem = mixed.check(trainer) if mixed.check else None
         if problem:
             raise ValueError(f"{type(trainer).__name__} (hf_accum over {base}): {problem}")
+    trainer._nonfinite_limit = None  # plain arguments: no check (every step is taken, as transformers does)
     if hasattr(trainer.args, "max_nonfinite_steps"):
         limit, line = resolve_nonfinite_limit(trainer.args.max_nonfinite_steps, trainer.engine.steps_in_backward)
-        trainer.args.max_nonfinite_steps = limit  # our copy: "auto" resolved for this engine
+        # "auto" resolved for this engine, on the trainer: its arguments stay as given (`to_dict()` unchanged)
+        trainer._nonfinite_limit = limit
         if line and trainer._normalization != "model":
             (logger.warning if limit is None else logger.info)(line)  # DeepSpeed's: nothing is skipped for you
     if trainer._normalization != "model" and trainer.args.n_gpu > 1:

@@ -10,7 +10,6 @@ import os
 
 from . import finite_grads
 from .preemption import EXIT_PREEMPTED, TORCHRUN_GRACE_S, Preempted
-from .settings import Settings
 
 logger = logging.getLogger("hf_accum.trainer")  # the trainer's messages, under the logger they always had
 
@@ -75,7 +74,7 @@ def _saved_weights_said(trainer) -> str:
 def raise_if_stopped(trainer) -> None:
     """After the Trainer's loop ended early on our request: say where the checkpoint is and how to resume."""
     where = os.path.join(trainer.args.output_dir, f"checkpoint-{trainer.state.global_step}")
-    limit = Settings(trainer.args).max_nonfinite_steps
+    limit = trainer._nonfinite_limit  # "auto" resolved for the engine (construction.py)
     if limit is not None and trainer._nonfinite_streak > limit:
         raise RuntimeError(
             f"hf_accum: {trainer._nonfinite_streak} optimizer steps in a row had a non-finite loss or gradients "

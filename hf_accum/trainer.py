@@ -27,7 +27,7 @@ import logging
 import os
 import weakref
 
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 
 from . import construction, engines, evaluation, finite_grads, levers, scaled_loss, stopping
 from .accumulation_check import AccumulationCheck, run_accumulation_check
@@ -95,13 +95,72 @@ class AccumulationMixin:
         self._stop_request = StopRequest()
         self._parallel = engines.select(self)  # the engine seam: DDP, FSDP, DeepSpeed or one process
         construction.refuse_unsupported_setups(self)
-        self._skips_nonfinite = self.settings.max_nonfinite_steps is not None
+        self._skips_nonfinite = self._nonfinite_limit is not None
         construction.adjust_args_copy(self)
-        if isinstance(self.args, AccumTrainingArguments) and self._normalization != "model":
-            self.add_callback(_StepControl(self))
-            self.add_callback(_GrowBack(self))  # plain TrainingArguments: Trainer's callbacks only (no grow_back_steps)
-        if self.settings.target_batch_size:  # only runs with a target have a plan to keep
-            self.add_callback(_PlanInCheckpoints(self))
+        # What happens after each optimizer step and at each checkpoint (`_maybe_log_save_evaluate`,
+        # `_save_checkpoint` below): Trainer methods, not callbacks, so the user's callback list is the Trainer's.
+        # Plain TrainingArguments: nothing of ours (no grow_back_steps, no max_nonfinite_steps).
+        self._controls_steps = isinstance(self.args, AccumTrainingArguments) and self._normalization != "model"
+        self._plans_in_checkpoints = bool(self.settings.target_batch_size)  # only runs with a target have a plan
+        self._window_ended = False  # a window ran since `_after_step` last acted
+        self._figures_logged = False  # the plan's figures went with this run's first log entry
+
+    # --- after each optimizer step, at each checkpoint, in the first log entry ---------------------------------
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        # The Trainer's loop calls this right after the callbacks' on_step_end (and again at an epoch's end): the
+        # step control acts once per optimizer step whose window ran, before the Trainer logs and saves.
+        if self._controls_steps and self._window_ended:
+            self._window_ended = False
+            self._after_step()
+        return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def _after_step(self) -> None:
+        """Ends the Trainer's loop, with a checkpoint, after a step the ranks agreed to stop at (a signal) or after
+        too many non-finite steps in a row; then tells the planner the step ended and whether an OOM re-ran its
+        window (growing back a lowered plan: `Planner.step_ended`)."""
+        outcome = self._engine.outcome
+        if not outcome.skip:
+            self._nonfinite_streak = 0
+        limit = self._nonfinite_limit
+        if outcome.stop or (limit is not None and self._nonfinite_streak > limit):
+            self.control.should_save = True
+            self.control.should_training_stop = True
+        self._planner.step_ended(outcome.reran)
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self._plans_in_checkpoints:  # each checkpoint carries the plan in force: a resume knows its target
+            self._save_plan_with_checkpoint()
+
+    def _save_plan_with_checkpoint(self) -> None:
+        planner, args = self._planner, self.args
+        plan = None if planner.plan_given else planner.plan  # a recorded given plan: as before, from the args
+        if plan is None and self.settings.target_batch_size:
+            plan = planner.given_plan()
+        folder = os.path.join(args.output_dir, f"checkpoint-{self.state.global_step}")
+        if plan is not None and args.should_save and os.path.isdir(folder):
+            planner.save(folder, probe=False, plan=plan)
+
+    def log(self, logs, *args, **kwargs):
+        """The plan's figures (`hf_accum/...`) go with the first entry a run logs, whatever it is (a training loss,
+        an evaluation, the run's summary): no entry of their own, so `log_history[i]` and the `on_log` events are
+        the Trainer's. A resumed run's history is its checkpoint's, which holds them already; its plan is in
+        `trainer.plan` and the plan file. Recorded for `report_to`, not printed (the plan line said them)."""
+        figures = self._planner.figures
+        if self._figures_logged or not figures or not self.is_in_train:
+            return super().log(logs, *args, **kwargs)
+        self._figures_logged = True
+        if self.state.log_history:  # resumed
+            return super().log(logs, *args, **kwargs)
+        merged = {**logs, **figures}
+        with trainer_internals.printers_without(self, figures):
+            returned = super().log(merged, *args, **kwargs)
+        # what the Trainer (and TRL) add to or take from the caller's dict, as without the figures (TRL's eval
+        # metrics reach the dict `evaluate()` returns this way)
+        for key in [k for k in logs if k not in merged]:
+            del logs[key]
+        logs.update({k: v for k, v in merged.items() if k not in figures})
+        return returned
 
     @property
     def plan(self) -> Plan | None:
@@ -150,6 +209,8 @@ class AccumulationMixin:
             engine.begin([inputs])
         self._forwarded_tokens = 0
         returned = engine.step(inputs, lambda chunk, final: self._chunk_step(model, chunk, final))
+        if not engine.active:
+            self._window_ended = True  # the optimizer step follows: `_maybe_log_save_evaluate` acts on it
         if not engine.active and engine.outcome.skip and self._skips_nonfinite:
             self._skip_step(model)
         return returned
@@ -172,7 +233,7 @@ class AccumulationMixin:
 
     def _skip_step(self, model) -> None:
         """A non-finite window loss on some rank: every rank drops the window's gradients (None, not zero: zero
-        gradients still move AdamW's moments and weights); `_StepControl` stops after too many in a row."""
+        gradients still move AdamW's moments and weights); `_after_step` stops after too many in a row."""
         model.zero_grad(set_to_none=True)
         self._nonfinite_streak += 1
         logger.warning("hf_accum: the loss or gradients of the window of optimizer step %d are not finite; that step "
@@ -269,6 +330,7 @@ class AccumulationMixin:
             if self.settings.check_accumulation:
                 self.check_accumulation()
             handle = self.settings.handle_preemption and self._normalization != "model"
+            self._window_ended, self._figures_logged = False, False
             try:
                 with self._stop_request.installed(handle):
                     output = super().train(resume_from_checkpoint, *args, **kwargs)
@@ -346,63 +408,10 @@ class AccumulationMixin:
             AccumulationMixin, self).prediction_step(model, batch, loss_only))
 
 
-class _StepControl(TrainerCallback):
-    """Ends the Trainer's loop, with a checkpoint, after a step the ranks agreed to stop at (a signal) or after
-    too many non-finite steps in a row. Holds the trainer weakly."""
-
-    def __init__(self, trainer):
-        self._trainer = weakref.ref(trainer)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        trainer = self._trainer()
-        if trainer is None or trainer._engine is None:
-            return
-        outcome = trainer._engine.outcome
-        if not outcome.skip:
-            trainer._nonfinite_streak = 0
-        too_many = args.max_nonfinite_steps is not None and trainer._nonfinite_streak > args.max_nonfinite_steps
-        if outcome.stop or too_many:
-            control.should_save = True
-            control.should_training_stop = True
-
-
-class _GrowBack(TrainerCallback):
-    """Tells the planner each optimizer step's end and whether an OOM re-ran its window (growing back a lowered
-    plan: `Planner.step_ended`). Holds the trainer weakly."""
-
-    def __init__(self, trainer):
-        self._trainer = weakref.ref(trainer)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        trainer = self._trainer()
-        if trainer is not None and trainer._engine is not None:
-            trainer.planner.step_ended(trainer._engine.outcome.reran)
-
-
 def _weakly(method):
     """A callable for `method` that does not keep its trainer alive (no cycle: `del trainer` frees the model)."""
     ref = weakref.WeakMethod(method)
     return lambda *args: ref()(*args)
-
-
-class _PlanInCheckpoints(TrainerCallback):
-    """Each checkpoint carries the plan in force, so a resume knows which target batch it belongs to. Holds the
-    trainer weakly: a callback must not keep a deleted trainer (and its model's memory) alive."""
-
-    def __init__(self, trainer):
-        self._trainer = weakref.ref(trainer)
-
-    def on_save(self, args, state, control, **kwargs):
-        trainer = self._trainer()
-        if trainer is None:
-            return
-        planner = trainer.planner
-        plan = None if planner.plan_given else planner.plan  # a recorded given plan: as before, from the args
-        if plan is None and Settings(args).target_batch_size:
-            plan = planner.given_plan()
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if plan is not None and args.should_save and os.path.isdir(folder):
-            planner.save(folder, probe=False, plan=plan)
 
 
 class AccumTrainer(AccumulationMixin, Trainer):

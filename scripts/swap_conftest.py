@@ -1,5 +1,7 @@
 """pytest plugin for `trainer_swap_suite.py`: runs transformers' own Trainer tests with `AccumTrainer` in place
-of `Trainer` (HF_ACCUM_SWAP=1), or plain (HF_ACCUM_SWAP=0); in both modes it records every trainer built.
+of `Trainer` (HF_ACCUM_SWAP=1), or plain (HF_ACCUM_SWAP=0); in both modes it records every trainer built. With
+HF_ACCUM_SWAP_TARGET=1 (and the swap) `TrainingArguments` is also `AccumTrainingArguments` with every object given the
+target its batch settings imply.
 
 Loaded with `-p swap_conftest`, so it is imported while pytest configures, before any test module is collected:
 the tests' `from transformers import Trainer` (and `transformers.trainer.Trainer`) then find `AccumTrainer`,
@@ -20,6 +22,7 @@ import os
 import sys
 
 SWAP = os.environ.get("HF_ACCUM_SWAP", "1") == "1"
+TARGET = SWAP and os.environ.get("HF_ACCUM_SWAP_TARGET", "0") == "1"  # swapped-target mode
 RECORD = os.environ.get("HF_ACCUM_SWAP_RECORD")
 
 # Everything of hf_accum (and transformers' own subclasses) is imported before the swap, so the names they bind
@@ -29,6 +32,7 @@ import transformers  # noqa: E402
 import transformers.trainer  # noqa: E402
 import transformers.trainer_seq2seq  # noqa: E402, F401
 
+from hf_accum.args import AccumTrainingArguments  # noqa: E402
 from hf_accum.compat import trainer_internals  # noqa: E402, F401
 from hf_accum.planning import tuning  # noqa: E402, F401
 from hf_accum.trainer import AccumTrainer  # noqa: E402
@@ -67,6 +71,24 @@ if SWAP:
         raise RuntimeError("swap_conftest: transformers.Trainer could not be replaced by AccumTrainer")
     _write({"kind": "swap", "replaced": ["transformers.Trainer", "transformers.trainer.Trainer"],
             "by": _qualname(AccumTrainer), "original": _qualname(ORIGINAL)})
+
+
+
+class TargetedTrainingArguments(AccumTrainingArguments):
+    """What a new user writes: `AccumTrainingArguments` with the target its batch settings already imply
+    (per_device_train_batch_size x gradient_accumulation_steps x world), unless the test set one."""
+
+    def __post_init__(self):
+        if self.target_batch_size is None:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            self.target_batch_size = self.per_device_train_batch_size * self.gradient_accumulation_steps * world
+        super().__post_init__()
+
+
+if TARGET:  # the tests' `from transformers import TrainingArguments` (and their subclasses of it) find it
+    transformers.TrainingArguments = TargetedTrainingArguments
+    _write({"kind": "swap", "replaced": ["transformers.TrainingArguments"], "by": _qualname(TargetedTrainingArguments),
+            "original": "transformers.training_args.TrainingArguments"})
 
 
 def pytest_configure(config):

@@ -1,6 +1,8 @@
-"""Run transformers' own Trainer tests twice, plain and with `Trainer` swapped for `AccumTrainer`, side by side.
+"""Run transformers' own Trainer tests plain and with `Trainer` swapped for `AccumTrainer` (optionally with a target
+set), side by side.
 
-    python scripts/trainer_swap_suite.py TESTS_DIR [FILES...] [--timeout 120] [-k EXPR] [--site DIR]
+    python scripts/trainer_swap_suite.py TESTS_DIR [FILES...] [--modes plain,swapped,swapped-target] [--timeout 120]
+                                         [-k EXPR] [--site DIR]
 
 TESTS_DIR holds `tests/__init__.py` and `tests/trainer/` of transformers at (or as near as can be had to) the
 installed version. The files are not ours: they are never copied into this repository, and the script refuses a
@@ -11,9 +13,16 @@ TESTS_DIR inside it. To fill TESTS_DIR from a git directory of transformers (or 
 FILES are paths relative to TESTS_DIR (default: tests/trainer). `--site` adds a folder of extra test
 dependencies (e.g. `pip install --target DIR parameterized timeout-decorator`) to the runs' PYTHONPATH.
 
-The two runs are sequential (plain first), each a pytest subprocess with `swap_conftest.py` loaded as a plugin
-(HF_ACCUM_SWAP=0 / 1) and a junit report; the table lists every test with its two results, then every test that
-fails only when swapped, and how many of the trainers each run built were really `AccumTrainer`. Not part of CI.
+Modes (default plain,swapped), run one after the other, each a pytest subprocess with `swap_conftest.py` loaded as a
+plugin and a junit report:
+- plain: transformers as installed (HF_ACCUM_SWAP=0);
+- swapped: `Trainer` is `AccumTrainer`, with the arguments as the tests give them (HF_ACCUM_SWAP=1);
+- swapped-target: swapped, and `TrainingArguments` is `AccumTrainingArguments` with every object given the
+  `target_batch_size` its batch settings already imply (per_device_train_batch_size x gradient_accumulation_steps x
+  world), as a new user would set it (HF_ACCUM_SWAP_TARGET=1): the probe and the planner run in every test, and the
+  effective batch must come out the same.
+The table lists every test with its result per mode, then per swapped mode every test that fails there and not
+plain, and how many of the trainers each run built were really `AccumTrainer`. Not part of CI.
 """
 
 from __future__ import annotations
@@ -33,6 +42,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 BAD = ("failed", "error")
+MODES = ("plain", "swapped", "swapped-target")
+
+
+def mode_env(mode: str) -> dict[str, str]:
+    """The plugin's environment for a mode (see the module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    return {"HF_ACCUM_SWAP": "0" if mode == "plain" else "1",
+            "HF_ACCUM_SWAP_TARGET": "1" if mode == "swapped-target" else "0"}
 
 
 def extract(git_dir: str, commit: str, dest: Path) -> None:
@@ -57,7 +75,7 @@ def run_pytest(mode: str, tests_dir: Path, files: list[str], out: Path, opts) ->
     record.unlink(missing_ok=True)
     ini = out / "pytest.ini"  # ours, so no pytest configuration above TESTS_DIR is picked up
     ini.write_text("[pytest]\nfilterwarnings =\n    ignore::DeprecationWarning\n")
-    env = dict(os.environ, HF_ACCUM_SWAP="1" if mode == "swapped" else "0", HF_ACCUM_SWAP_RECORD=str(record),
+    env = dict(os.environ, **mode_env(mode), HF_ACCUM_SWAP_RECORD=str(record),
                HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
     paths = [str(HERE)] + ([opts.site] if opts.site else []) + [p for p in [env.get("PYTHONPATH")] if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
@@ -100,7 +118,7 @@ def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
 
 
 def trainer_counts(record: Path):
-    trainers, modules, swap = [], {}, None
+    trainers, modules, swaps = [], {}, []
     if record.exists():
         for line in record.read_text().splitlines():
             entry = json.loads(line)
@@ -109,8 +127,8 @@ def trainer_counts(record: Path):
             elif entry["kind"] == "module":
                 modules[entry["module"]] = entry
             else:
-                swap = entry
-    return trainers, modules, swap
+                swaps.append(entry)
+    return trainers, modules, swaps
 
 
 def main(argv=None) -> int:
@@ -118,6 +136,8 @@ def main(argv=None) -> int:
     parser.add_argument("tests_dir", type=Path)
     parser.add_argument("files", nargs="*", default=["tests/trainer"])
     parser.add_argument("--extract", nargs=2, metavar=("GIT_DIR", "COMMIT"))
+    parser.add_argument("--modes", default="plain,swapped", help=f"comma-separated, of {', '.join(MODES)} "
+                        "(default %(default)s); plain is always run first, as the baseline")
     parser.add_argument("--timeout", type=int, default=120, help="per-test timeout in seconds (pytest-timeout)")
     parser.add_argument("-k", help="pytest -k expression, e.g. to deselect tests that hang")
     parser.add_argument("--site", help="folder with extra test dependencies, added to PYTHONPATH")
@@ -148,47 +168,52 @@ def main(argv=None) -> int:
     print(f"hf_accum at {head.stdout.strip() or '?'}" + (" with uncommitted changes in hf_accum/" if dirty.stdout.strip()
                                                         else ""))
 
+    modes = ["plain"] + [m for m in opts.modes.split(",") if m != "plain"]
+    for mode in modes:
+        mode_env(mode)
     runs = {}
-    for mode in ("plain", "swapped"):
+    for mode in modes:
         junit, record = opts.out / f"{mode}.xml", opts.out / f"{mode}.trainers.jsonl"
         seconds = None
         if not opts.report_only:
             junit, record, seconds = run_pytest(mode, tests_dir, opts.files, opts.out, opts)
         runs[mode] = (outcomes(junit), trainer_counts(record), seconds)
 
-    plain, swapped = runs["plain"][0], runs["swapped"][0]
-    ids = sorted(set(plain) | set(swapped))
+    plain = runs["plain"][0]
+    ids = sorted(set().union(*(r[0] for r in runs.values())))
     width = max([len(t) for t in ids] + [10])
-    print(f"\n{'test':<{width}}  {'plain':<8}  swapped")
+    print(f"\n{'test':<{width}}  " + "  ".join(f"{m:<14}" for m in modes))
     for test in ids:
-        a, b = plain.get(test, ("-", ""))[0], swapped.get(test, ("-", ""))[0]
-        flag = "  <-- swapped only" if b in BAD and a not in BAD else ""
-        print(f"{test:<{width}}  {a:<8}  {b}{flag}")
+        got = [runs[m][0].get(test, ("-", ""))[0] for m in modes]
+        flag = "  <-- swapped only" if any(r in BAD for r in got[1:]) and got[0] not in BAD else ""
+        print(f"{test:<{width}}  " + "  ".join(f"{r:<14}" for r in got) + flag)
 
-    print("\nsummary     " + "  ".join(f"{k:>8}" for k in ("passed", "failed", "error", "skipped", "total")))
-    for mode in ("plain", "swapped"):
+    print(f"\n{'summary':<16}" + "  ".join(f"{k:>8}" for k in ("passed", "failed", "error", "skipped", "total")))
+    for mode in modes:
         counts = collections.Counter(r for r, _ in runs[mode][0].values())
         seconds = runs[mode][2]
-        print(f"{mode:<10}  " + "  ".join(f"{counts[k]:>8}" for k in ("passed", "failed", "error", "skipped"))
+        print(f"{mode:<14}  " + "  ".join(f"{counts[k]:>8}" for k in ("passed", "failed", "error", "skipped"))
               + f"  {sum(counts.values()):>8}" + (f"   ({seconds:.0f} s)" if seconds else ""))
 
-    only = [t for t in ids if swapped.get(t, ("-",))[0] in BAD and plain.get(t, ("-",))[0] not in BAD]
-    fixed = [t for t in ids if plain.get(t, ("-",))[0] in BAD and swapped.get(t, ("-",))[0] not in BAD]
-    print(f"\nfailing only when swapped: {len(only)}")
-    for test in only:
-        print(f"  {test}\n      {swapped[test][0]}: {swapped[test][1]}")
-    if fixed:
-        print(f"failing only plain: {len(fixed)}")
-        for test in fixed:
-            print(f"  {test}\n      {plain[test][0]}: {plain[test][1]}")
+    for mode in modes[1:]:
+        ours = runs[mode][0]
+        only = [t for t in ids if ours.get(t, ("-",))[0] in BAD and plain.get(t, ("-",))[0] not in BAD]
+        fixed = [t for t in ids if plain.get(t, ("-",))[0] in BAD and ours.get(t, ("-",))[0] not in BAD]
+        print(f"\nfailing only {mode}: {len(only)}")
+        for test in only:
+            print(f"  {test}\n      {ours[test][0]}: {ours[test][1]}")
+        if fixed:
+            print(f"failing only plain (not {mode}): {len(fixed)}")
+            for test in fixed:
+                print(f"  {test}\n      {plain[test][0]}: {plain[test][1]}")
 
-    for mode in ("plain", "swapped"):
-        trainers, modules, swap = runs[mode][1]
+    for mode in modes:
+        trainers, modules, swaps = runs[mode][1]
         accum = sum(t["accum"] for t in trainers)
         tests = {t["test"] for t in trainers}
         print(f"\n{mode}: {len(trainers)} trainers built in {len(tests)} tests; AccumTrainer: {accum}")
-        if mode == "swapped":
-            if swap:
+        if mode != "plain":
+            for swap in swaps:
                 print(f"  replaced {', '.join(swap['replaced'])} by {swap['by']}")
             other = collections.Counter(t["cls"] for t in trainers if not t["accum"])
             for cls, n in other.most_common():

@@ -6,6 +6,8 @@ hf_accum's classes swapped in, optionally with gradient_accumulation_steps force
   `hf_accum.trl`. TRL's own modules keep their classes, so TRL's internals behave as TRL wrote them.
 - HF_ACCUM_TRL_GA=N: every TRL config (`_BaseConfig`, so ours too) gets gradient_accumulation_steps=N, whatever the
   test set.
+- HF_ACCUM_TRL_TARGET=1 (with the swap): every one of our configs that sets no `target_batch_size` gets the one its
+  batch settings imply (per_device_train_batch_size x gradient_accumulation_steps x world), as a new user would.
 - HF_ACCUM_TRL_RECORD=FILE: one JSON line per trainer built ({"test", "cls", "accum", "ga"}), and one for the swap.
 
 Loaded with `-p trl_swap_conftest` (the suite puts scripts/ on PYTHONPATH), so all this happens before any test module
@@ -29,6 +31,7 @@ import trl_standins
 
 SWAP = os.environ.get("HF_ACCUM_TRL_SWAP", "0") == "1"
 FORCE_GA = int(os.environ.get("HF_ACCUM_TRL_GA") or 0)
+FORCE_TARGET = SWAP and os.environ.get("HF_ACCUM_TRL_TARGET") == "1"
 RECORD = os.environ.get("HF_ACCUM_TRL_RECORD")
 
 import importlib  # noqa: E402
@@ -112,7 +115,8 @@ def _recording_init(init):
         targs = kwargs.get("args")
         _write({"kind": "trainer", "test": _current_test, "cls": f"{type(self).__module__}.{type(self).__qualname__}",
                 "accum": isinstance(self, accum_trl.AccumulationMixin),
-                "ga": getattr(targs, "gradient_accumulation_steps", None)})
+                "ga": getattr(targs, "gradient_accumulation_steps", None),
+                "target": getattr(targs, "target_batch_size", None)})
         return init(self, *args, **kwargs)
 
     return __init__
@@ -120,15 +124,19 @@ def _recording_init(init):
 
 transformers.Trainer.__init__ = _recording_init(transformers.Trainer.__init__)
 
-if FORCE_GA:
+if FORCE_GA or FORCE_TARGET:
     _post_init = _BaseConfig.__post_init__
 
     @functools.wraps(_post_init)
-    def _forced_ga_post_init(self):
-        self.gradient_accumulation_steps = FORCE_GA
+    def _forced_post_init(self):
+        if FORCE_GA:
+            self.gradient_accumulation_steps = FORCE_GA
+        if FORCE_TARGET and isinstance(self, accum_trl.AccumTrainingArguments) and self.target_batch_size is None:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            self.target_batch_size = self.per_device_train_batch_size * self.gradient_accumulation_steps * world
         _post_init(self)
 
-    _BaseConfig.__post_init__ = _forced_ga_post_init
+    _BaseConfig.__post_init__ = _forced_post_init
 
 
 def pytest_configure(config):

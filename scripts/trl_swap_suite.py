@@ -1,6 +1,6 @@
 """Run TRL's own SFT / DPO / Reward trainer tests plain and with hf_accum's classes swapped in, offline, side by side.
 
-    python scripts/trl_swap_suite.py TESTS_DIR [FILES...] [--modes plain,swapped,swapped-ga2,swapped-ga3]
+    python scripts/trl_swap_suite.py TESTS_DIR [FILES...] [--modes plain,swapped,swapped-ga2,swapped-ga3,swapped-target]
                                      [-k EXPR] [--ga-k EXPR] [--timeout 300]
     python scripts/trl_swap_suite.py TESTS_DIR --extract GIT_DIR COMMIT   # TRL's tests/ of COMMIT into TESTS_DIR
 
@@ -14,6 +14,10 @@ Modes (each a pytest subprocess with `trl_swap_conftest.py` as a plugin and a ju
 - swapped-gaN: swapped, every config forced to gradient_accumulation_steps=N (no upstream test sets it).
   Its baseline is plain-gaN (TRL forced to N), run only on the tests that fail swapped-gaN and pass plain (a test
   that also fails with TRL at GA N is not ours).
+- swapped-target (and swapped-target-gaN): swapped, every one of our configs given the `target_batch_size` its batch
+  settings already imply (per_device_train_batch_size x gradient_accumulation_steps x world), as a new user would set
+  it: the probe and the planner run in every test, and the effective batch must come out the same. Its baseline is
+  plain (plain-gaN): TRL has no target.
 `-k` selects the tests of every mode, `--ga-k` further narrows the GA modes (defaults: K and GA_K below).
 
 Offline: the hub models and datasets the tests load are replaced by local stand-ins (`trl_standins.py`, a hub cache
@@ -72,11 +76,19 @@ def allowed(test_id: str) -> bool:
 
 
 def mode_env(mode: str) -> dict[str, str]:
-    """The plugin's environment for a mode: "plain", "swapped", "plain-ga2", "swapped-ga3", ..."""
+    """The plugin's environment for a mode: "plain", "swapped", "swapped-target", "plain-ga2", "swapped-ga3",
+    "swapped-target-ga2", ..."""
     kind, _, ga = mode.partition("-ga")
-    if kind not in ("plain", "swapped") or (ga and not ga.isdigit()):
-        raise ValueError(f"mode {mode!r}: expected plain or swapped, optionally with -gaN (e.g. swapped-ga2)")
-    return {"HF_ACCUM_TRL_SWAP": "1" if kind == "swapped" else "0", "HF_ACCUM_TRL_GA": ga}
+    if kind not in ("plain", "swapped", "swapped-target") or (ga and not ga.isdigit()):
+        raise ValueError(f"mode {mode!r}: expected plain, swapped or swapped-target, optionally with -gaN (e.g. "
+                         "swapped-ga2)")
+    return {"HF_ACCUM_TRL_SWAP": "0" if kind == "plain" else "1", "HF_ACCUM_TRL_GA": ga,
+            "HF_ACCUM_TRL_TARGET": "1" if kind == "swapped-target" else ""}
+
+
+def baseline_of(mode: str) -> str:
+    """The TRL run a swapped mode is compared with: plain at the same forced GA (TRL has no target)."""
+    return mode.replace("swapped-target", "plain").replace("swapped", "plain")
 
 
 def extract(git_dir: str, commit: str, dest: Path) -> None:
@@ -185,7 +197,7 @@ def main(argv=None) -> int:
             k = " and ".join(f"({e})" for e in (opts.k, opts.ga_k if ga else None) if e) or None
             run_pytest(mode, tests_dir, opts.files, opts.out, opts, k)
         results[mode] = outcomes(opts.out / f"{mode}.xml")
-        baseline = mode.replace("swapped", "plain")
+        baseline = baseline_of(mode)
         if ga and mode.startswith("swapped"):
             suspects = regressions(results[mode], results.get("plain", {}))
             if suspects and not opts.report_only:
@@ -196,7 +208,7 @@ def main(argv=None) -> int:
     for mode in modes:
         if not mode.startswith("swapped"):
             continue
-        baseline = mode.replace("swapped", "plain")
+        baseline = baseline_of(mode)
         theirs = {**results.get("plain", {}), **results.get(baseline, {})}
         only = regressions(results[mode], theirs)
         print(f"\n{mode}: pass with TRL ({baseline}), fail with ours: {len(only)} "
@@ -208,8 +220,9 @@ def main(argv=None) -> int:
         built = [r for r in records(opts.out / f"{mode}.trainers.jsonl") if r["kind"] == "trainer"]
         classes = collections.Counter(r["cls"].rpartition(".")[2] for r in built)
         gas = collections.Counter(r["ga"] for r in built)
+        targets = collections.Counter(r.get("target") for r in built)
         print(f"\n{mode}: {len(built)} trainers built, {sum(r['accum'] for r in built)} of them hf_accum's; "
-              f"classes {dict(classes)}; gradient_accumulation_steps {dict(gas)}")
+              f"classes {dict(classes)}; gradient_accumulation_steps {dict(gas)}; target_batch_size {dict(targets)}")
         seconds = opts.out / f"{mode}.seconds"
         if seconds.exists():
             print(f"  ran {seconds.read_text()} s")

@@ -442,8 +442,9 @@ def test_checkpointing_argument_unset_is_none():
 
 
 def test_the_console_callbacks_can_be_left_out_of_one_log_call(tmp_path, capsys):
-    """`trainer_internals.printers_muted`: `Trainer.log` reaches every callback through `callback_handler.callbacks`; without
-    the console ones for that call, the figures are recorded (log_history, other callbacks) and not printed."""
+    """`trainer_internals.printers_without`: `Trainer.log` reaches every callback through `callback_handler.callbacks`;
+    with the console ones handed the entry without some keys for that call, those keys are recorded (log_history,
+    other callbacks) and not printed, and the rest of the entry is printed as transformers prints it."""
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -457,10 +458,25 @@ def test_the_console_callbacks_can_be_left_out_of_one_log_call(tmp_path, capsys)
     trainer = Trainer(model=tiny_llama(torch.float32), args=args, callbacks=[Listener()])
     assert any(isinstance(c, PrinterCallback | ProgressCallback) for c in trainer.callback_handler.callbacks)
     before = list(trainer.callback_handler.callbacks)
-    with trainer_internals.printers_muted(trainer):
-        trainer.log({"hf_accum/figure": 1.0})
+    with trainer_internals.printers_without(trainer, {"hf_accum/figure"}):
+        trainer.log({"hf_accum/figure": 1.0, "loss": 2.5, "total_flos": 7.0})
     assert trainer.callback_handler.callbacks == before  # restored
     assert seen and seen[-1]["hf_accum/figure"] == 1.0 and trainer.state.log_history[-1]["hf_accum/figure"] == 1.0
-    assert "hf_accum/figure" not in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "hf_accum/figure" not in printed and "'loss'" in printed and "2.5" in printed and "total_flos" not in printed
     trainer.log({"hf_accum/other": 2.0})  # without the context the printer prints, as transformers does
     assert "hf_accum/other" in capsys.readouterr().out
+
+
+def test_the_loop_ends_each_step_and_saves_through_the_methods_the_trainer_overrides():
+    """`AccumulationMixin._maybe_log_save_evaluate` acts on each optimizer step after the callbacks' on_step_end and
+    before the Trainer logs and saves; `_save_checkpoint` writes the checkpoint that on_save follows."""
+    import inspect
+
+    loop = inspect.getsource(Trainer._run_epoch)  # one epoch of the loop (transformers 5.17 to 5.24)
+    step_end = loop.index("callback_handler.on_step_end(")
+    assert loop.index("self._maybe_log_save_evaluate(", step_end) > step_end
+    saving = inspect.getsource(Trainer._maybe_log_save_evaluate)
+    assert "self._save_checkpoint(model, trial)" in saving
+    assert saving.index("self._save_checkpoint(") < saving.index("callback_handler.on_save(")
+    assert saving.index("self.log(") < saving.index("self._save_checkpoint(")

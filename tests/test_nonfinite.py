@@ -95,7 +95,9 @@ def test_under_deepspeed_the_default_is_off_with_one_line_and_only_an_explicit_l
     monkeypatch.setattr(Engine, "steps_in_backward", True)  # the engine seam says: steps inside backward
     with caplog.at_level(logging.INFO, logger="hf_accum"):
         trainer = run(tmp_path, nan_calls=[5])  # max_nonfinite_steps left at its default
-    assert trainer.args.max_nonfinite_steps is None and not trainer._skips_nonfinite
+    # resolved on the trainer; its arguments keep what was given (transformers' test_training_arguments_are_left_untouched)
+    assert trainer._nonfinite_limit is None and not trainer._skips_nonfinite
+    assert trainer.args.max_nonfinite_steps == "auto"
     lines = [r for r in caplog.records if "max_nonfinite_steps" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     assert "max_nonfinite_steps is off under DeepSpeed" in lines[0].getMessage()
@@ -113,7 +115,8 @@ def test_under_deepspeed_the_default_is_off_with_one_line_and_only_an_explicit_l
 def test_the_default_elsewhere_is_three_and_the_callers_arguments_keep_auto(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="hf_accum"):
         trainer = run(tmp_path, nan_calls=[])
-    assert trainer.args.max_nonfinite_steps == 3 and trainer._skips_nonfinite
+    assert trainer._nonfinite_limit == 3 and trainer._skips_nonfinite
+    assert trainer.args.max_nonfinite_steps == "auto"  # the trainer's copy of the arguments is left as given
     assert "more than 3 in a row stop training with a checkpoint (max_nonfinite_steps)" in caplog.text
     assert AccumTrainingArguments(output_dir=str(tmp_path), use_cpu=True).max_nonfinite_steps == "auto"
 

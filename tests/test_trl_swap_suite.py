@@ -101,11 +101,24 @@ def test_only_batch_dependent_loss_types_are_allowed_regressions(test_id, ok):
 
 
 def test_modes_and_regressions():
-    assert suite.mode_env("plain") == {"HF_ACCUM_TRL_SWAP": "0", "HF_ACCUM_TRL_GA": ""}
-    assert suite.mode_env("swapped-ga3") == {"HF_ACCUM_TRL_SWAP": "1", "HF_ACCUM_TRL_GA": "3"}
-    for bad in ("ours", "swapped-gax", "plain-gaz"):
-        with pytest.raises(ValueError, match="expected plain or swapped"):
+    assert suite.mode_env("plain") == {"HF_ACCUM_TRL_SWAP": "0", "HF_ACCUM_TRL_GA": "", "HF_ACCUM_TRL_TARGET": ""}
+    assert suite.mode_env("swapped-ga3") == {"HF_ACCUM_TRL_SWAP": "1", "HF_ACCUM_TRL_GA": "3", "HF_ACCUM_TRL_TARGET": ""}
+    assert suite.mode_env("swapped-target-ga2") == {"HF_ACCUM_TRL_SWAP": "1", "HF_ACCUM_TRL_GA": "2",
+                                                    "HF_ACCUM_TRL_TARGET": "1"}
+    assert [suite.baseline_of(m) for m in ("swapped", "swapped-target", "swapped-target-ga2", "swapped-ga3")] == [
+        "plain", "plain", "plain-ga2", "plain-ga3"]
+    for bad in ("ours", "swapped-gax", "plain-gaz", "plain-target", "swapped-targetx"):
+        with pytest.raises(ValueError, match="expected plain, swapped or swapped-target"):
             suite.mode_env(bad)
     ours = {"a": ("failed", ""), "b": ("error", ""), "c": ("passed", ""), "d": ("failed", ""), "e": ("failed", "")}
     theirs = {"a": ("passed", ""), "b": ("skipped", ""), "c": ("failed", ""), "d": ("failed", "")}
     assert suite.regressions(ours, theirs) == ["a", "b", "e"]  # "e": TRL did not run it
+
+
+def test_the_transformers_suite_modes():
+    trainer_suite = _load("trainer_swap_suite")
+    assert trainer_suite.mode_env("plain") == {"HF_ACCUM_SWAP": "0", "HF_ACCUM_SWAP_TARGET": "0"}
+    assert trainer_suite.mode_env("swapped") == {"HF_ACCUM_SWAP": "1", "HF_ACCUM_SWAP_TARGET": "0"}
+    assert trainer_suite.mode_env("swapped-target") == {"HF_ACCUM_SWAP": "1", "HF_ACCUM_SWAP_TARGET": "1"}
+    with pytest.raises(ValueError, match="expected one of plain, swapped, swapped-target"):
+        trainer_suite.mode_env("plain-target")

@@ -9,7 +9,9 @@ unless it believes the loss is already normalized for accumulation. The rule cha
 of its first training step against this prediction at run time.
 
 Also the private Trainer fields the window engine, the evaluation and the check read or set (each with the test
-that pins it in tests/test_compat.py).
+that pins it in tests/test_compat.py), and the two private Trainer methods `AccumulationMixin` overrides instead of
+adding callbacks to the user's list: `_maybe_log_save_evaluate` (the loop calls it right after the callbacks'
+`on_step_end`, before it logs and saves) and `_save_checkpoint` (where `on_save` would come right after).
 """
 
 from __future__ import annotations
@@ -39,19 +41,39 @@ def trainer_divides_by_accumulation(trainer, num_items_in_batch) -> bool:
 
 
 @contextlib.contextmanager
-def printers_muted(trainer):
+def printers_without(trainer, keys):
     """transformers' console callbacks (`ProgressCallback`, `PrinterCallback`) print every dict `Trainer.log` sends.
-    The plan's figures are for `log_history` and the `report_to` integrations (the one plan line already said it), so
-    for that one call the handler's `callbacks` list leaves them out."""
+    The plan's figures ride on the run's first log entry for `log_history` and the `report_to` integrations (the one
+    plan line already said them), so for that one call the console callbacks in the handler's `callbacks` list see
+    the entry without ``keys``; whatever a printer takes out of what it sees (`total_flos`) leaves the entry too,
+    as it would have."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     handler = trainer.callback_handler
     kept = handler.callbacks
-    handler.callbacks = [c for c in kept if not isinstance(c, PrinterCallback | ProgressCallback)]
+    handler.callbacks = [_Without(c, frozenset(keys)) if isinstance(c, PrinterCallback | ProgressCallback) else c
+                         for c in kept]
     try:
         yield
     finally:
         handler.callbacks = kept
+
+
+class _Without:
+    """A console callback that is handed each log entry without some keys (`printers_without`)."""
+
+    def __init__(self, callback, keys: frozenset):
+        self._callback, self._keys = callback, keys
+
+    def __getattr__(self, name):
+        return getattr(self._callback, name)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        shown = {k: v for k, v in (logs or {}).items() if k not in self._keys}
+        result = self._callback.on_log(args, state, control, logs=shown, **kwargs)
+        for key in [k for k in (logs or {}) if k not in self._keys and k not in shown]:
+            del logs[key]
+        return result
 
 
 def main_input_tokens(trainer, inputs) -> int:
@@ -92,6 +114,13 @@ def window_length_set(trainer, length: int):
 _MISSING = object()
 
 
+def one_forward_window(trainer):
+    """A forward that is a window of its own (a probe step, an evaluation forward): `window_length` 1 while it runs.
+    TRL's SFT `compute_loss` reads the attribute for its MoE router term whenever it gets `num_items_in_batch`,
+    and only the Trainer's loop sets it."""
+    return window_length_set(trainer, 1)
+
+
 def prepare_inputs(trainer, batch):
     """Move a collated batch to the device as the training loop does (`Trainer._prepare_inputs`)."""
     return trainer._prepare_inputs(batch)
@@ -111,7 +140,10 @@ def prediction_loss_counted(trainer, num_items):
         driven = len(args) < 2  # (return_outputs, num_items_in_batch) positionally: not ours to replace
         if driven and num_items is not None:
             kwargs["num_items_in_batch"] = num_items
-        out = original(model, inputs, *args, **kwargs)
+        # TRL's SFT loss divides its MoE router term by the window's length when given a count; its own
+        # prediction_step gives none (one forward, weight 1), and outside training the length is not even set
+        with one_forward_window(trainer):
+            out = original(model, inputs, *args, **kwargs)
         seen.append((out[0] if isinstance(out, tuple) else out) if driven else None)
         return out
 

@@ -47,6 +47,7 @@ class Planner:
         self.reused_probe: dict | None = None  # the probe record of a reused plan file: kept when it is rewritten
         self.budget_bytes: int | None = None  # the memory budget tune() resolved (the eval batch is measured in it)
         self.pending_probe: tuning.Prepared | None = None  # probed through the engine (DeepSpeed), in the loop
+        self.figures: dict[str, float] | None = None  # the plan's figures, for the run's first log entry
         self.probing = False  # left set when the probe stops the run: the stop message says so
         self.stores_plan = True  # `hf-accum probe RECIPE` saves the plan itself, where it is kept
         self.eval_planned = False  # auto_eval_batch_size: measured (or taken from a stored plan)

@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 
 from .. import allocator, levers
 from ..compat import trainer_internals
@@ -89,7 +88,7 @@ def tune(trainer, prepared: Prepared | None = None, probe: Probe | None = None, 
         figures = plan_figures(plan, prepared.budget, record.get("probe"), reused=True)
         _show("%s (reused %s: nothing that changes memory changed)", args, plan_line(plan, figures),
               os.path.join(args.output_dir, PLAN_FILE))
-        _log_in_trainer(trainer, figures, in_loop)
+        _log_in_trainer(trainer, figures)
         return plan, None, prepared.key
 
     if args.device.type == "cuda":  # the probe measures under the allocator training uses: say which
@@ -110,7 +109,7 @@ def tune(trainer, prepared: Prepared | None = None, probe: Probe | None = None, 
     if args.should_save and store:
         where = f" (details: {save_plan(args.output_dir, prepared.key, plan, result.to_dict())})"
     _show("%s%s", args, plan_line(plan, figures), where)
-    _log_in_trainer(trainer, figures, in_loop)
+    _log_in_trainer(trainer, figures)
     return plan, result, prepared.key
 
 
@@ -148,7 +147,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
             optimizer_cls=optimizer_cls,
             optimizer_kwargs=optimizer_kwargs,
             optimizer=trainer.optimizer,
-            forward=lambda model, batch: trainer.compute_loss(model, batch, num_items_in_batch=_items(trainer, batch)),
+            forward=lambda model, batch: _probe_forward(trainer, model, batch),
             autocast_dtype=autocast,
             max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
             meter=prepared.meter,
@@ -159,6 +158,12 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
         )
 
     return probe
+
+
+def _probe_forward(trainer, model, batch):
+    """One probe step's loss, as a training forward computes it: a window of one forward (its micro-batch)."""
+    with trainer_internals.one_forward_window(trainer):
+        return trainer.compute_loss(model, batch, num_items_in_batch=_items(trainer, batch))
 
 
 def _items(trainer, batch) -> torch.Tensor | None:
@@ -185,28 +190,11 @@ def _show(message: str, args, *values) -> None:
     (logger.warning if args.should_log else logger.info)(message, *values)
 
 
-class PlanLog(TrainerCallback):
-    """Logs the plan's figures through the Trainer when training begins (after `train()` creates the state
-    whose log history and `report_to` integrations record them). Holds the trainer weakly."""
-
-    def __init__(self, trainer, figures: dict[str, float]):
-        self._trainer = weakref.ref(trainer)
-        self.figures = figures
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        trainer = self._trainer()
-        if trainer is not None:
-            with trainer_internals.printers_muted(trainer):  # recorded, not printed a second time (the plan line was)
-                trainer.log(dict(self.figures))
-
-
-def _log_in_trainer(trainer, figures: dict[str, float], in_loop: bool = False) -> None:
-    if in_loop:  # training has begun: its state and `report_to` integrations record them now
-        with trainer_internals.printers_muted(trainer):
-            trainer.log(dict(figures))
-        return
-    trainer.pop_callback(PlanLog)  # a second tune() replaces the figures of the first
-    trainer.add_callback(PlanLog(trainer, figures))
+def _log_in_trainer(trainer, figures: dict[str, float]) -> None:
+    """The figures go with the run's first log entry (`AccumulationMixin.log`): recorded in `log_history` and by the
+    `report_to` integrations, without an entry of their own that would move the Trainer's own ones. A second tune()
+    replaces the figures of the first."""
+    trainer.planner.figures = dict(figures)
 
 
 def _warn_unused_batch_settings(trainer) -> None:
