@@ -464,3 +464,31 @@ def test_the_console_callbacks_can_be_left_out_of_one_log_call(tmp_path, capsys)
     assert "hf_accum/figure" not in capsys.readouterr().out
     trainer.log({"hf_accum/other": 2.0})  # without the context the printer prints, as transformers does
     assert "hf_accum/other" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("keep", [None, 4, 20, -1, -200])
+def test_a_file_flagged_unreadable_is_one_its_loader_refuses(tmp_path, keep):
+    """`checkpoint_files.unreadable_file` flags exactly the cut-short safetensors files and torch archives that
+    safetensors' and torch's own loaders refuse, and passes the intact ones (keep=None)."""
+    from safetensors.torch import load_file, save_file
+
+    save_file({"w": torch.arange(64.0).reshape(8, 8), "b": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    torch.save({"state": {0: {"exp_avg": torch.zeros(40)}}, "param_groups": []}, str(tmp_path / "optimizer.pt"))
+    for name in ("model.safetensors", "optimizer.pt"):
+        path = tmp_path / name
+        data = path.read_bytes()
+        if keep is not None:
+            path.write_bytes(data[:keep])
+    broken = checkpoint_files.unreadable_file(str(tmp_path))
+    refused = []
+    for name, load in (("model.safetensors", load_file), ("optimizer.pt", torch.load)):
+        try:
+            load(str(tmp_path / name))
+        except Exception:
+            refused.append(name)
+    if keep is None:
+        assert broken is None and refused == []
+    else:  # both refused by their loaders; the first one (by name) is named
+        assert refused == ["model.safetensors", "optimizer.pt"] and broken.startswith("model.safetensors: ")
+        (tmp_path / "model.safetensors").unlink()
+        assert checkpoint_files.unreadable_file(str(tmp_path)).startswith("optimizer.pt: ")

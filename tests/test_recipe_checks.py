@@ -7,6 +7,7 @@ import os
 from typing import Any, Literal
 
 import pytest
+import torch
 
 from hf_accum.recipes import RecipeError, preflight, values
 from hf_accum.recipes.preflight import PLAN_FILE
@@ -72,7 +73,7 @@ def checkpoint(out, step, target=16, complete=True, weights_only=False):
             json.dump({"global_step": step}, f)
         plan_file(folder, target)
         for name in () if weights_only else ("optimizer.pt", "scheduler.pt"):  # what transformers loads
-            open(os.path.join(folder, name), "wb").close()
+            torch.save({}, os.path.join(folder, name))  # a readable archive (an empty file is a broken one)
     return folder
 
 
@@ -107,6 +108,24 @@ def test_resume_values(tmp_path):
         preflight.resolve_resume(str(tmp_path / "nope"), out, 16)
     with pytest.raises(RecipeError, match=r"trained with target_batch_size=16, but target_batch_size=8 now"):
         preflight.resolve_resume(True, out, 8)
+
+
+@pytest.mark.parametrize("damage", ["trainer_state.json", "optimizer.pt"])
+def test_resume_true_names_the_newer_checkpoint_it_skips_and_why(tmp_path, caplog, damage):
+    """`hf-accum train ... resume_from_checkpoint=true` passes over a newer checkpoint that would not load, and says
+    which and why (it used to resume the older one without a word)."""
+    import logging
+
+    out = str(tmp_path / "run")
+    good = checkpoint(out, 2)
+    newer = checkpoint(out, 4)
+    with open(os.path.join(newer, damage), "r+b") as f:
+        f.truncate(7)
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        assert preflight.resolve_resume(True, out, 16) == good
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(f"hf_accum: skipping {newer}: ")
+    assert damage in lines[0]
 
 
 def untokenized():
