@@ -207,7 +207,8 @@ def test_the_rules_name_keys_that_exist_and_choices_the_library_takes():
     ("memory_budget_bytes", 0), ("probe_seq_len", 0), ("probe_max_micro_batch", 0), ("max_tokens_per_forward", 0),
     ("memory_budget", 1.5), ("memory_budget", 0.0), ("grow_back_steps", -1), ("checkpoint_layers", "abc"),
     ("checkpoint_layers", -1), ("loss_normalization", "mean"), ("micro_batching", "rows"),
-    ("auto_tune_optimize", "speed"),
+    ("auto_tune_optimize", "speed"), ("save_steps", -5), ("eval_steps", -1), ("logging_steps", -2),
+    ("save_total_limit", -1),
 ])
 def test_what_the_rules_refuse_the_arguments_refuse(field, value, tmp_path):
     from hf_accum import AccumTrainingArguments

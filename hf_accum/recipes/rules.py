@@ -134,6 +134,12 @@ RULES: tuple[Rule, ...] = (
     *(Rule(f"training.{name}", positive, _POSITIVE) for name in (
         "target_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps", "memory_budget_bytes",
         "probe_seq_len", "probe_max_micro_batch", "max_tokens_per_forward")),
+    *(Rule(f"training.{name}", lambda v, _c: not _number(v) or v >= 0,  # AccumTrainingArguments' words
+           f"training.{{key}}={{value}} is negative: give a number of optimizer steps (e.g. {name}=500), or a ratio "
+           "of the run's steps in (0, 1)") for name in ("save_steps", "eval_steps", "logging_steps")),
+    Rule("training.save_total_limit", lambda v, _c: not _number(v) or v >= 0,
+         "training.save_total_limit={value} is negative: give how many checkpoints to keep (e.g. save_total_limit=2), "
+         "or leave it unset to keep all"),
     Rule("training.memory_budget", lambda v, _c: not _number(v) or 0 < v <= 1,
          "training.memory_budget={value} must be a fraction in (0, 1] of the memory this process can use when "
          "training starts (e.g. 0.9); for an absolute budget set memory_budget_bytes"),
