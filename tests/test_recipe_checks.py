@@ -228,3 +228,19 @@ def test_num_train_epochs_zero_is_refused_only_without_max_steps():
     with pytest.raises(RecipeError, match="num_train_epochs=0 with max_steps=-1"):
         rules.check_values({"training": {"num_train_epochs": 0}})  # max_steps unset: -1
     rules.check_values({"training": {"num_train_epochs": 0, "max_steps": 60}})  # max_steps decides: no error
+
+
+def test_a_dpo_recipe_takes_one_loss_type_as_trl_does():
+    """TRL's DPOConfig takes `loss_type="sigmoid"` (its __post_init__ wraps it in a list); the recipe used to refuse
+    it ("takes a list"). What the class accepts, the recipe accepts; what it refuses stays refused."""
+    from trl import DPOConfig
+
+    from hf_accum.recipes import load_recipe
+
+    assert DPOConfig(output_dir="unused", loss_type="sigmoid", use_cpu=True, bf16=False).loss_type == ["sigmoid"]  # TRL's rule, pinned
+    assert load_recipe("lora_dpo", ["loss_type=sigmoid"]).validate().loss_type == ["sigmoid"]
+    assert load_recipe("lora_dpo", ["loss_type=[sigmoid,ipo]"]).validate().loss_type == ["sigmoid", "ipo"]
+    assert load_recipe("lora_sft", ["loss_type=nll"]).validate().loss_type == "nll"  # SFTConfig's is a string
+    with pytest.raises(RecipeError, match=r"training\.loss_type=3 is an integer, but training\.loss_type takes a "
+                                          r"list of strings or a string"):
+        load_recipe("lora_dpo", ["loss_type=3"])
