@@ -9,7 +9,7 @@ from typing import Any, Literal
 import pytest
 import torch
 
-from hf_accum.recipes import RecipeError, preflight, values
+from hf_accum.recipes import RecipeError, preflight, rules, values
 from hf_accum.recipes.preflight import PLAN_FILE
 
 
@@ -244,3 +244,20 @@ def test_a_dpo_recipe_takes_one_loss_type_as_trl_does():
     with pytest.raises(RecipeError, match=r"training\.loss_type=3 is an integer, but training\.loss_type takes a "
                                           r"list of strings or a string"):
         load_recipe("lora_dpo", ["loss_type=3"])
+
+
+@pytest.mark.parametrize("name", ["./no_such_model", "../no_such_model", "/no/such/model", "~/no_such_model"])
+def test_a_model_name_written_as_a_path_that_does_not_exist_says_no_such_directory(name, monkeypatch):
+    """Not taken for a hub id ("Set HF_HUB_OFFLINE=1", "Repo id must use alphanumeric chars"): a path, missing."""
+    from hf_accum.loading import load_model
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # online or not, the answer is the same
+    expected = f"model.name={name!r} is a path, but there is no such directory: give the directory a model was saved to"
+    with pytest.raises(RecipeError) as info:
+        rules.check_values({"model": {"name": name}})
+    assert str(info.value).startswith(expected)
+    with pytest.raises(ValueError) as info:
+        load_model(name, label="model.name")
+    assert str(info.value).startswith(expected)
+    rules.check_values({"model": {"name": "org/name"}})  # a hub id, and an existing path, pass
+    rules.check_values({"model": {"name": "./"}})

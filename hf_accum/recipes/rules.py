@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ..loading import KBIT_PREPARATIONS
+from ..loading import KBIT_PREPARATIONS, missing_path
 from .files import RecipeError
 from .values import decode, describe, fits, kind
 
@@ -119,6 +119,9 @@ RULES: tuple[Rule, ...] = (
          "bnb_4bit_quant_type: nf4}}) or null"),
     Rule("model.dtype", one_of(None, *WEIGHT_DTYPES),
          "model.dtype={value} is not a torch dtype; use float32, bfloat16, float16, auto or null"),
+    Rule("model.name", lambda v, _c: missing_path("model.name", v) is None,
+         "model.name={value} is a path, but there is no such directory: give the directory a model was saved to "
+         "with save_pretrained, or a hub id (org/name)"),  # loading.missing_path's words, before any import
     Rule("model.cpu_threads", positive, _POSITIVE),
     Rule("data.max_length", positive, _POSITIVE),
     Rule("data.num_examples", positive, _POSITIVE),
