@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from . import __version__
@@ -148,6 +149,11 @@ def _run_probe(args: argparse.Namespace) -> int:
     from .probe_report import table
 
     model = _bare_model(args)
+    from .probe import seq_len_problem
+
+    too_long = seq_len_problem(model, args.seq_len, "--seq-len")  # the probe's own check names probe_seq_len
+    if too_long:
+        raise UsageError(too_long)
     lever = _checkpoint_lever(args, model)
     from .fused_loss import patch_model, resolve_for_model
 
@@ -403,9 +409,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _join_negative_values(raw: list[str]) -> list[str]:
+    joined: list[str] = []
+    for item in raw:
+        previous = joined[-1] if joined else ""
+        if re.match(r"-\.?[0-9]", item) and previous.startswith("--") and "=" not in previous and previous != "--":
+            joined[-1] = f"{previous}={item}"
+        else:
+            joined.append(item)
+    return joined
+
+
 def _parse(parser: argparse.ArgumentParser, raw: list[str]) -> argparse.Namespace:
-    """As parse_args, but key=value overrides may also follow flags (`train lora_sft --print-config max_steps=3`)."""
-    args, extra = parser.parse_known_args(raw)
+    """As parse_args, but key=value overrides may also follow flags (`train lora_sft --print-config max_steps=3`),
+    and a flag's value may start with a minus (`--device-memory -5GiB` reaches the value's own rule instead of
+    argparse's "expected one argument")."""
+    args, extra = parser.parse_known_args(_join_negative_values(raw))
     overrides = [item for item in extra if "=" in item and not item.startswith("-")]
     unknown = [item for item in extra if item not in overrides]
     if unknown or (overrides and vars(args).get("overrides") is None):

@@ -70,8 +70,12 @@ def error_line(capsys) -> str:
         (["--target-batch", "9", "--world-size", "2"], "use --target-batch 8 or 10"),
         (["--seq-len", "0"], "--seq-len=0 must be a positive integer"),
         (["--seq-len", "abc"], "argument --seq-len: invalid int value: 'abc'"),
-        (["--model", "/nonexistent/model-dir"], "model='/nonexistent/model-dir' could not be loaded as a hub id"),
-        (["--seq-len", "5000"], "exceeds the model's max_position_embeddings=4096"),
+        (["--estimate", "--device-memory", "-5GiB"], "--device-memory='-5GiB': give a positive size such as 80GiB"),
+        (["--seq-len", "-5"], "--seq-len=-5 must be a positive integer"),
+        (["--model", "/nonexistent/model-dir"], "model='/nonexistent/model-dir' is a path, but there is no such "
+                                                "directory"),  # not a hub id (issue 42, item 9)
+        (["--model", "nonexistent-model-dir"], "model='nonexistent-model-dir' could not be loaded as a hub id"),
+        (["--seq-len", "5000"], "exceeds the model's max_position_embeddings=4096; set --seq-len <= 4096"),
         (["--budget-bytes", "100000"], "even micro-batch 1 does not fit"),
         (["--json", "/nonexistent-dir/p.json"], "--json=/nonexistent-dir/p.json: /nonexistent-dir is not a writable"),
         (["--plot", "curve.txt"], "--plot=curve.txt: the file name must end in an image type"),
