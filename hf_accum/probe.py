@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .fit_hints import levers_on
 from .level_probe import probe_levels
 from .meters import CpuMeter, CudaMeter, Meter, format_bytes, live_tensor_bytes
 from .planning.plan import (
@@ -194,6 +195,7 @@ def probe_model(
         finally:
             opt.state.clear()  # the probe's optimizer state goes now, not whenever the closures die
     result.extra["seq_len"] = seq_len
+    result.extra["levers_on"] = levers_on(model)
     if estimated is not None:
         result.extra["estimate"] = estimated
     return result, _with_level(plan_from_result(result, target_batch_size, world_size), result)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .fit_hints import fit_hints
 from .meters import Meter, format_bytes
 from .oom import guarded
 from .planning.plan import (
@@ -267,15 +268,12 @@ def _nothing_fits_message(result: ProbeResult) -> str:
         if need
         else f"ran out of memory under the budget of {format_bytes(result.budget_bytes)}"
     )
+    on = result.extra.get("levers_on")  # the levers already in use are not suggested
     if levels is not None:
         return (
             f"even micro-batch 1 with every one of the {full} layers checkpointed does not fit: one training step "
-            f"{amount}. What is left: train LoRA adapters instead of all weights, load the base model in 4-bit "
-            "(QLoRA), shorten sequences (max_length / probe_seq_len), shard the model over more ranks (FSDP or "
-            "DeepSpeed ZeRO), or raise the memory budget."
+            f"{amount}. What is left: " + fit_hints({**(on or {}), "checkpointing": True}, rest=(
+                "shorten sequences (max_length / probe_seq_len)", "shard the model over more ranks (FSDP or "
+                "DeepSpeed ZeRO)", "raise the memory budget")) + "."
         )
-    return (
-        f"even micro-batch 1 does not fit: one training step {amount}. To fit: enable gradient checkpointing, "
-        "train LoRA adapters instead of all weights, load the base model in 4-bit (QLoRA), shorten the probe "
-        "sequence length, or raise the memory budget."
-    )
+    return f"even micro-batch 1 does not fit: one training step {amount}. To fit: {fit_hints(on)}."
