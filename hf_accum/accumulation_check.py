@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
 from . import router_aux
 from .compat import trainer_internals
@@ -194,3 +195,31 @@ def _numpy_rng():
     except ImportError:
         return None
     return np.random.get_state()
+
+
+# --- check_accumulation=True: the result said, and its figure kept with the run --------------------------------------
+LOG_KEY = "accumulation_check_relative_error"
+
+
+def report_before_training(trainer, result: AccumulationCheck) -> None:
+    """What `train()` does with the check `check_accumulation=True` ran: one line, whatever the verdict (a pass was
+    logged at INFO, unseen), and the measured relative error into the first training entry of `log_history` under
+    :data:`LOG_KEY` (a key of an entry the run writes anyway, not an entry of its own: `log_history` entries are
+    indexed by users and integrations)."""
+    if result.passed and result.skipped_reason is None:
+        logger.warning("hf_accum: %s", result)  # a mismatch or a skip was already said at WARNING
+    trainer.remove_callback(_FigureInFirstLog)  # an earlier train() call's, if its run never logged
+    if result.relative_error is not None:
+        trainer.add_callback(_FigureInFirstLog(result.relative_error))
+
+
+class _FigureInFirstLog(TrainerCallback):
+    def __init__(self, figure: float):
+        self.figure = figure
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.figure is None or not logs or "loss" not in logs or not state.log_history:
+            return
+        state.log_history[-1][LOG_KEY] = self.figure  # the entry Trainer.log just appended for these logs
+        logs[LOG_KEY] = self.figure  # and the integrations called after this callback
+        self.figure = None

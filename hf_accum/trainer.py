@@ -29,7 +29,7 @@ import weakref
 
 from transformers import Trainer, TrainerCallback
 
-from . import construction, engines, evaluation, finite_grads, levers, scaled_loss, stopping
+from . import accumulation_check, construction, engines, evaluation, finite_grads, levers, scaled_loss, stopping
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments
 from .checkpoints import check_resume
@@ -266,7 +266,7 @@ class AccumulationMixin:
             with stopping.refusal_leaves_output_dir(self):
                 resume_from_checkpoint = self._check_and_plan(resume_from_checkpoint)
             if self.settings.check_accumulation:
-                self.check_accumulation()
+                accumulation_check.report_before_training(self, self.check_accumulation())
             handle = self.settings.handle_preemption and self._normalization != "model"
             try:
                 with self._stop_request.installed(handle):
