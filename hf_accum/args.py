@@ -236,7 +236,7 @@ class AccumTrainingArguments(TrainingArguments):
         # Cheap, device-free checks first: a wrong value must fail before any distributed setup.
         self._resolve_checkpoint_layers()
         self._check_levers()
-        for name in ("check_accumulation", "auto_tune"):
+        for name in ("check_accumulation", "auto_tune", "probe_from_estimate"):
             _require_bool(name, getattr(self, name))
         if not isinstance(self.loss_normalization, str) or self.loss_normalization not in NORMALIZATIONS:
             raise ValueError(

@@ -79,7 +79,8 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, help="write the measurements and plan to this JSON file")
     e = p.add_argument_group("estimate (no weights loaded: the model from its config, on fake tensors)")
     e.add_argument("--estimate", action="store_true", help="plan without loading the model or using a device")
-    e.add_argument("--device", choices=["cpu", "cuda"], default="cuda", help="the device to estimate for")
+    e.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="the device to estimate for (default: this machine's, cuda where torch sees one)")
     e.add_argument("--device-memory", default=None, metavar="SIZE", help="the card's memory, e.g. 80GiB")
     p.add_argument("--plot", default=None, help="write a PNG of the memory curve to this file")
     p.set_defaults(func=_run_probe)
@@ -121,6 +122,10 @@ def _check_probe_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     problem = indivisible_target(args.target_batch, args.world_size, "--target-batch", "--world-size")
     if problem:
         raise UsageError(problem)
+    if not args.estimate and (args.device is not None or args.device_memory is not None):
+        flag = "--device" if args.device is not None else "--device-memory"
+        raise UsageError(f"{flag} is for --estimate (the device planned for, nothing loaded); the probe measures "
+                         "the device it runs on: add --estimate, or drop " + flag)
     _check_output_file("--json", args.json)
     _check_output_file("--plot", args.plot)
     if args.plot:
