@@ -460,6 +460,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hf-accum{' ' + command if command else ''}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # start-up (recipes.run.StoppedBeforeTraining), a second Ctrl-C, or elsewhere
+        if "--debug" in raw:
+            raise
+        from .output_guard import tell
+
+        said = " ".join(str(exc).split()).removeprefix("hf_accum: ") or "stopped (Ctrl-C)"
+        tell(f"hf-accum{' ' + command if command else ''}: {said}")
+        return 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 if __name__ == "__main__":
