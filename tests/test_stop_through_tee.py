@@ -6,7 +6,7 @@ import subprocess
 import time
 
 from hf_accum.preemption import EXIT_PREEMPTED
-from hf_accum.stopping import STOP_FILE
+STOP_FILE = "hf_accum_stopped.txt"  # hf_accum.stopping.STOP_FILE
 
 from .test_preemption import ENV, checkpoints, python
 
