@@ -6,9 +6,10 @@ import subprocess
 import time
 
 from hf_accum.preemption import EXIT_PREEMPTED
-STOP_FILE = "hf_accum_stopped.txt"  # hf_accum.stopping.STOP_FILE
 
 from .test_preemption import ENV, checkpoints, python
+
+STOP_FILE = "hf_accum_stopped.txt"  # hf_accum.stopping.STOP_FILE
 
 
 def stop_after_reader_dies(tmp_path, stderr):
