@@ -164,4 +164,7 @@ def add_lora(model, lora_config, *, quantized: bool = False, kbit_preparation: s
     if checkpointing:
         # The embeddings' output requires grad, so any checkpointed segment has an input that needs a gradient.
         model.enable_input_require_grads()
-    return get_peft_model(model, lora_config)
+    from .compat.gradient_checkpointing import peft_reads_quietly
+
+    with peft_reads_quietly():
+        return get_peft_model(model, lora_config)

@@ -58,7 +58,14 @@ def with_lora(build, r: int, targets: str | None):
 
     lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets.split(",") if targets else "all-linear",
                       lora_dropout=0.0, task_type="CAUSAL_LM")
-    return lambda: get_peft_model(build(), lora)
+    return lambda: _wrap(get_peft_model, build(), lora)
+
+
+def _wrap(get_peft_model, model, lora):
+    from ..compat.gradient_checkpointing import peft_reads_quietly
+
+    with peft_reads_quietly():
+        return get_peft_model(model, lora)
 
 
 def machine_device() -> str:
