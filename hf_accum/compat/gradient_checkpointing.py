@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 
-
 # peft's PeftModel.__init__ reads `model.is_gradient_checkpointing`, which transformers 5.23 renamed
 # (`is_activation_checkpointing`; the old name warns). Our calls use the new names; this is peft's read, which no
 # user can act on. Dropped by its exact text, around our own get_peft_model calls only (pinned in test_compat.py).
