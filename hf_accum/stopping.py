@@ -97,6 +97,9 @@ def raise_if_stopped(trainer) -> None:
         )
         say_stopped(trainer, message)
         raise Preempted(message)
+    if trainer.args.should_save:  # the run went on to its end: an earlier stop's note is out of date
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(trainer.args.output_dir, STOP_FILE))
 
 
 STOP_FILE = "hf_accum_stopped.txt"  # in output_dir: the stop message and the command that resumes

@@ -39,6 +39,9 @@ def test_ctrl_c_with_both_streams_piped_saves_and_exits_as_stopped(tmp_path):
     assert said.startswith(f"hf_accum: stopped by SIGINT after optimizer step {step}; checkpoint saved to "
                            f"{out / f'checkpoint-{step}'}.")
     assert "Resume with trainer.train(resume_from_checkpoint=" in said
+    resumed = subprocess.run(python(out, "resume"), env=ENV, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not (out / STOP_FILE).exists()  # the resumed run ended: the note is gone with the stop it described
 
 
 def test_ctrl_c_with_stdout_piped_writes_no_traceback(tmp_path):
