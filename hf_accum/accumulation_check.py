@@ -194,3 +194,17 @@ def _numpy_rng():
     except ImportError:
         return None
     return np.random.get_state()
+
+
+# --- check_accumulation=True: the result said, and its figure kept with the run --------------------------------------
+LOG_KEY = "accumulation_check_relative_error"
+
+
+def report_before_training(result: AccumulationCheck) -> dict[str, float]:
+    """What `train()` does with the check `check_accumulation=True` ran: one line, whatever the verdict (a pass was
+    logged at INFO, unseen), and the figure for the first entry the run logs (:data:`LOG_KEY`; the trainer's `log`
+    merges it there with the plan's figures: `log_history` entries are indexed by users and integrations, so it
+    gets no entry of its own)."""
+    if result.passed and result.skipped_reason is None:
+        logger.warning("hf_accum: %s", result)  # a mismatch or a skip was already said at WARNING
+    return {} if result.relative_error is None else {LOG_KEY: result.relative_error}

@@ -236,7 +236,7 @@ class AccumTrainingArguments(TrainingArguments):
         # Cheap, device-free checks first: a wrong value must fail before any distributed setup.
         self._resolve_checkpoint_layers()
         self._check_levers()
-        for name in ("check_accumulation", "auto_tune"):
+        for name in ("check_accumulation", "auto_tune", "probe_from_estimate"):
             _require_bool(name, getattr(self, name))
         if not isinstance(self.loss_normalization, str) or self.loss_normalization not in NORMALIZATIONS:
             raise ValueError(
@@ -266,6 +266,7 @@ class AccumTrainingArguments(TrainingArguments):
                 "many optimizer steps, or -1 (the default) to train num_train_epochs epochs."
             )
         self._check_schedule()
+        _check_intervals(self)
         if self.micro_batching not in ("samples", "tokens"):
             raise ValueError(f"micro_batching={self.micro_batching!r} must be 'samples' or 'tokens'.")
         if self.max_tokens_per_forward is not None:
@@ -471,6 +472,22 @@ def _is_number(value) -> bool:
 def _require_bool(name: str, value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} must be True or False.")
+
+
+# Step intervals transformers takes as a count (>= 1) or a ratio of the run's steps (< 1); a negative one passes its
+# checks and then saves, evaluates or logs never or at every step, without a word.
+INTERVALS = ("save_steps", "eval_steps", "logging_steps")
+INTERVAL_FIX = "give a number of optimizer steps (e.g. {name}=500), or a ratio of the run's steps in (0, 1)"
+SAVE_TOTAL_LIMIT_FIX = "give how many checkpoints to keep (e.g. save_total_limit=2), or leave it unset to keep all"
+
+
+def _check_intervals(args) -> None:
+    for name in INTERVALS:
+        value = getattr(args, name)
+        if _is_number(value) and value < 0:
+            raise ValueError(f"{name}={value!r} is negative: {INTERVAL_FIX.format(name=name)}.")
+    if _is_number(args.save_total_limit) and args.save_total_limit < 0:
+        raise ValueError(f"save_total_limit={args.save_total_limit!r} is negative: {SAVE_TOTAL_LIMIT_FIX}.")
 
 
 def _require_positive(name: str, value) -> None:

@@ -4,7 +4,9 @@ A checkpoint belongs to its run's target batch: resuming it with another target 
 target is known from two places: the plan file (`hf_accum_plan.json`, written by the trainer's `on_save`, so
 *after* transformers' `trainer_state.json`) and the arguments transformers saves first (`training_args.bin`).
 
-A checkpoint is *complete* when its `trainer_state.json` reads, it holds optimizer and scheduler state the run
+A checkpoint is *complete* when its `trainer_state.json` reads, its files would load (safetensors as long as their
+headers say, torch archives with a readable zip directory, JSON that parses: `checkpoint_files.unreadable_file`;
+a copy cut short or a disk that filled up leaves them truncated), it holds optimizer and scheduler state the run
 can load, and, if the arguments it was written with set a `target_batch_size` (or it holds a plan file at all), its
 plan reads and is valid. A run killed between `trainer_state.json` and the plan leaves an incomplete checkpoint; one
 written with `save_only_model=True` holds only weights (transformers would resume it with a fresh optimizer and
@@ -49,7 +51,7 @@ class CheckpointInfo:
 def inspect_checkpoint(path: str, deepspeed: bool | None = None) -> CheckpointInfo:
     """What ``path`` holds, and why it is not complete (None when it is). ``deepspeed``: whether the resuming run
     loads optimizer state through DeepSpeed's engine (None, unknown: either kind counts)."""
-    problem = _state_problem(path)
+    problem = _state_problem(path) or _file_problem(path)
     saved = checkpoint_files.saved_training_args(path) or {}
     kinds = checkpoint_files.optimizer_state_kinds(path)
     optimizer = _optimizer_problem(kinds, deepspeed, saved)
@@ -95,6 +97,11 @@ def _state_problem(path: str) -> str | None:
     return None
 
 
+def _file_problem(path: str) -> str | None:
+    broken = checkpoint_files.unreadable_file(path, skip=(TRAINER_STATE, PLAN_FILE))  # those two: their own words
+    return broken and f"its file {broken}"
+
+
 def checkpoints_in(output_dir: str) -> list[str]:
     """The checkpoint folders of ``output_dir``, newest (highest step) first."""
     if not os.path.isdir(output_dir):
@@ -104,9 +111,28 @@ def checkpoints_in(output_dir: str) -> list[str]:
     return [os.path.join(output_dir, name) for _, name in sorted(found, reverse=True)]
 
 
-def newest_complete_checkpoint(output_dir: str, deepspeed: bool | None = None) -> str | None:
-    """The highest-step checkpoint of ``output_dir`` that can be resumed; None when there is none."""
-    return next((p for p in checkpoints_in(output_dir) if inspect_checkpoint(p, deepspeed).complete), None)
+def newest_complete_checkpoint(output_dir: str, deepspeed: bool | None = None, say_skipped: bool = False) -> str | None:
+    """The highest-step checkpoint of ``output_dir`` that can be resumed; None when there is none. ``say_skipped``:
+    warn, one line each, about the newer checkpoints passed over and why."""
+    found, skipped = _pick_newest(output_dir, deepspeed)
+    if say_skipped and found is not None:
+        _say_skipped(skipped)
+    return found and found.path
+
+
+def _pick_newest(output_dir: str, deepspeed: bool | None) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
+    skipped = []
+    for path in checkpoints_in(output_dir):
+        info = inspect_checkpoint(path, deepspeed)
+        if info.complete:
+            return info, skipped
+        skipped.append(info)
+    return None, skipped
+
+
+def _say_skipped(skipped: list[CheckpointInfo]) -> None:
+    for other in skipped:
+        logger.warning("hf_accum: skipping %s: %s.", other.path, other.problem)
 
 
 def check_resume(args, resume_from_checkpoint, deepspeed: bool | None = None) -> tuple[str | bool | None, Plan | None]:
@@ -151,16 +177,12 @@ def check_resume(args, resume_from_checkpoint, deepspeed: bool | None = None) ->
 
 
 def _newest_complete(output_dir: str, deepspeed: bool | None) -> CheckpointInfo:
-    skipped = []
-    for path in checkpoints_in(output_dir):
-        info = inspect_checkpoint(path, deepspeed)
-        if info.complete:
-            for other in skipped:
-                logger.warning("hf_accum: skipping %s: %s.", other.path, other.problem)
-            logger.warning("hf_accum: resume_from_checkpoint=True: resuming from %s, the newest complete "
-                           "checkpoint in %s.", path, output_dir)
-            return info
-        skipped.append(info)
+    info, skipped = _pick_newest(output_dir, deepspeed)
+    if info is not None:
+        _say_skipped(skipped)
+        logger.warning("hf_accum: resume_from_checkpoint=True: resuming from %s, the newest complete "
+                       "checkpoint in %s.", info.path, output_dir)
+        return info
     why = "".join(f" {i.path}: {i.problem}." for i in skipped)
     weights = next((i.path for i in skipped if i.optimizer_problem and _state_problem(i.path) is None), None)
     raise ValueError(

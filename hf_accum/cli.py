@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from . import __version__
@@ -78,7 +79,8 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, help="write the measurements and plan to this JSON file")
     e = p.add_argument_group("estimate (no weights loaded: the model from its config, on fake tensors)")
     e.add_argument("--estimate", action="store_true", help="plan without loading the model or using a device")
-    e.add_argument("--device", choices=["cpu", "cuda"], default="cuda", help="the device to estimate for")
+    e.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="the device to estimate for (default: this machine's, cuda where torch sees one)")
     e.add_argument("--device-memory", default=None, metavar="SIZE", help="the card's memory, e.g. 80GiB")
     p.add_argument("--plot", default=None, help="write a PNG of the memory curve to this file")
     p.set_defaults(func=_run_probe)
@@ -120,6 +122,10 @@ def _check_probe_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     problem = indivisible_target(args.target_batch, args.world_size, "--target-batch", "--world-size")
     if problem:
         raise UsageError(problem)
+    if not args.estimate and (args.device is not None or args.device_memory is not None):
+        flag = "--device" if args.device is not None else "--device-memory"
+        raise UsageError(f"{flag} is for --estimate (the device planned for, nothing loaded); the probe measures "
+                         "the device it runs on: add --estimate, or drop " + flag)
     _check_output_file("--json", args.json)
     _check_output_file("--plot", args.plot)
     if args.plot:
@@ -148,6 +154,11 @@ def _run_probe(args: argparse.Namespace) -> int:
     from .probe_report import table
 
     model = _bare_model(args)
+    from .probe import seq_len_problem
+
+    too_long = seq_len_problem(model, args.seq_len, "--seq-len")  # the probe's own check names probe_seq_len
+    if too_long:
+        raise UsageError(too_long)
     lever = _checkpoint_lever(args, model)
     from .fused_loss import patch_model, resolve_for_model
 
@@ -403,9 +414,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _join_negative_values(raw: list[str]) -> list[str]:
+    joined: list[str] = []
+    for item in raw:
+        previous = joined[-1] if joined else ""
+        if re.match(r"-\.?[0-9]", item) and previous.startswith("--") and "=" not in previous and previous != "--":
+            joined[-1] = f"{previous}={item}"
+        else:
+            joined.append(item)
+    return joined
+
+
 def _parse(parser: argparse.ArgumentParser, raw: list[str]) -> argparse.Namespace:
-    """As parse_args, but key=value overrides may also follow flags (`train lora_sft --print-config max_steps=3`)."""
-    args, extra = parser.parse_known_args(raw)
+    """As parse_args, but key=value overrides may also follow flags (`train lora_sft --print-config max_steps=3`),
+    and a flag's value may start with a minus (`--device-memory -5GiB` reaches the value's own rule instead of
+    argparse's "expected one argument")."""
+    args, extra = parser.parse_known_args(_join_negative_values(raw))
     overrides = [item for item in extra if "=" in item and not item.startswith("-")]
     unknown = [item for item in extra if item not in overrides]
     if unknown or (overrides and vars(args).get("overrides") is None):
@@ -436,6 +460,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hf-accum{' ' + command if command else ''}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # start-up (recipes.run.StoppedBeforeTraining), a second Ctrl-C, or elsewhere
+        if "--debug" in raw:
+            raise
+        from .output_guard import tell
+
+        said = " ".join(str(exc).split()).removeprefix("hf_accum: ") or "stopped (Ctrl-C)"
+        tell(f"hf-accum{' ' + command if command else ''}: {said}")
+        return 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import weakref
 
 from transformers import Trainer, TrainerCallback
 
-from . import levers
+from . import levers, lora_targets
 from .args import resolve_nonfinite_limit
 from .compat import bitsandbytes_cpu
 from .settings import Settings
@@ -20,6 +20,9 @@ logger = logging.getLogger("hf_accum.trainer")  # the trainer's messages, under 
 def refuse_unsupported_setups(trainer) -> None:
     """Every setup hf_accum cannot run exactly fails here, at construction, naming what to set."""
     levers.check_requests(trainer.model, trainer.args)
+    problem = lora_targets.unmatched_target(trainer.model)  # a PEFT model, or the one TRL built from peft_config
+    if problem:
+        raise ValueError(problem)
     if trainer._trl is not None and trainer._normalization != "model":
         base, mixed = trainer._trl
         problem = mixed.check(trainer) if mixed.check else None

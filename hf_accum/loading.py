@@ -30,9 +30,29 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
 
 
+# A name that starts like this is a path, never a hub id (hub ids are "name" or "org/name").
+PATH_STARTS = ("./", "../", "/", "~", ".\\", "..\\")
+
+
+def missing_path(label: str, name: str, kind: str = "model") -> str | None:
+    """The one-line error when ``name`` is written as a path (``./x``, ``../x``, ``/x``, ``~/x``) and nothing is
+    there; None otherwise. Without it the name would be taken for a hub id and refused in the hub's words."""
+    if not isinstance(name, str) or not (name.startswith(PATH_STARTS) or name in (".", "..")):
+        return None
+    if os.path.exists(os.path.expanduser(name)):
+        return None
+    what = "directory" if kind == "model" else "file or directory"
+    saved = "the directory a model was saved to with save_pretrained" if kind == "model" else f"an existing {kind}"
+    return f"{label}={name!r} is a path, but there is no such {what}: give {saved}, or a hub id (org/name)"
+
+
 def hub_unreachable(label: str, name: str, kind: str = "model") -> ValueError | None:
     """None when ``name`` needs no hub (a local path, HF_HUB_OFFLINE set) or the hub answers within a few seconds;
-    otherwise the error to raise. huggingface_hub retries an unreachable hub for about a minute before failing."""
+    otherwise the error to raise. huggingface_hub retries an unreachable hub for about a minute before failing.
+    A name written as a path that does not exist is that error, hub or no hub."""
+    missing = missing_path(label, name, kind)
+    if missing:
+        return ValueError(missing + ".")
     if offline() or os.path.exists(name):
         return None
     endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
@@ -153,4 +173,7 @@ def add_lora(model, lora_config, *, quantized: bool = False, kbit_preparation: s
     if checkpointing:
         # The embeddings' output requires grad, so any checkpointed segment has an input that needs a gradient.
         model.enable_input_require_grads()
-    return get_peft_model(model, lora_config)
+    from .compat.gradient_checkpointing import peft_reads_quietly
+
+    with peft_reads_quietly():
+        return get_peft_model(model, lora_config)

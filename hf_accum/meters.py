@@ -76,6 +76,9 @@ class Meter(ABC):
     #: kernel's OOM killer ends the process instead, so the probe never runs a size predicted to exceed
     #: the capacity there.
     catches_oom: bool = True
+    #: False when a step's wall time says nothing about the device (the estimate's steps on fake tensors): the
+    #: probe's progress lines leave the seconds out, as its table does.
+    times_steps: bool = True
 
     @abstractmethod
     def measure(self, fn: Callable[[], Any], *, micro_batch_size: int | None = None) -> Measurement:

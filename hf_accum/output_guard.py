@@ -18,6 +18,7 @@ _STREAMS = ((1, "stdout"), (2, "stderr"))
 class OutputGuard:
     def __init__(self):
         self._routes: list[tuple] = []
+        self.dead: set[str] = set()  # the streams whose reader was gone when the guard stopped
 
     def start(self) -> None:
         """Route every stream that is a pipe through this process (cheap: safe in a signal handler)."""
@@ -49,8 +50,23 @@ class OutputGuard:
             thread.join(timeout=5)
             if not state["dead"]:
                 os.dup2(original, fd)
+            else:
+                self.dead.add(name)
             os.close(original)
         self._routes = []
+
+
+def tell(message: str, dead: set[str] | frozenset[str] = frozenset()) -> None:
+    """Put ``message`` where a person sees it: stderr, or the terminal itself (/dev/tty) where stderr's reader is
+    ``dead`` (a Ctrl-C took `2>&1 | tee` down with the run)."""
+    if "stderr" not in dead:
+        print(message, file=sys.stderr, flush=True)
+        return
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(message + "\n")
+    except OSError:  # no terminal: the file in output_dir holds it (stopping.raise_if_stopped)
+        pass
 
 
 def _flush(name: str) -> None:

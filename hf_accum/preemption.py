@@ -39,6 +39,15 @@ class Preempted(SystemExit):  # noqa: N818 - exits the process unless caught, li
         return self.message
 
 
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second Ctrl-C: training stopped at once, without finishing the step or saving."""
+
+    def __str__(self) -> str:
+        return ("hf_accum: a second Ctrl-C stopped the run at once: the step in progress was not finished and no "
+                "checkpoint of it was saved (one being written may be incomplete: resume_from_checkpoint=True "
+                "passes over it and resumes the newest checkpoint that loads).")
+
+
 class StopRequest:
     """Records the first SIGTERM / SIGINT while installed; restores the previous handlers on exit."""
 
@@ -56,9 +65,8 @@ class StopRequest:
             self._output.start()  # before the line below: a Ctrl-C may have taken `| tee` down with us
             logger.warning("hf_accum: %s received: finishing the optimizer step in progress, then saving a "
                            "checkpoint and stopping (a second Ctrl-C stops at once).", self.signal_name)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-        elif signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        elif signum == signal.SIGINT:  # stops now, whatever runs (the step, the save): as the line above says
+            raise StoppedAtOnce
 
     @contextlib.contextmanager
     def installed(self, enabled: bool = True):
@@ -74,6 +82,11 @@ class StopRequest:
             for s, handler in saved.items():
                 signal.signal(s, handler)
             self._output.stop()
+
+    @property
+    def dead_streams(self) -> set[str]:
+        """stdout / stderr whose reader died while stopping (`OutputGuard.dead`)."""
+        return self._output.dead
 
     def seconds_since(self) -> float:
         return time.monotonic() - self.at if self.at is not None else 0.0

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .compat import bitsandbytes_cpu
+from .fit_hints import levers_on
 from .level_probe import probe_levels
 from .meters import CpuMeter, CudaMeter, Meter, format_bytes, live_tensor_bytes
 from .planning.plan import (
@@ -196,6 +197,7 @@ def probe_model(
         finally:
             opt.state.clear()  # the probe's optimizer state goes now, not whenever the closures die
     result.extra["seq_len"] = seq_len
+    result.extra["levers_on"] = levers_on(model)
     if estimated is not None:
         result.extra["estimate"] = estimated
     return result, _with_level(plan_from_result(result, target_batch_size, world_size), result)
@@ -210,6 +212,16 @@ def _with_level(plan: Plan, result: ProbeResult) -> Plan:
                                step_seconds=chosen.get("step_seconds"))
 
 
+def seq_len_problem(model: torch.nn.Module, seq_len: int, setting: str = "probe_seq_len") -> str | None:
+    """Why ``model`` cannot be probed at ``seq_len`` (longer than its positions), naming ``setting``, the
+    setting that gave it (`hf-accum probe` passes its flag); None when it can."""
+    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if max_positions is not None and seq_len > max_positions:
+        return (f"probe seq_len={seq_len} exceeds the model's max_position_embeddings={max_positions}; "
+                f"set {setting} <= {max_positions}")
+    return None
+
+
 def _checked_window(model: torch.nn.Module, seq_len: int, target_batch_size: int, world_size: int,
                     max_micro_batch: int | None) -> tuple[int, int]:
     """Cheap checks first: no step runs on input that cannot give a plan. Returns (per-rank window, cap)."""
@@ -218,12 +230,9 @@ def _checked_window(model: torch.nn.Module, seq_len: int, target_batch_size: int
     problem = indivisible_target(target_batch_size, world_size)
     if problem:
         raise ValueError(f"{problem}.")
-    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if max_positions is not None and seq_len > max_positions:
-        raise ValueError(
-            f"probe seq_len={seq_len} exceeds the model's max_position_embeddings={max_positions}; "
-            f"set probe_seq_len <= {max_positions}"
-        )
+    problem = seq_len_problem(model, seq_len)
+    if problem:
+        raise ValueError(problem)
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1")
     per_rank = target_batch_size // world_size

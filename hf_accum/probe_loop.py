@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .fit_hints import fit_hints
 from .meters import Meter, format_bytes
 from .oom import guarded
 from .planning.plan import (
@@ -156,7 +157,8 @@ def _run_trial(
     if limit_bytes is not None and predicted is not None and predicted + search.margin_bytes() > limit_bytes:
         # CPU: the kernel's OOM killer would end the process instead of raising; never find out by trying.
         search.record(micro, None, fits=False)
-        say(f"micro-batch {micro}: refused, predicted {format_bytes(predicted)} > limit {format_bytes(limit_bytes)}")
+        say(f"micro-batch {micro}: refused, predicted {format_bytes(predicted, 'MiB')} MiB > limit "
+            f"{format_bytes(limit_bytes, 'MiB')} MiB")
         return Trial(micro, None, None, None, False, "refused", predicted)
     m, oom = guarded(lambda: meter.measure(lambda: step_fn(micro), micro_batch_size=micro))
     if oom:
@@ -165,7 +167,9 @@ def _run_trial(
         return Trial(micro, None, None, None, False, "out of memory", predicted)
     obs = search.record(micro, m.charged_bytes, baseline_bytes=m.baseline_bytes, rounding_bytes=m.rounding_bytes)
     status = "fits" if obs.fits else "over budget"
-    say(f"micro-batch {micro}: peak {format_bytes(m.peak_bytes)}, {m.seconds:.3f} s, {status}")
+    # in MiB, the unit of the table printed after these lines; the seconds where the table shows them
+    seconds = f", {m.seconds:.3f} s" if meter.times_steps else ""
+    say(f"micro-batch {micro}: peak {format_bytes(m.peak_bytes, 'MiB')} MiB{seconds}, {status}")
     return Trial(micro, m.peak_bytes, m.reserved_bytes, m.seconds, obs.fits, status, predicted, m.baseline_bytes)
 
 
@@ -267,15 +271,12 @@ def _nothing_fits_message(result: ProbeResult) -> str:
         if need
         else f"ran out of memory under the budget of {format_bytes(result.budget_bytes)}"
     )
+    on = result.extra.get("levers_on")  # the levers already in use are not suggested
     if levels is not None:
         return (
             f"even micro-batch 1 with every one of the {full} layers checkpointed does not fit: one training step "
-            f"{amount}. What is left: train LoRA adapters instead of all weights, load the base model in 4-bit "
-            "(QLoRA), shorten sequences (max_length / probe_seq_len), shard the model over more ranks (FSDP or "
-            "DeepSpeed ZeRO), or raise the memory budget."
+            f"{amount}. What is left: " + fit_hints({**(on or {}), "checkpointing": True}, rest=(
+                "shorten sequences (max_length / probe_seq_len)", "shard the model over more ranks (FSDP or "
+                "DeepSpeed ZeRO)", "raise the memory budget")) + "."
         )
-    return (
-        f"even micro-batch 1 does not fit: one training step {amount}. To fit: enable gradient checkpointing, "
-        "train LoRA adapters instead of all weights, load the base model in 4-bit (QLoRA), shorten the probe "
-        "sequence length, or raise the memory budget."
-    )
+    return f"even micro-batch 1 does not fit: one training step {amount}. To fit: {fit_hints(on)}."

@@ -36,7 +36,10 @@ def summary(result: ProbeResult, plan: Plan, seq_len: int, budget_source: str | 
     lines = []
     if result.fitted is not None:
         a, b = result.fitted
-        lines.append(f"memory model: peak ≈ {_mib(a)} MiB + {_mib(b)} MiB × micro-batch (seq {seq_len})")
+        lines.append(f"memory model: peak ≈ {_mib(a)} MiB + {_mib(b)} MiB × micro-batch (seq {seq_len})" if a >= 0 else
+                     # a line through few points can cross zero below micro-batch 1: no memory is negative
+                     f"memory model: peak grows {_mib(b)} MiB per micro-batch row (seq {seq_len}; the fitted line "
+                     "crosses zero below micro-batch 1, a fitting artefact: read the measured peaks)")
     lines.append(f"budget {_mib(result.budget_bytes)} MiB of {_mib(result.capacity_bytes)} MiB on {result.device}"
                  + (f" ({budget_source})" if budget_source else ""))
     levels = result.extra.get("checkpointing")

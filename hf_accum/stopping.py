@@ -94,8 +94,31 @@ def raise_if_stopped(trainer) -> None:
             f"{trainer.state.global_step}; checkpoint saved to {where}.{late} {resume_advice(trainer, where)} "
             f"Exit code {EXIT_PREEMPTED}."
         )
-        logger.warning(message)  # a SystemExit prints nothing by itself
+        say_stopped(trainer, message)
         raise Preempted(message)
+    if trainer.args.should_save:  # the run went on to its end: an earlier stop's note is out of date
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(trainer.args.output_dir, STOP_FILE))
+
+
+STOP_FILE = "hf_accum_stopped.txt"  # in output_dir: the stop message and the command that resumes
+
+
+def say_stopped(trainer, message: str) -> None:
+    """The stop message where a person sees it: logged (a SystemExit prints nothing by itself), and where the
+    Ctrl-C took a `| tee` reader of stderr down with the run, on the terminal itself; and written to
+    output_dir/`STOP_FILE` (main process), which outlives any pipe."""
+    from .output_guard import tell
+
+    dead = trainer._stop_request.dead_streams
+    if "stderr" in dead:
+        tell(message, dead)
+    else:
+        logger.warning(message)
+    if trainer.args.should_save:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(trainer.args.output_dir, STOP_FILE), "w") as f:
+                f.write(message + "\n")
 
 
 @contextlib.contextmanager

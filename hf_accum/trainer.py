@@ -29,7 +29,7 @@ import weakref
 
 from transformers import Trainer
 
-from . import construction, engines, evaluation, finite_grads, levers, scaled_loss, stopping
+from . import accumulation_check, construction, engines, evaluation, finite_grads, levers, scaled_loss, stopping
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .args import AccumTrainingArguments
 from .checkpoints import check_resume
@@ -104,6 +104,7 @@ class AccumulationMixin:
         self._plans_in_checkpoints = bool(self.settings.target_batch_size)  # only runs with a target have a plan
         self._window_ended = False  # a window ran since `_after_step` last acted
         self._figures_logged = False  # the plan's figures went with this run's first log entry
+        self._check_figures: dict[str, float] = {}  # check_accumulation's figure, for the same entry
 
     # --- after each optimizer step, at each checkpoint, in the first log entry ---------------------------------
     def _maybe_log_save_evaluate(self, *args, **kwargs):
@@ -145,8 +146,9 @@ class AccumulationMixin:
         """The plan's figures (`hf_accum/...`) go with the first entry a run logs, whatever it is (a training loss,
         an evaluation, the run's summary): no entry of their own, so `log_history[i]` and the `on_log` events are
         the Trainer's. A resumed run's history is its checkpoint's, which holds them already; its plan is in
-        `trainer.plan` and the plan file. Recorded for `report_to`, not printed (the plan line said them)."""
-        figures = self._planner.figures
+        `trainer.plan` and the plan file. Recorded for `report_to`, not printed (the plan line said them).
+        `check_accumulation`'s figure goes with them (its line said it)."""
+        figures = {**(self._planner.figures or {}), **self._check_figures}
         if self._figures_logged or not figures or not self.is_in_train:
             return super().log(logs, *args, **kwargs)
         self._figures_logged = True
@@ -327,8 +329,9 @@ class AccumulationMixin:
         try:
             with stopping.refusal_leaves_output_dir(self):
                 resume_from_checkpoint = self._check_and_plan(resume_from_checkpoint)
+            self._check_figures = {}
             if self.settings.check_accumulation:
-                self.check_accumulation()
+                self._check_figures = accumulation_check.report_before_training(self.check_accumulation())
             handle = self.settings.handle_preemption and self._normalization != "model"
             self._window_ended, self._figures_logged = False, False
             try:

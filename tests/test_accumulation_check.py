@@ -91,6 +91,21 @@ def test_float32_tolerance_and_flag_runs_it_at_train_start(tmp_path, caplog):
     assert "tolerance 1e-04" in caplog.text
 
 
+def test_a_passing_check_says_one_line_and_its_figure_joins_the_first_training_log_entry(tmp_path, caplog):
+    """Issue 42 item 15: check_accumulation=True said nothing when it passed (INFO) and logged nothing."""
+    trainer = make_trainer(tmp_path, check_accumulation=True, max_steps=2, logging_steps=1)
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):  # what a user sees without configuring logging
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "accumulation check" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("hf_accum: accumulation check OK: ")
+    figure = float(said[0].split("relative gradient error ")[1].split()[0])
+    history = trainer.state.log_history
+    entries = [h for h in history if "accumulation_check_relative_error" in h]
+    assert entries == [history[0]] and "loss" in history[0]  # no entry of its own: the first training entry
+    assert f"{history[0]['accumulation_check_relative_error']:.3e}" == f"{figure:.3e}" and figure < 1e-6
+    assert [h["step"] for h in history if "loss" in h] == [1, 2]
+
+
 def test_micro_batch_of_one_is_skipped_with_reason(tmp_path):
     result = make_trainer(tmp_path, micro=1).check_accumulation()
     assert result.skipped_reason and "1 sample" in result.skipped_reason

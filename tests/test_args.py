@@ -56,6 +56,10 @@ def test_cli_flags_and_yaml(tmp_path):
         ({"learning_rate": float("nan")}, "learning_rate=nan is not a finite number"),
         ({"grow_back_steps": -1}, "grow_back_steps=-1 must be an integer >= 0"),
         ({"grow_back_steps": 2.5}, "grow_back_steps=2.5 must be an integer >= 0"),
+        ({"save_steps": -5}, "save_steps=-5 is negative: give a number of optimizer steps"),
+        ({"eval_steps": -1}, "eval_steps=-1 is negative: give a number of optimizer steps"),
+        ({"logging_steps": -0.5}, "logging_steps=-0.5 is negative: give a number of optimizer steps"),
+        ({"save_total_limit": -1}, "save_total_limit=-1 is negative: give how many checkpoints to keep"),
     ],
 )
 def test_bad_arguments_say_the_fix(tmp_path, kwargs, message):

@@ -133,6 +133,43 @@ def test_true_resumes_the_newest_complete_checkpoint_and_says_which(run, tmp_pat
     assert resumed.state.global_step == 10 and rel(resumed.model, run[1]) <= 1e-10
 
 
+def truncate(path, keep=0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "rng_state.pth", "config.json"])
+def test_true_skips_a_checkpoint_with_a_truncated_file_and_resumes_exactly(run, tmp_path, caplog, name):
+    """A copy cut short or a full disk: transformers would pick checkpoint-4 and fail in a loader's traceback (or
+    quietly lose the RNG state); the newest checkpoint that loads is checkpoint-2, and the resume is exact."""
+    out = tmp_path / "run"
+    shutil.copytree(run[0], out)
+    truncate(out / "checkpoint-4" / name)
+    resumed = trainer_for(out)
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        resumed.train(resume_from_checkpoint=True)
+    skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(skipped) == 1 and skipped[0].startswith(f"hf_accum: skipping {out / 'checkpoint-4'}: its file {name}: ")
+    assert f"resuming from {out / 'checkpoint-2'}, the newest complete checkpoint" in caplog.text
+    assert resumed.state.global_step == 10 and rel(resumed.model, run[1]) <= 1e-10
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt"])
+def test_a_truncated_checkpoint_given_by_path_names_the_file_and_the_newest_good_one(run, tmp_path, name):
+    out = tmp_path / "run"
+    shutil.copytree(run[0], out)
+    truncate(out / "checkpoint-4" / name, keep=0.9)
+    other = trainer_for(out)
+    before = weights(other)
+    with pytest.raises(ValueError) as info:
+        other.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"Cannot resume from {out / 'checkpoint-4'}: its file {name}: ")
+    assert f"resume from {out / 'checkpoint-2'}, the newest complete checkpoint" in message
+    assert unchanged(other, before) and other.state.global_step == 0
+
+
 def test_true_without_a_complete_checkpoint_says_why(run, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(run[0], out)

@@ -74,8 +74,12 @@ def error_line(capsys) -> str:
         (["--target-batch", "9", "--world-size", "2"], "use --target-batch 8 or 10"),
         (["--seq-len", "0"], "--seq-len=0 must be a positive integer"),
         (["--seq-len", "abc"], "argument --seq-len: invalid int value: 'abc'"),
-        (["--model", "/nonexistent/model-dir"], "model='/nonexistent/model-dir' could not be loaded as a hub id"),
-        (["--seq-len", "5000"], "exceeds the model's max_position_embeddings=4096"),
+        (["--estimate", "--device-memory", "-5GiB"], "--device-memory='-5GiB': give a positive size such as 80GiB"),
+        (["--seq-len", "-5"], "--seq-len=-5 must be a positive integer"),
+        (["--model", "/nonexistent/model-dir"], "model='/nonexistent/model-dir' is a path, but there is no such "
+                                                "directory"),  # not a hub id (issue 42, item 9)
+        (["--model", "nonexistent-model-dir"], "model='nonexistent-model-dir' could not be loaded as a hub id"),
+        (["--seq-len", "5000"], "exceeds the model's max_position_embeddings=4096; set --seq-len <= 4096"),
         (["--budget-bytes", "100000"], "even micro-batch 1 does not fit"),
         (["--json", "/nonexistent-dir/p.json"], "--json=/nonexistent-dir/p.json: /nonexistent-dir is not a writable"),
         (["--plot", "curve.txt"], "--plot=curve.txt: the file name must end in an image type"),
@@ -185,3 +189,18 @@ def test_probe_budget_errors_name_the_flags(capsys):
     assert main(["probe", "--seq-len", "16", "--budget-bytes", str(2**60)]) == 2
     line = error_line(capsys)
     assert f"--budget-bytes={2**60} " in line and "Set --budget instead" in line
+
+
+@pytest.mark.parametrize("flags,absent,present", [
+    (["--lora", "--gradient-checkpointing"], ["enable gradient checkpointing", "train LoRA"],
+     ["load the base model in 4-bit (QLoRA), shorten the probe sequence length, or raise the memory budget"]),
+    (["--lora"], ["train LoRA"], ["To fit: enable gradient checkpointing, load the base model in 4-bit"]),
+    ([], [], ["To fit: enable gradient checkpointing, train LoRA adapters instead of all weights, load the base"]),
+])
+def test_nothing_fits_suggests_only_the_levers_that_are_off(flags, absent, present, monkeypatch, capsys):
+    """Issue 42 item 12: a run with checkpointing and LoRA on was told to enable them."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["probe", "--budget-bytes", "1000", "--seq-len", "32", "--target-batch", "4", *flags]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # (transformers notes use_cache=False before it)
+    assert line.startswith("hf-accum probe: even micro-batch 1 does not fit")
+    assert all(text not in line for text in absent) and all(text in line for text in present), line

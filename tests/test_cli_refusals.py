@@ -70,3 +70,26 @@ def test_a_stopped_cli_run_says_the_cli_command_that_resumes_it(tmp_path, monkey
     assert f"Resume with: hf-accum train lora_sft output_dir={out} max_steps=4 data.num_examples=64 " \
            "resume_from_checkpoint=true" in message
     assert "trainer.train(" not in message
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_ctrl_c_during_start_up_is_one_line_and_leaves_output_dir_as_it_was(tmp_path, capsys, monkeypatch, existed):
+    """Issue 42 item 4: a Ctrl-C while probing was a 27-frame KeyboardInterrupt traceback."""
+    from hf_accum.trainer import AccumulationMixin
+
+    out = tmp_path / "run"
+    if existed:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+
+    def interrupted(self, *args, **kwargs):
+        assert out.is_dir()  # the Trainer made the folder: it must go again
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AccumulationMixin, "tune", interrupted)
+    assert main(["train", "lora_sft", "max_steps=2", f"output_dir={out}"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    where = f"{out} is as it was" if existed else f"{out} was not created"
+    assert err[-1] == f"hf-accum train: stopped (Ctrl-C) before training began: nothing was trained or written ({where})"
+    assert not any("Traceback" in line for line in err)
+    assert sorted(os.listdir(out)) == ["notes.txt"] if existed else not out.exists()

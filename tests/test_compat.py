@@ -480,3 +480,60 @@ def test_the_loop_ends_each_step_and_saves_through_the_methods_the_trainer_overr
     assert "self._save_checkpoint(model, trial)" in saving
     assert saving.index("self._save_checkpoint(") < saving.index("callback_handler.on_save(")
     assert saving.index("self.log(") < saving.index("self._save_checkpoint(")
+
+
+@pytest.mark.parametrize("keep", [None, 4, 20, -1, -200])
+def test_a_file_flagged_unreadable_is_one_its_loader_refuses(tmp_path, keep):
+    """`checkpoint_files.unreadable_file` flags exactly the cut-short safetensors files and torch archives that
+    safetensors' and torch's own loaders refuse, and passes the intact ones (keep=None)."""
+    from safetensors.torch import load_file, save_file
+
+    save_file({"w": torch.arange(64.0).reshape(8, 8), "b": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    torch.save({"state": {0: {"exp_avg": torch.zeros(40)}}, "param_groups": []}, str(tmp_path / "optimizer.pt"))
+    for name in ("model.safetensors", "optimizer.pt"):
+        path = tmp_path / name
+        data = path.read_bytes()
+        if keep is not None:
+            path.write_bytes(data[:keep])
+    broken = checkpoint_files.unreadable_file(str(tmp_path))
+    refused = []
+    for name, load in (("model.safetensors", load_file), ("optimizer.pt", torch.load)):
+        try:
+            load(str(tmp_path / name))
+        except Exception:
+            refused.append(name)
+    if keep is None:
+        assert broken is None and refused == []
+    else:  # both refused by their loaders; the first one (by name) is named
+        assert refused == ["model.safetensors", "optimizer.pt"] and broken.startswith("model.safetensors: ")
+        (tmp_path / "model.safetensors").unlink()
+        assert checkpoint_files.unreadable_file(str(tmp_path)).startswith("optimizer.pt: ")
+
+
+def test_peft_still_reads_the_renamed_checkpointing_property_and_our_wraps_say_nothing_of_it(tmp_path):
+    """Issue 42 item 17: `hf-accum probe --lora`, the recipes and `--estimate --lora` printed transformers'
+    FutureWarning for peft's read of `is_gradient_checkpointing`. peft still reads it (the filter's reason; when
+    this fails, drop `peft_reads_quietly`), and our LoRA wraps print no deprecation."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from hf_accum.estimating import estimate
+    from hf_accum.loading import add_lora
+
+    from .exactness import tiny_llama
+
+    def deprecations(fn):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fn()
+        return [str(w.message) for w in seen if issubclass(w.category, FutureWarning) and "deprecated" in str(w.message)]
+
+    model = tiny_llama()
+    if not hasattr(model, "is_activation_checkpointing"):  # pragma: no cover - transformers < 5.23: no rename yet
+        pytest.skip("this transformers has no activation_checkpointing rename")
+    lora = LoraConfig(r=4, target_modules=["q_proj"])
+    assert any("is_gradient_checkpointing" in m for m in deprecations(lambda: get_peft_model(tiny_llama(), lora)))
+    assert deprecations(lambda: add_lora(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"]))) == []
+    tiny_llama().config.save_pretrained(tmp_path)
+    assert deprecations(lambda: estimate(str(tmp_path), lora_r=4, device="cpu", seq_len=16, target_batch_size=2)) == []

@@ -109,7 +109,6 @@ def test_cuda_estimate_on_a_cpu_build_says_its_assumptions(gpt2_folder):
 @pytest.mark.parametrize("flags, words", [
     (["--device-memory", "lots"], "--device-memory"),
     (["--load-in-4bit"], "4-bit"),
-    (["--device", "cuda"], "--device-memory"),
     (["--gradient-checkpointing"], "checkpointing"),
 ])
 def test_cli_estimate_refuses_in_one_line(gpt2_folder, capsys, flags, words):
@@ -130,7 +129,7 @@ def test_cli_estimate_of_a_missing_model_is_one_line(tmp_path, capsys, monkeypat
     code = main(["probe", "--estimate", "--model", str(tmp_path / "nonexistent"), "--device", "cpu"])
     err = capsys.readouterr().err.strip()
     assert code == 2
-    assert len(err.splitlines()) == 1 and "--model=" in err and "could not be loaded" in err
+    assert len(err.splitlines()) == 1 and "--model=" in err and "is a path, but there is no such directory" in err
 
 
 def test_cli_estimate_names_the_weights_dtype(gpt2_folder, tmp_path, capsys):
@@ -142,3 +141,77 @@ def test_cli_estimate_names_the_weights_dtype(gpt2_folder, tmp_path, capsys):
                  "--seq-len", "32", "--target-batch", "2", "--budget-bytes", str(8 * MiB)])
     assert code == 0
     assert "weights float32 (the config names no dtype)" in capsys.readouterr().out
+
+
+# --- issue 42 item 16: --estimate's words and defaults -----------------------------------------------------------
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_cli_estimate_defaults_to_this_machines_device_and_names_where_the_memory_came_from(gpt2_folder, capsys,
+                                                                                             no_gpu):
+    from hf_accum.cli import main
+
+    code = main(["probe", "--estimate", "--model", gpt2_folder, "--seq-len", "32", "--target-batch", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"estimating {gpt2_folder} for cpu with " in out
+    assert "(of this machine's cpu memory)" in out and "(of --device-memory)" not in out
+    progress = [line.strip() for line in out.splitlines() if line.strip().startswith("micro-batch ")]
+    assert progress and all(line.endswith(("MiB, fits", "MiB, over budget")) for line in progress), progress
+    assert not any(" GiB" in line or " s," in line for line in progress)  # the table's unit; no step seconds
+
+
+def test_cli_estimate_for_cuda_on_a_machine_without_one_needs_the_cards_size(gpt2_folder, capsys, no_gpu):
+    from hf_accum.cli import main
+
+    assert main(["probe", "--estimate", "--model", gpt2_folder, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hf-accum probe: an estimate for cuda on a machine without a GPU needs --device-memory, the "
+                   "card's memory (e.g. 80GiB)"]
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--estimate", "--model", "tiny"], "--estimate builds the model from its config.json and the built-in tiny "
+                                        "model has none: give --model a folder holding config.json or a hub id"),
+    (["--device", "cuda"], "--device is for --estimate (the device planned for, nothing loaded); the probe "
+                           "measures the device it runs on: add --estimate, or drop --device"),
+    (["--device-memory", "80GiB"], "--device-memory is for --estimate"),
+])
+def test_cli_estimate_flags_are_not_ignored_or_misnamed(flags, words, capsys):
+    from hf_accum.cli import main
+
+    assert main(["probe", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+
+
+def test_python_estimate_assumes_no_card_size(gpt2_folder, no_gpu):
+    from hf_accum import estimate
+    from hf_accum.meters import CpuMeter
+
+    with pytest.raises(ValueError, match="an estimate for cuda on a machine without a GPU needs device_memory"):
+        estimate(gpt2_folder, device="cuda", seq_len=32, target_batch_size=2)
+    est = estimate(gpt2_folder, seq_len=32, target_batch_size=2)  # this machine's device and memory
+    assert est.device == "cpu" and est.result.capacity_bytes == CpuMeter().capacity_bytes()
+
+
+def test_a_negative_intercept_is_not_printed_as_a_negative_peak():
+    from hf_accum.planning.plan import plan_batch
+    from hf_accum.probe_loop import ProbeResult
+    from hf_accum.probe_report import summary
+
+    result = ProbeResult([], 4, (-9.1 * MiB, 132.3 * MiB), 1024 * MiB, 2048 * MiB, 4, device="cpu")
+    text = summary(result, plan_batch(8, 1, 4), 256)
+    assert "-9.1" not in text and "≈ -" not in text
+    assert "memory model: peak grows 132.3 MiB per micro-batch row (seq 256; the fitted line crosses zero" in text
+    ok = summary(ProbeResult([], 4, (9.1 * MiB, 132.3 * MiB), 1024 * MiB, 2048 * MiB, 4), plan_batch(8, 1, 4), 256)
+    assert "memory model: peak ≈ 9.1 MiB + 132.3 MiB × micro-batch (seq 256)" in ok
+
+
+def test_probe_from_estimate_takes_a_bool(tmp_path):
+    from hf_accum import AccumTrainingArguments
+
+    with pytest.raises(ValueError, match="probe_from_estimate='yes' must be True or False"):
+        AccumTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], probe_from_estimate="yes")

@@ -144,3 +144,28 @@ def test_a_plan_with_negative_factors_is_invalid():
 def test_a_plan_reads_back_whole_with_its_optional_fields(plan):
     # a stored token plan that lost its budget would forward every window uncut
     assert plan_from_record({"plan": plan.to_dict()}, "hf_accum_plan.json") == plan
+
+
+def test_a_stale_stored_plan_says_which_part_of_its_key_changed(tmp_path, tok, caplog):
+    """Issue 42 item 14: the stored plan was re-probed without a word."""
+    make(tmp_path, tok).tune()
+    record = json.loads((tmp_path / PLAN_FILE).read_text())
+    record["key"]["seq_len"] -= 1
+    record["key"]["versions"]["transformers"] = "0.0.1"
+    (tmp_path / PLAN_FILE).write_text(json.dumps(record))
+    again = make(tmp_path, tok)
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        again.tune()
+    assert again.probe_result is not None  # probed again
+    lines = [r.getMessage() for r in caplog.records if "is not reused" in r.getMessage()]
+    seq = record["key"]["seq_len"]
+    assert lines == [f"hf_accum: the plan stored in {tmp_path / PLAN_FILE} is not reused: seq_len ({seq} -> {seq + 1}), "
+                     "versions.transformers ('0.0.1' -> " + repr(json.loads((tmp_path / PLAN_FILE).read_text())[
+                         "key"]["versions"]["transformers"]) + ") changed since it was probed; probing again."]
+
+
+def test_packages_that_cannot_change_the_plan_stay_out_of_its_key(tmp_path, tok):
+    """bitsandbytes (and peft) entered the key of a run that uses neither: installing them re-probed it."""
+    make(tmp_path, tok).tune()
+    versions = json.loads((tmp_path / PLAN_FILE).read_text())["key"]["versions"]
+    assert sorted(versions) == ["hf-accum", "torch", "transformers"]

@@ -7,8 +7,9 @@ import os
 from typing import Any, Literal
 
 import pytest
+import torch
 
-from hf_accum.recipes import RecipeError, preflight, values
+from hf_accum.recipes import RecipeError, preflight, rules, values
 from hf_accum.recipes.preflight import PLAN_FILE
 
 
@@ -72,7 +73,7 @@ def checkpoint(out, step, target=16, complete=True, weights_only=False):
             json.dump({"global_step": step}, f)
         plan_file(folder, target)
         for name in () if weights_only else ("optimizer.pt", "scheduler.pt"):  # what transformers loads
-            open(os.path.join(folder, name), "wb").close()
+            torch.save({}, os.path.join(folder, name))  # a readable archive (an empty file is a broken one)
     return folder
 
 
@@ -107,6 +108,24 @@ def test_resume_values(tmp_path):
         preflight.resolve_resume(str(tmp_path / "nope"), out, 16)
     with pytest.raises(RecipeError, match=r"trained with target_batch_size=16, but target_batch_size=8 now"):
         preflight.resolve_resume(True, out, 8)
+
+
+@pytest.mark.parametrize("damage", ["trainer_state.json", "optimizer.pt"])
+def test_resume_true_names_the_newer_checkpoint_it_skips_and_why(tmp_path, caplog, damage):
+    """`hf-accum train ... resume_from_checkpoint=true` passes over a newer checkpoint that would not load, and says
+    which and why (it used to resume the older one without a word)."""
+    import logging
+
+    out = str(tmp_path / "run")
+    good = checkpoint(out, 2)
+    newer = checkpoint(out, 4)
+    with open(os.path.join(newer, damage), "r+b") as f:
+        f.truncate(7)
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        assert preflight.resolve_resume(True, out, 16) == good
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(f"hf_accum: skipping {newer}: ")
+    assert damage in lines[0]
 
 
 def untokenized():
@@ -188,7 +207,8 @@ def test_the_rules_name_keys_that_exist_and_choices_the_library_takes():
     ("memory_budget_bytes", 0), ("probe_seq_len", 0), ("probe_max_micro_batch", 0), ("max_tokens_per_forward", 0),
     ("memory_budget", 1.5), ("memory_budget", 0.0), ("grow_back_steps", -1), ("checkpoint_layers", "abc"),
     ("checkpoint_layers", -1), ("loss_normalization", "mean"), ("micro_batching", "rows"),
-    ("auto_tune_optimize", "speed"),
+    ("auto_tune_optimize", "speed"), ("save_steps", -5), ("eval_steps", -1), ("logging_steps", -2),
+    ("save_total_limit", -1),
 ])
 def test_what_the_rules_refuse_the_arguments_refuse(field, value, tmp_path):
     from hf_accum import AccumTrainingArguments
@@ -208,3 +228,36 @@ def test_num_train_epochs_zero_is_refused_only_without_max_steps():
     with pytest.raises(RecipeError, match="num_train_epochs=0 with max_steps=-1"):
         rules.check_values({"training": {"num_train_epochs": 0}})  # max_steps unset: -1
     rules.check_values({"training": {"num_train_epochs": 0, "max_steps": 60}})  # max_steps decides: no error
+
+
+def test_a_dpo_recipe_takes_one_loss_type_as_trl_does():
+    """TRL's DPOConfig takes `loss_type="sigmoid"` (its __post_init__ wraps it in a list); the recipe used to refuse
+    it ("takes a list"). What the class accepts, the recipe accepts; what it refuses stays refused."""
+    from trl import DPOConfig
+
+    from hf_accum.recipes import load_recipe
+
+    assert DPOConfig(output_dir="unused", loss_type="sigmoid", use_cpu=True, bf16=False).loss_type == ["sigmoid"]  # TRL's rule, pinned
+    assert load_recipe("lora_dpo", ["loss_type=sigmoid"]).validate().loss_type == ["sigmoid"]
+    assert load_recipe("lora_dpo", ["loss_type=[sigmoid,ipo]"]).validate().loss_type == ["sigmoid", "ipo"]
+    assert load_recipe("lora_sft", ["loss_type=nll"]).validate().loss_type == "nll"  # SFTConfig's is a string
+    with pytest.raises(RecipeError, match=r"training\.loss_type=3 is an integer, but training\.loss_type takes a "
+                                          r"list of strings or a string"):
+        load_recipe("lora_dpo", ["loss_type=3"])
+
+
+@pytest.mark.parametrize("name", ["./no_such_model", "../no_such_model", "/no/such/model", "~/no_such_model"])
+def test_a_model_name_written_as_a_path_that_does_not_exist_says_no_such_directory(name, monkeypatch):
+    """Not taken for a hub id ("Set HF_HUB_OFFLINE=1", "Repo id must use alphanumeric chars"): a path, missing."""
+    from hf_accum.loading import load_model
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # online or not, the answer is the same
+    expected = f"model.name={name!r} is a path, but there is no such directory: give the directory a model was saved to"
+    with pytest.raises(RecipeError) as info:
+        rules.check_values({"model": {"name": name}})
+    assert str(info.value).startswith(expected)
+    with pytest.raises(ValueError) as info:
+        load_model(name, label="model.name")
+    assert str(info.value).startswith(expected)
+    rules.check_values({"model": {"name": "org/name"}})  # a hub id, and an existing path, pass
+    rules.check_values({"model": {"name": "./"}})

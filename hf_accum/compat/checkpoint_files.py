@@ -87,3 +87,88 @@ def optimizer_state_kinds(checkpoint: str) -> frozenset[str]:
     if any(n.startswith("global_step") for n in names):
         kinds.add("deepspeed")
     return frozenset(kinds)
+
+
+# What a checkpoint's loaders read: safetensors files (weights, adapters), torch.save archives (optimizer,
+# scheduler, RNG state, .bin weights, DeepSpeed's shards) and JSON (trainer state, configs).
+_TORCH_ARCHIVES = (".pt", ".pth", ".bin")
+
+
+def unreadable_file(checkpoint: str, skip: tuple[str, ...] = ()) -> str | None:
+    """Why a file of ``checkpoint`` would not load (``"NAME: why"``), or None. Cheap checks only, no tensor is read:
+    a safetensors file must be as long as its header says (its loader's own check), a torch.save archive's zip
+    directory must read and every member fit in the file (a truncated archive loses its directory, which sits at the
+    end), a JSON file must parse. ``skip``: file names whose reading the caller reports itself."""
+    import os
+
+    for root, _, files in os.walk(checkpoint):
+        for name in sorted(files):
+            if name in skip:
+                continue
+            path = os.path.join(root, name)
+            if name.endswith(".safetensors"):
+                why = _safetensors_problem(path)
+            elif name.endswith(_TORCH_ARCHIVES):
+                why = _torch_archive_problem(path)
+            elif name.endswith(".json"):
+                why = _json_problem(path)
+            else:
+                continue
+            if why:
+                return f"{os.path.relpath(path, checkpoint)}: {why}"
+    return None
+
+
+def _safetensors_problem(path: str) -> str | None:
+    import json
+    import os
+    import struct
+
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"a safetensors file of {size} bytes, shorter than its 8-byte header length (truncated)"
+            (length,) = struct.unpack("<Q", head)
+            if 8 + length > size:
+                return f"truncated: its header needs {8 + length} bytes, the file has {size}"
+            header = json.loads(f.read(length))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        return f"its safetensors header is unreadable ({type(exc).__name__}: {exc})"
+    if 8 + length + end != size:
+        return f"truncated or damaged: its header describes {8 + length + end} bytes, the file has {size}"
+    return None
+
+
+def _torch_archive_problem(path: str) -> str | None:
+    import os
+    import zipfile
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if size == 0:
+        return "empty (0 bytes)"
+    if magic != b"PK":  # torch.save's legacy (pre-1.6, non-zip) format, or not ours to judge
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+    except (OSError, zipfile.BadZipFile, ValueError) as exc:
+        return f"not a readable torch archive, probably truncated ({size} bytes; {exc})"
+    if any(m.header_offset + m.compress_size > size for m in members):
+        return f"truncated: its zip directory lists more data than the file's {size} bytes"
+    return None
+
+
+def _json_problem(path: str) -> str | None:
+    import json
+
+    try:
+        with open(path) as f:
+            json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"unreadable JSON ({type(exc).__name__}: {exc})"
+    return None

@@ -6,6 +6,20 @@ from __future__ import annotations
 
 import contextlib
 
+# peft's PeftModel.__init__ reads `model.is_gradient_checkpointing`, which transformers 5.23 renamed
+# (`is_activation_checkpointing`; the old name warns). Our calls use the new names; this is peft's read, which no
+# user can act on. Dropped by its exact text, around our own get_peft_model calls only (pinned in test_compat.py).
+PEFT_READS_OLD_NAME = r"`is_gradient_checkpointing` is deprecated"
+
+
+@contextlib.contextmanager
+def peft_reads_quietly():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PEFT_READS_OLD_NAME, category=FutureWarning)
+        yield
+
 
 def enable_all(model, kwargs: dict | None) -> None:
     """transformers' own switch for every layer, as `Trainer.train()` turns it on (``kwargs`` for

@@ -8,13 +8,19 @@ from typing import Any
 from .estimate import CUDA_ASSUMPTIONS, Estimate, estimate_model
 
 
-def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size: int, device: str = "cuda",
-             device_memory: int | str = "80GiB", lora_r: int | None = None, lora_target_modules: str | None = None,
+def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size: int, device: str | None = None,
+             device_memory: int | str | None = None, lora_r: int | None = None, lora_target_modules: str | None = None,
              **kwargs: Any) -> Estimate:
     """The plan for ``model`` (a folder holding config.json, a hub id, or a callable building the model; nothing is
-    loaded) on a card of ``device_memory`` (bytes or "80GiB"); ``lora_r``: train LoRA adapters of that rank.
-    Other keywords as `estimate_model` (world_size, budget_bytes, budget_fraction, bf16, max_micro_batch, log)."""
-    from .command import config_builder, load_config, parse_size, with_lora
+    loaded) on ``device`` (default: this machine's) with ``device_memory`` (bytes or "80GiB"; default: this
+    machine's, and required for cuda on a machine without a GPU: no card size is assumed); ``lora_r``: train LoRA
+    adapters of that rank. Other keywords as `estimate_model` (world_size, budget_bytes, budget_fraction, bf16,
+    max_micro_batch, log)."""
+    from .command import config_builder, load_config, machine_device, machine_memory, parse_size, with_lora
+
+    device = device or machine_device()
+    if device_memory is None:
+        device_memory = machine_memory(device, "device_memory")
 
     build = config_builder(load_config(model)) if isinstance(model, str) else model
     if lora_r is not None:

@@ -48,7 +48,8 @@ def config_builder(config):
 def weights_dtype(config) -> str:
     """The dtype the config builds the weights in (``dtype`` / ``torch_dtype``; float32 when it names none): the
     estimate keeps it, and --bf16 is autocast only, so an 8B config without one estimates float32 weights."""
-    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # `torch_dtype` is the old name (a FutureWarning on read where `dtype` exists): read only where `dtype` is absent
+    named = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     return str(named).removeprefix("torch.") if named is not None else "float32 (the config names no dtype)"
 
 
@@ -57,7 +58,35 @@ def with_lora(build, r: int, targets: str | None):
 
     lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets.split(",") if targets else "all-linear",
                       lora_dropout=0.0, task_type="CAUSAL_LM")
-    return lambda: get_peft_model(build(), lora)
+    return lambda: _wrap(get_peft_model, build(), lora)
+
+
+def _wrap(get_peft_model, model, lora):
+    from ..compat.gradient_checkpointing import peft_reads_quietly
+
+    with peft_reads_quietly():
+        return get_peft_model(model, lora)
+
+
+def machine_device() -> str:
+    """The device an estimate is for when none is named: this machine's (cuda where torch sees a GPU)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def machine_memory(device: str, flag: str) -> int:
+    """The memory of this machine's ``device`` (GPU 0's for cuda); a ValueError naming ``flag`` where it has none."""
+    import torch
+
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"an estimate for cuda on a machine without a GPU needs {flag}, the card's memory "
+                             "(e.g. 80GiB)")
+        return torch.cuda.get_device_properties(0).total_memory
+    from ..meters import CpuMeter
+
+    return CpuMeter().capacity_bytes()
 
 
 def refusal(args: Any) -> str | None:
@@ -69,8 +98,9 @@ def refusal(args: Any) -> str | None:
     if args.gradient_checkpointing or args.checkpoint_layers is not None or args.fused_loss:
         return ("--estimate does not model checkpointing or the fused loss yet; drop --gradient-checkpointing, "
                 "--checkpoint-layers and --fused-loss")
-    if args.model == "tiny":
-        return "--estimate needs --model: a folder holding config.json or a hub id"
+    if args.model == "tiny":  # also what --model tiny gives: the built-in model has no config.json to build from
+        return ("--estimate builds the model from its config.json and the built-in tiny model has none: give --model "
+                "a folder holding config.json or a hub id, or probe tiny itself (drop --estimate: it is small)")
     if args.optimize != "memory":
         return "--estimate times nothing: drop --optimize throughput"
     return None
@@ -80,27 +110,24 @@ def run(args: Any, say=print) -> int:
     from ..probe_report import summary, table
     from .estimate import estimate_model
 
-    memory = parse_size(args.device_memory) if args.device_memory else None
-    if memory is None:
-        if args.device == "cuda":
-            raise ValueError("--estimate --device cuda needs --device-memory, the card's memory (e.g. 80GiB)")
-        from ..meters import CpuMeter
-
-        memory = CpuMeter().capacity_bytes()
+    device = args.device or machine_device()
+    memory = parse_size(args.device_memory) if args.device_memory else machine_memory(device, "--device-memory")
     config = load_config(args.model)
     build = config_builder(config)
     if args.lora:
         build = with_lora(build, args.lora_r, args.lora_target_modules)
-    say(f"estimating {args.model} for {args.device} with {memory / 2**30:.1f} GiB (fake tensors: nothing loaded; "
+    say(f"estimating {args.model} for {device} with {memory / 2**30:.1f} GiB (fake tensors: nothing loaded; "
         f"weights {weights_dtype(config)}) ...")
     est = estimate_model(build, seq_len=args.seq_len, target_batch_size=args.target_batch, device_memory=memory,
-                         device=args.device, world_size=args.world_size, budget_bytes=args.budget_bytes,
+                         device=device, world_size=args.world_size, budget_bytes=args.budget_bytes,
                          budget_fraction=args.budget, bf16=args.bf16, max_micro_batch=args.max_micro_batch,
                          log=lambda msg: say(f"  {msg}"))
     say("")
     say(table(est.result, args.seq_len))
     say("")
-    say(summary(est.result, est.plan, args.seq_len, "--budget-bytes" if args.budget_bytes else "of --device-memory"))
+    source = ("--budget-bytes" if args.budget_bytes else "of --device-memory" if args.device_memory else
+              f"of this machine's {device} memory")
+    say(summary(est.result, est.plan, args.seq_len, source))
     say("predicted peak per micro-batch: " + ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in est.peaks.items()))
     for line in est.assumptions:
         say(f"assumed: {line}")

@@ -113,6 +113,7 @@ class PaperMeter(Meter):
 
     name = "estimate"
     catches_oom = True
+    times_steps = False
 
     def __init__(self, counter: StorageCounter, model: torch.nn.Module, capacity_bytes: int, device: str) -> None:
         self.counter = counter

@@ -19,6 +19,7 @@ import logging
 import weakref
 from collections.abc import Callable
 
+from ..fit_hints import fit_hints, levers_on
 from ..growback import GrowBack
 from ..levers import get_lever
 from ..protocol import Collective, StopTraining
@@ -233,9 +234,10 @@ class Planner:
         if plan is None:
             raise RuntimeError(
                 "hf_accum: out of memory at micro-batch 1, so no smaller micro-batch can keep "
-                f"target_batch_size. Checkpoints in {trainer.args.output_dir} are intact. To fit: enable "
-                "gradient_checkpointing, train LoRA adapters, load the base model in 4-bit, shorten sequences, "
-                "or free GPU memory held by other processes; then resume from the last checkpoint."
+                f"target_batch_size. Checkpoints in {trainer.args.output_dir} are intact. To fit: "
+                + fit_hints(levers_on(trainer.model), checkpointing="enable gradient_checkpointing",
+                            rest=("shorten sequences", "free GPU memory held by other processes"))
+                + "; then resume from the last checkpoint."
             )
         logger.warning("hf_accum: out of memory at step %d; re-running this accumulation window with %s",
                        trainer.state.global_step, plan.describe())
@@ -253,7 +255,9 @@ class Planner:
             raise RuntimeError(
                 f"hf_accum: out of memory with a token budget of {budget}, and a smaller one cannot hold this window's "
                 f"longest example ({longest} tokens). Checkpoints in {trainer.args.output_dir} are intact. To fit: "
-                "enable gradient_checkpointing, train LoRA adapters, shorten sequences, or free memory; then resume."
+                + fit_hints(levers_on(trainer.model), checkpointing="enable gradient_checkpointing",
+                            rest=("shorten sequences", "free memory"))
+                + "; then resume."
             )
         plan = dataclasses.replace(self.plan, token_budget=smaller.tokens, token_model=smaller.model)
         logger.warning("hf_accum: out of memory at step %d; re-running this accumulation window with %s",

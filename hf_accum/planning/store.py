@@ -75,8 +75,21 @@ def key_fields(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> di
         "engine": trainer.engine.label,
         "optimize": args.auto_tune_optimize,
         "micro_batching": args.micro_batching,
-        "versions": {name: library_version(name) for name in ("hf-accum", "torch", "transformers", "peft", "bitsandbytes")},
+        "versions": {name: library_version(name) for name in libraries_that_matter(model)},
     }
+
+
+def libraries_that_matter(model) -> tuple[str, ...]:
+    """The packages whose version can change this model's step memory: peft only for a PEFT model, bitsandbytes
+    only for a quantized one (installing it must not re-probe a run that never uses it)."""
+    names = ["hf-accum", "torch", "transformers"]
+    if isinstance(getattr(model, "peft_config", None), dict):
+        names.append("peft")
+    quantized = getattr(getattr(model, "config", None), "quantization_config", None) is not None or any(
+        type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules())
+    if quantized:
+        names.append("bitsandbytes")
+    return tuple(names)
 
 
 def plan_key(trainer, *, seq_len: int, capacity_bytes: int, device: str) -> dict[str, Any]:
@@ -168,9 +181,37 @@ def load_plan(output_dir: str, key: dict[str, Any]) -> tuple[Plan, dict[str, Any
     if found is None:
         return None
     plan, record = found
-    if record.get("key") != canonical(key):
+    key = canonical(key)
+    if record.get("key") != key:
+        changed = key_changes(record.get("key"), key)
+        logger.warning("hf_accum: the plan stored in %s is not reused: %s changed since it was probed; probing "
+                       "again.", os.path.join(output_dir, PLAN_FILE), changed)
         return None
     return plan, record
+
+
+def key_changes(old: Any, new: Any, shown: int = 3) -> str:
+    """Which parts of a plan key differ, as "versions.bitsandbytes (absent -> '0.50.2'), seq_len (256 -> 512)"."""
+    found: list[str] = []
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for name in sorted(set(a) | set(b)):
+                walk(a.get(name, _ABSENT), b.get(name, _ABSENT), f"{path}.{name}" if path else name)
+        elif a != b:
+            found.append(f"{path or 'the key'} ({_short(a)} -> {_short(b)})")
+
+    walk(old, new, "")
+    more = f" and {len(found) - shown} more" if len(found) > shown else ""
+    return ", ".join(found[:shown]) + more if found else "nothing"
+
+
+_ABSENT = object()
+
+
+def _short(value: Any) -> str:
+    text = "absent" if value is _ABSENT else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def save_plan(output_dir: str, key: dict[str, Any], plan: Plan, probe: dict[str, Any] | None) -> str:

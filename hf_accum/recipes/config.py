@@ -157,9 +157,32 @@ def _unknown_key(key: str, keys: dict[str, list[str]], extra: str = "") -> Recip
               for d in [next(x for x in dotted if x.rsplit(".", 1)[-1] == d)] if d not in close]
     hint = f" Did you mean {' or '.join(close[:3])}?" if close else (
         f" Keys are section.key with sections {', '.join(SECTIONS)} (or a bare key that one section has).")
+    elsewhere = _other_task_key(key, keys)
+    if elsewhere:
+        hint = elsewhere
     return RecipeError(f"unknown key {key!r}.{extra}{hint} (`--print-config` shows the recipe's keys; training.* takes "
                        "any field of the task's trainer config: AccumSFTConfig/AccumDPOConfig/AccumTrainingArguments "
                        "for causal_lm/dpo/seq_cls, lora.* any peft.LoraConfig field)")
+
+
+# The shipped recipes of each model.task, for "this key belongs to the DPO recipes".
+TASK_RECIPES = {"causal_lm": "lora_sft or qlora_sft", "seq_cls": "lora_classification", "dpo": "lora_dpo"}
+_TASK_NAMES = {"causal_lm": "causal-LM (SFT)", "seq_cls": "classification", "dpo": "DPO"}
+
+
+def _other_task_key(key: str, keys: dict[str, list[str]]) -> str | None:
+    """Where ``key`` is a training key of another task's recipes (`beta` on an SFT recipe): the sentence saying so."""
+    section, _, name = key.rpartition(".")
+    if section not in ("", "training"):
+        return None
+    current = next((t for t in TASKS if valid_keys(t) == keys), None)
+    owners = [t for t in TASKS if t != current and name in valid_keys(t)["training"]]
+    if current is None or not owners:
+        return None
+    return (f" {name} is a training key of the {' and '.join(_TASK_NAMES[t] for t in owners)} recipes (model.task="
+            f"{'/'.join(owners)}: {', '.join(TASK_RECIPES[t] for t in owners)}), not of this {current} recipe's "
+            f"trainer config; train one of those to set it, e.g. hf-accum train {TASK_RECIPES[owners[0]].split()[0]} "
+            f"{key}=...")
 
 
 def resolve_key(key: str, keys: dict[str, list[str]] | None = None) -> tuple[str, ...]:

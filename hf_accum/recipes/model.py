@@ -122,13 +122,15 @@ def configure_checkpointing_for_lora(args) -> bool:
 
 def add_lora(model, recipe: Recipe, args):
     """`loading.add_lora` (shared with `hf-accum probe`) with the recipe's LoRA and k-bit settings; a
-    `lora.target_modules` that matches no layer of this model is a RecipeError listing the layers there are."""
+    `lora.target_modules` name that matches no layer of this model is a RecipeError listing the layers there are."""
     from ..loading import add_lora as shared_add_lora
+    from ..lora_targets import linear_names, unmatched_target
 
     checkpointing = configure_checkpointing_for_lora(args)
+    given = recipe.lora.get("target_modules")
     with _quiet_deprecations():
         try:
-            return shared_add_lora(
+            wrapped = shared_add_lora(
                 model, recipe.lora_config(), quantized=recipe.model.quantization is not None,
                 kbit_preparation=recipe.model.kbit_preparation, checkpointing=checkpointing,
             )
@@ -136,16 +138,11 @@ def add_lora(model, recipe: Recipe, args):
             if "target_modules" not in recipe.lora and "not found in the base model" not in str(exc):
                 raise
             raise RecipeError(
-                f"lora.target_modules={recipe.lora.get('target_modules')!r} does not fit {recipe.model.name!r}: "
-                f"{str(exc).splitlines()[0]} Its layers that LoRA can adapt: {', '.join(_adaptable(model))}; "
+                f"lora.target_modules={given!r} does not fit {recipe.model.name!r}: "
+                f"{str(exc).splitlines()[0]} Its layers that LoRA can adapt: {', '.join(linear_names(model))}; "
                 "or lora.target_modules=all-linear"
             ) from None
-
-
-def _adaptable(model) -> list[str]:
-    """Names (last component) of the linear and embedding layers of ``model``."""
-    import torch
-
-    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d)
-    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                   if n and (isinstance(m, kinds) or type(m).__name__ in ("Linear4bit", "Linear8bitLt", "Conv1D"))})
+    problem = unmatched_target(wrapped)  # some names matched, others not: peft trains the matched ones silently
+    if problem:
+        raise RecipeError(f"lora.target_modules={given!r} does not fit {recipe.model.name!r}: {problem}")
+    return wrapped

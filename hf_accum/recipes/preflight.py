@@ -80,7 +80,7 @@ def resolve_resume(value, output_dir: str, target: int) -> str | None:
     if value is True:
         from ..checkpoints import newest_complete_checkpoint
 
-        path = newest_complete_checkpoint(output_dir)
+        path = newest_complete_checkpoint(output_dir, say_skipped=True)  # a newer one passed over is named, and why
         if path is None:
             found = checkpoints(output_dir)
             raise RecipeError(

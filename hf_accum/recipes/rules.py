@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ..loading import KBIT_PREPARATIONS
+from ..loading import KBIT_PREPARATIONS, missing_path
 from .files import RecipeError
 from .values import decode, describe, fits, kind
 
@@ -30,6 +30,9 @@ WEIGHT_DTYPES = ("float32", "float", "bfloat16", "float16", "half", "float64", "
 # command-line parser, and the arguments take an integer K as well).
 EXTRA_TYPES: dict[tuple[str, str], Any] = {("training", "resume_from_checkpoint"): bool | str | None,
                                            ("training", "checkpoint_layers"): int | str | None}
+# List fields whose class takes one item as well (TRL's DPOConfig.__post_init__ wraps a string loss_type in a list;
+# pinned by tests/test_recipe_checks.py): the type check accepts what the class accepts.
+ONE_FOR_A_LIST: dict[tuple[str, str], Any] = {("training", "loss_type"): str}
 
 
 def check_types(config: dict[str, Any], specs: dict[str, dict[str, list]]) -> None:
@@ -41,6 +44,8 @@ def check_types(config: dict[str, Any], specs: dict[str, dict[str, list]]) -> No
             hint = EXTRA_TYPES.get((section, key))
             if hint is None and key in known:
                 hint = decode(known[key][0])
+                if (section, key) in ONE_FOR_A_LIST:
+                    hint = hint | ONE_FOR_A_LIST[section, key]
             if hint is not None and not fits(value, hint):
                 default = known[key][1] if key in known else None
                 raise RecipeError(
@@ -114,6 +119,9 @@ RULES: tuple[Rule, ...] = (
          "bnb_4bit_quant_type: nf4}}) or null"),
     Rule("model.dtype", one_of(None, *WEIGHT_DTYPES),
          "model.dtype={value} is not a torch dtype; use float32, bfloat16, float16, auto or null"),
+    Rule("model.name", lambda v, _c: missing_path("model.name", v) is None,
+         "model.name={value} is a path, but there is no such directory: give the directory a model was saved to "
+         "with save_pretrained, or a hub id (org/name)"),  # loading.missing_path's words, before any import
     Rule("model.cpu_threads", positive, _POSITIVE),
     Rule("data.max_length", positive, _POSITIVE),
     Rule("data.num_examples", positive, _POSITIVE),
@@ -134,6 +142,12 @@ RULES: tuple[Rule, ...] = (
     *(Rule(f"training.{name}", positive, _POSITIVE) for name in (
         "target_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps", "memory_budget_bytes",
         "probe_seq_len", "probe_max_micro_batch", "max_tokens_per_forward")),
+    *(Rule(f"training.{name}", lambda v, _c: not _number(v) or v >= 0,  # AccumTrainingArguments' words
+           f"training.{{key}}={{value}} is negative: give a number of optimizer steps (e.g. {name}=500), or a ratio "
+           "of the run's steps in (0, 1)") for name in ("save_steps", "eval_steps", "logging_steps")),
+    Rule("training.save_total_limit", lambda v, _c: not _number(v) or v >= 0,
+         "training.save_total_limit={value} is negative: give how many checkpoints to keep (e.g. save_total_limit=2), "
+         "or leave it unset to keep all"),
     Rule("training.memory_budget", lambda v, _c: not _number(v) or 0 < v <= 1,
          "training.memory_budget={value} must be a fraction in (0, 1] of the memory this process can use when "
          "training starts (e.g. 0.9); for an absolute budget set memory_budget_bytes"),

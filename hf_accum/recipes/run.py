@@ -50,8 +50,43 @@ def run_recipe(
     args.resume_from_checkpoint = resume
     main_process = args.process_index == 0
     say = say or (print if main_process else (lambda _msg: None))
-    with _cpu_threads(recipe.model.cpu_threads, args):
-        return _run(recipe, args, resume, say, callbacks, start, main_process, resume_command)
+    started = _train_start()
+    with _cpu_threads(recipe.model.cpu_threads, args), _startup_interrupt(args, started):
+        return _run(recipe, args, resume, say, callbacks, start, main_process, resume_command, started)
+
+
+class StoppedBeforeTraining(KeyboardInterrupt):
+    """Ctrl-C while loading, tokenizing or probing: nothing was trained, output_dir is as it was."""
+
+
+@contextlib.contextmanager
+def _startup_interrupt(args, started):
+    """A Ctrl-C before training began (loading, tokenizing, probing) ends as one line, with output_dir as it was: a
+    folder this run made is removed again, a plan file the probe rewrote is put back. Once training began, the
+    Trainer's stop (a checkpoint, or a second Ctrl-C at once) is the answer."""
+    import shutil
+
+    from ..planning.store import PLAN_FILE
+
+    folder = args.output_dir
+    existed = os.path.isdir(folder)
+    plan_path = os.path.join(folder, PLAN_FILE)
+    plan = open(plan_path, "rb").read() if os.path.isfile(plan_path) else None
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        if started.began or isinstance(exc, StoppedBeforeTraining) or args.process_index != 0:
+            raise
+        if not existed:
+            shutil.rmtree(folder, ignore_errors=True)
+        elif plan is not None:
+            with open(plan_path, "wb") as f:
+                f.write(plan)
+        elif os.path.isfile(plan_path):
+            os.remove(plan_path)
+        where = f"{folder} was not created" if not existed else f"{folder} is as it was"
+        raise StoppedBeforeTraining(f"stopped (Ctrl-C) before training began: nothing was trained or written "
+                                    f"({where})") from None
 
 
 # peft's save_pretrained warns on every save (checkpoints too) that it saves the embedding layers, because the recipes
@@ -251,8 +286,7 @@ def _write_recipe_at_start(recipe: Recipe):
 
 
 def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float, main_process: bool,
-         resume_command: str | None = None) -> RecipeRun:
-    started = _train_start()
+         resume_command: str | None, started) -> RecipeRun:
     built = build(recipe, args, say, [*callbacks, _write_recipe_at_start(recipe), started])
     trainer = built.trainer
     trainer.resume_command = resume_command
@@ -342,10 +376,11 @@ def _train_start():
     from transformers import TrainerCallback
 
     class TrainStart(TrainerCallback):
-        step, tokens = 0, 0
+        step, tokens, began = 0, 0, False
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.step, self.tokens = state.global_step, state.num_input_tokens_seen or 0
+            self.began = True
 
     return TrainStart()
 
