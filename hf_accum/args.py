@@ -236,6 +236,7 @@ class AccumTrainingArguments(TrainingArguments):
         # Cheap, device-free checks first: a wrong value must fail before any distributed setup.
         self._resolve_checkpoint_layers()
         self._check_levers()
+        self._check_liger()
         for name in ("check_accumulation", "auto_tune"):
             _require_bool(name, getattr(self, name))
         if not isinstance(self.loss_normalization, str) or self.loss_normalization not in NORMALIZATIONS:
@@ -324,6 +325,14 @@ class AccumTrainingArguments(TrainingArguments):
                 self.checkpoint_layers not in (None, "auto") or Settings(self).checkpointing_flag()):
             raise ValueError(f"levers={self.levers!r} pins checkpointing, and checkpoint_layers / gradient_checkpointing "
                              "set it too: give it in one place (drop it from levers, or unset the other).")
+
+    def _check_liger(self) -> None:
+        """use_liger_kernel=True needs liger-kernel: say so now, not in transformers' ImportError after the probe."""
+        import importlib.util
+
+        if self.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
+            raise ValueError("use_liger_kernel=True needs liger-kernel, which is not installed: pip install "
+                             "liger-kernel (or set use_liger_kernel=False: hf_accum's fused loss is on without it)")
 
     @property
     def checkpointing_choice(self) -> str | int | bool:

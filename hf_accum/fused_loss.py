@@ -73,13 +73,15 @@ def implementation_for(hidden: torch.Tensor, weight: torch.Tensor, kernel: str |
     return kernels.default(hidden.device.type, hidden.dtype, autocast)
 
 
-def token_loss_sum(hidden, weight, bias, targets, kernel: str | None = None):
+def token_loss_sum(hidden, weight, bias, targets, kernel: str | None = None, paper: bool = False):
     """Sum of cross_entropy(hidden @ weight.T + bias, targets) over rows that all count; ``hidden`` (rows,
     hidden_size)."""
-    return kernels.token_loss(implementation_for(hidden, weight, kernel), hidden, weight, bias, targets, counted=True)[0]
+    name = kernel if paper and kernel else implementation_for(hidden, weight, kernel)  # on paper: the estimate's pick
+    return kernels.token_loss(name, hidden, weight, bias, targets, counted=True, paper=paper)[0]
 
 
-def causal_lm_loss(hidden, weight, bias=None, labels=None, shift_labels=None, num_items_in_batch=None, kernel=None):
+def causal_lm_loss(hidden, weight, bias=None, labels=None, shift_labels=None, num_items_in_batch=None, kernel=None,
+                   paper=False):
     """`ForCausalLMLoss` from the hidden states entering the LM head (batch, seq, hidden) instead of the logits."""
     if shift_labels is None:
         hidden, targets = hidden[..., :-1, :], labels[..., 1:]
@@ -93,7 +95,7 @@ def causal_lm_loss(hidden, weight, bias=None, labels=None, shift_labels=None, nu
     hidden = hidden.reshape(-1, hidden.shape[-1]).to(weight.device)
     targets = targets.reshape(-1).to(hidden.device, torch.long)
     keep = targets != IGNORE_INDEX  # only counted rows reach the head: prompt and padding cost nothing
-    total = token_loss_sum(hidden[keep], weight, bias, targets[keep], kernel=kernel)
+    total = token_loss_sum(hidden[keep], weight, bias, targets[keep], kernel=kernel, paper=paper)
     count = keep.sum() if num_items_in_batch is None else num_items_in_batch
     if torch.is_tensor(count):
         count = count.to(total.device)
@@ -124,6 +126,7 @@ class FusedLossPatch:
         self.model = model
         self.active = True
         self.kernel: str | None = None  # the plan's or the user's loss kernel (the loss_kernel lever sets it)
+        self.paper = False  # the estimate's fake step: the kernel's memory model stands in (kernels/paper.py)
         self.original = model.forward
         self.previous = model.__dict__.get("forward")
         patch = self
@@ -164,7 +167,7 @@ class FusedLossPatch:
                 "(expected once); set fused_loss=False and report this model."
             )
         loss = causal_lm_loss(captured[0], head.weight, head.bias, labels, shift_labels, num_items_in_batch,
-                              kernel=self.kernel)
+                              kernel=self.kernel, paper=self.paper)
         if isinstance(out, tuple):  # return_dict=False: (logits, ...) -> (loss, ...)
             return (loss, *out[1:])
         return type(out)(**{**{k: v for k, v in out.items() if k != "logits"}, "loss": loss})
@@ -209,8 +212,9 @@ def fused_lm_loss(model: nn.Module):
 
 
 # --- what is supported ----------------------------------------------------------------------------------------------
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why the fused loss cannot reproduce ``model``'s training loss exactly, or None when it can."""
+def unsupported_reason(model: nn.Module, verify: bool = True) -> str | None:
+    """Why the fused loss cannot reproduce ``model``'s training loss exactly, or None when it can. ``verify=False``
+    (the estimate, whose model has no weights): the head and the config only, not the tiny forward."""
     inner = causal_lm_module(model)
     if inner is None or not loss_shifts_labels(model):
         return f"{type(model).__name__} is not a causal language model"
@@ -230,7 +234,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
         value = getattr(config, name, None)
         if value is not None and value != 1:
             return f"config.{name}={value} scales the logits, which the fused loss does not reproduce"
-    return _verify_forward(inner, head)
+    return _verify_forward(inner, head) if verify else None
 
 
 def _verify_forward(inner, head) -> str | None:

@@ -174,3 +174,157 @@ def test_forced_kernel_that_cannot_run_is_one_error():
     model = tiny_llama(dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="loss kernel 'torch' cannot run here: it returns the loss in the input"):
         fused_step(copy.deepcopy(model), padded(lm_examples(2)), "torch", 10)
+
+
+# --- chosen by measurement ---------------------------------------------------------------------------------------
+def _tuned(tmp_path, **args):
+    from hf_accum import AccumTrainer, AccumTrainingArguments
+
+    model = tiny_llama(torch.float32)
+    kwargs = dict(output_dir=str(tmp_path), target_batch_size=4, probe_seq_len=16, probe_max_micro_batch=2,
+                  use_cpu=True, report_to=[], memory_budget_bytes=2**30, max_steps=1, save_strategy="no",
+                  disable_tqdm=True, remove_unused_columns=False)
+    trainer = AccumTrainer(model=model, args=AccumTrainingArguments(**{**kwargs, **args}),
+                           train_dataset=lm_examples(8), data_collator=pad_collate)
+    return trainer
+
+
+def _kernels_used(monkeypatch):
+    used = []
+    original = kernels.token_loss
+
+    def spy(name, *a, **k):
+        used.append(name)
+        return original(name, *a, **k)
+
+    monkeypatch.setattr(kernels, "token_loss", spy)
+    return used
+
+
+def test_the_probe_times_each_kernel_and_training_runs_the_fastest(tmp_path, monkeypatch, caplog):
+    """float32 on the CPU: torch's kernel and ours both run; the probe times a step with each at the planned
+    micro-batch, the plan records the fastest that fits and the measured times, the plan line names it, and
+    training runs it."""
+    used = _kernels_used(monkeypatch)
+    trainer = _tuned(tmp_path)
+    with caplog.at_level("INFO"):
+        trainer.train()
+    record = trainer.plan.levers["loss_kernel"]
+    assert set(record["seconds"]) == {"torch", "chunked"} and set(record["peak_bytes"]) == {"torch", "chunked"}
+    assert record["micro_batch_size"] == trainer.plan.micro_batch_size
+    measured = {n: (record["seconds"][n], record["peak_bytes"][n]) for n in record["seconds"]}
+    assert record["kernel"] == kernels.choose(measured, 2**30, "torch")
+    assert f"loss kernel {record['kernel']} (fastest that fits" in trainer.plan.describe()
+    assert any(f"loss kernel {record['kernel']}" in r.getMessage() for r in caplog.records)
+    probe_calls = used.index(record["kernel"], len(used) - 4)  # training's forwards come last
+    assert set(used[probe_calls:]) == {record["kernel"]} and {"torch", "chunked"} <= set(used)
+
+
+@pytest.mark.parametrize("pinned", ["chunked", "torch"])
+def test_a_pinned_kernel_is_obeyed_and_not_timed(pinned, tmp_path, monkeypatch):
+    used = _kernels_used(monkeypatch)
+    trainer = _tuned(tmp_path, levers=f"loss_kernel={pinned}")
+    trainer.train()
+    assert trainer.plan.levers["loss_kernel"] == {"kernel": pinned, "pinned": True}
+    assert set(used) == {pinned} and f"loss kernel {pinned} (pinned)" in trainer.plan.describe()
+
+
+def test_fused_loss_false_has_no_kernel(tmp_path, monkeypatch):
+    used = _kernels_used(monkeypatch)
+    trainer = _tuned(tmp_path, fused_loss=False)
+    trainer.train()
+    assert "loss_kernel" not in (trainer.plan.levers or {}) and not used
+
+
+@pytest.mark.parametrize("pin, message", [
+    ("loss_kernel=nope", "levers: loss_kernel='nope' names no loss kernel; give 'auto' or one of cut_ce, liger, torch, chunked"),
+    ("loss_kernel=liger", 'levers="loss_kernel=liger": the loss kernel cannot run here: liger-kernel is not installed '
+                          "(pip install liger-kernel)"),
+])
+def test_a_bad_pin_is_one_line_before_the_probe(pin, message, tmp_path):
+    with pytest.raises(ValueError) as err:
+        _tuned(tmp_path, levers=pin)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# --- the user's own kernel settings --------------------------------------------------------------------------------
+def test_use_liger_kernel_without_the_package_is_one_line_at_once(tmp_path):
+    """Refused as the arguments are made (before any model work), in one line naming the pip command: not
+    transformers' ImportError after the probe."""
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    assert importlib.util.find_spec("liger_kernel") is None  # this environment has no liger-kernel
+    code = ("import time; from hf_accum import AccumTrainingArguments\n"
+            "t = time.perf_counter()\n"
+            "try:\n"
+            f"    AccumTrainingArguments(output_dir={str(tmp_path)!r}, use_liger_kernel=True, use_cpu=True, report_to=[])\n"
+            "except ValueError as e:\n"
+            "    print(round(time.perf_counter() - t, 3)); print(e)\n")
+    began = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    seconds, message = out.stdout.splitlines()[0], out.stdout.splitlines()[1:]
+    assert len(message) == 1 and "pip install liger-kernel" in message[0] and "use_liger_kernel=True" in message[0]
+    assert float(seconds) <= 2.0, (seconds, time.perf_counter() - began)
+
+
+# --- the estimate sees the kernel ------------------------------------------------------------------------------------
+def _qwen2_tied():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=8192, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_estimate_of_the_fused_loss_matches_the_probe(lora):
+    """Default settings (the fused loss on, torch's kernel for float32 on the CPU, run on paper as its memory model):
+    the estimate's peaks within 5% of the probe's measured ones, and the same largest fit. Qwen2 with tied
+    embeddings (the head's gradient meets the embedding's) and with LoRA (the head frozen)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_accum.estimating.command import with_fused_loss, with_lora
+    from hf_accum.estimating.estimate import estimate_model
+    from hf_accum.probe import probe_model
+
+    config = _qwen2_tied()
+    build = lambda: AutoModelForCausalLM.from_config(config)  # noqa: E731
+    build = with_lora(build, 8, "q_proj,v_proj") if lora else build
+    build = with_fused_loss(build, None)
+    budget = (24 if lora else 40) * 2**20
+    torch.manual_seed(0)
+    model = build()
+    assert fl.installed_patch(model) is not None
+    result, _ = probe_model(model, seq_len=128, target_batch_size=16, budget_bytes=budget)
+    measured = {t.micro_batch_size: t.peak_bytes for t in result.measured_trials if t.peak_bytes}
+    est = estimate_model(build, seq_len=128, target_batch_size=16, device="cpu", device_memory=64 * 2**30,
+                         budget_bytes=budget, also=tuple(measured))
+    assert "kernel torch" in est.loss and "memory model" in est.loss
+    errors = {m: est.peaks[m] / peak - 1 for m, peak in measured.items()}
+    assert len(measured) >= 2 and all(abs(e) <= 0.05 for e in errors.values()), errors
+    assert 1 < result.max_micro_batch_size < 16 and est.result.max_micro_batch_size == result.max_micro_batch_size
+
+
+def test_fused_loss_flags_change_the_cli_estimate(tmp_path, capsys):
+    from hf_accum.cli import main
+
+    _qwen2_tied().save_pretrained(tmp_path)
+    common = ["probe", "--estimate", "--model", str(tmp_path), "--device", "cpu", "--device-memory", "1GiB",
+              "--seq-len", "128", "--target-batch", "16", "--budget-bytes", str(40 * 2**20)]
+    out = {}
+    for flag in ("--fused-loss", "--no-fused-loss"):
+        assert main(common + [flag, "--json", str(tmp_path / f"{flag}.json")]) == 0
+        printed = capsys.readouterr().out
+        import json
+
+        out[flag] = (json.loads((tmp_path / f"{flag}.json").read_text()), printed)
+    fused, plain = out["--fused-loss"], out["--no-fused-loss"]
+    assert "assumed: loss: the fused loss, kernel torch" in fused[1]
+    assert "assumed: loss: the model's own, from the full logits" in plain[1]
+    assert fused[0]["max_micro_batch_size"] > plain[0]["max_micro_batch_size"]
+    assert fused[0]["peaks"]["1"] < plain[0]["peaks"]["1"]

@@ -14,8 +14,11 @@ A kernel module states:
 * ``unavailable(device_type, dtype, autocast) -> str | None``: why it cannot run there (no package, no CUDA, a dtype
   whose loss it would round), None when it can;
 * ``loss_sum(hidden, weight, bias, targets, *, label_smoothing=0.0)``: the sum above, on rows that all count;
-* ``memory(rows, hidden, vocab, itemsize) -> Memory``: the bytes it allocates beyond its inputs, for the estimate
-  and the planner (`Memory`).
+* ``memory(rows, hidden, vocab, itemsize, device_type, weight_grad=True) -> Memory``: the bytes it allocates beyond its inputs and
+  its gradients' outputs, for the estimate and the planner (`Memory`);
+* ``COUNTED_BY_OPS``: True when its allocations are ordinary operators that fake tensors count one by one (the
+  estimate then runs it); False when they happen inside one operator or a Triton launch (the estimate then runs
+  its memory model, `paper.py`).
 
 Adding one: its file, its tests (tests/test_kernels.py runs every registered kernel that runs here against the
 float64 reference), one `register` line in `kernels/__init__.py`, and the docs.
@@ -37,11 +40,14 @@ IGNORE_INDEX = -100
 class Memory:
     """A kernel's memory beyond its inputs, in bytes: ``held`` from its forward to its backward (what it saves, e.g.
     gradients computed in the forward), ``forward`` and ``backward`` the most it holds at once inside each call and
-    frees before returning (chunk logits, their float32 copy and gradient)."""
+    frees before returning (chunk logits, their float32 copy and gradient). ``grads_in_forward``: the gradients of
+    the hidden states and the weight are among ``held`` (computed in the forward, returned by the backward in place);
+    otherwise the backward allocates them as it returns."""
 
     held: int
     forward: int
     backward: int
+    grads_in_forward: bool = False  # ``held`` includes the input gradients, made in the forward and handed on
 
     @property
     def peak(self) -> int:
@@ -106,10 +112,11 @@ def refuse_settings(name: str, label_smoothing: float = 0.0) -> None:
 
 def token_loss(name: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                targets: torch.Tensor, *, label_smoothing: float = 0.0,
-               counted: bool = False) -> tuple[torch.Tensor, torch.Tensor | int]:
+               counted: bool = False, paper: bool = False) -> tuple[torch.Tensor, torch.Tensor | int]:
     """``(sum of the token losses, number of counted tokens)`` over ``hidden`` (rows, hidden_size) and ``targets``
     (rows,), rows labelled -100 not counted, through kernel ``name``. ``counted=True``: the caller already dropped
-    them (fused_loss.py does, before the head sees a row)."""
+    them (fused_loss.py does, before the head sees a row). ``paper=True`` (the estimate, on fake tensors): a kernel
+    whose allocations fake tensors do not see runs as its memory model (`paper.loss_sum`)."""
     refuse_settings(name, label_smoothing)
     if counted:
         count = targets.shape[0]
@@ -120,6 +127,10 @@ def token_loss(name: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torc
     if hidden.shape[0] == 0:
         # Zero, but connected to the head and the hidden states: DDP expects a gradient for every used parameter.
         return F.linear(hidden, weight, bias).float().sum(), count
+    if paper and not get(name).COUNTED_BY_OPS:
+        from . import paper as on_paper
+
+        return on_paper.loss_sum(get(name), hidden, weight, bias), count
     return get(name).loss_sum(hidden, weight, bias, targets, label_smoothing=label_smoothing), count
 
 

