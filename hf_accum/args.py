@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .kernels import liger
 from .levers.checkpointing import parse_layers
 from .loss import NORMALIZATIONS
 from .settings import Settings, field_default
@@ -236,7 +237,8 @@ class AccumTrainingArguments(TrainingArguments):
         # Cheap, device-free checks first: a wrong value must fail before any distributed setup.
         self._resolve_checkpoint_layers()
         self._check_levers()
-        self._check_liger()
+        if self.use_liger_kernel:  # now, not in transformers' ImportError after the probe
+            liger.refuse_missing_package()
         for name in ("check_accumulation", "auto_tune"):
             _require_bool(name, getattr(self, name))
         if not isinstance(self.loss_normalization, str) or self.loss_normalization not in NORMALIZATIONS:
@@ -325,14 +327,6 @@ class AccumTrainingArguments(TrainingArguments):
                 self.checkpoint_layers not in (None, "auto") or Settings(self).checkpointing_flag()):
             raise ValueError(f"levers={self.levers!r} pins checkpointing, and checkpoint_layers / gradient_checkpointing "
                              "set it too: give it in one place (drop it from levers, or unset the other).")
-
-    def _check_liger(self) -> None:
-        """use_liger_kernel=True needs liger-kernel: say so now, not in transformers' ImportError after the probe."""
-        import importlib.util
-
-        if self.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
-            raise ValueError("use_liger_kernel=True needs liger-kernel, which is not installed: pip install "
-                             "liger-kernel (or set use_liger_kernel=False: hf_accum's fused loss is on without it)")
 
     @property
     def checkpointing_choice(self) -> str | int | bool:

@@ -14,8 +14,8 @@ A kernel module states:
 * ``unavailable(device_type, dtype, autocast) -> str | None``: why it cannot run there (no package, no CUDA, a dtype
   whose loss it would round), None when it can;
 * ``loss_sum(hidden, weight, bias, targets, *, label_smoothing=0.0)``: the sum above, on rows that all count;
-* ``memory(rows, hidden, vocab, itemsize, device_type, weight_grad=True) -> Memory``: the bytes it allocates beyond its inputs and
-  its gradients' outputs, for the estimate and the planner (`Memory`);
+* ``memory(rows, hidden, vocab, itemsize, device_type, weight_grad=True) -> Memory``: the bytes it allocates
+  beyond its inputs and its gradients' outputs, for the estimate and the planner (`Memory`);
 * ``COUNTED_BY_OPS``: True when its allocations are ordinary operators that fake tensors count one by one (the
   estimate then runs it); False when they happen inside one operator or a Triton launch (the estimate then runs
   its memory model, `paper.py`).

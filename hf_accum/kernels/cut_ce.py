@@ -34,4 +34,5 @@ def loss_sum(hidden, weight, bias, targets, *, label_smoothing: float = 0.0):
 def memory(rows: int, hidden: int, vocab: int, itemsize: int, device_type: str = "cuda",
            weight_grad: bool = True) -> Memory:
     """Held: the log-sum-exp per row (float32). Backward: the gradients of the hidden states and the weight."""
-    return Memory(held=rows * 4, forward=rows * 8, backward=(rows * hidden + (vocab * hidden if weight_grad else 0)) * itemsize)
+    grads = (rows * hidden + (vocab * hidden if weight_grad else 0)) * itemsize
+    return Memory(held=rows * 4, forward=rows * 8, backward=grads)

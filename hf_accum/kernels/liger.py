@@ -24,6 +24,14 @@ def unavailable(device_type: str, dtype: torch.dtype, autocast: bool = False) ->
     return None
 
 
+def refuse_missing_package() -> None:
+    """``use_liger_kernel=True`` without liger-kernel: one line now (AccumTrainingArguments), not transformers'
+    ImportError after the probe."""
+    if package_missing(PACKAGE, "liger_kernel"):
+        raise ValueError("use_liger_kernel=True needs liger-kernel, which is not installed: pip install liger-kernel "
+                         "(or set use_liger_kernel=False: hf_accum's fused loss is on without it)")
+
+
 def loss_sum(hidden, weight, bias, targets, *, label_smoothing: float = 0.0):
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from .base import Memory
-
 
 def _bytes(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(max(0, int(n)), dtype=torch.uint8, device=like.device)
@@ -17,7 +15,7 @@ def _bytes(n: int, like: torch.Tensor) -> torch.Tensor:
 
 class _OnPaper(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, memory: Memory):
+    def forward(ctx, hidden, weight, bias, memory):  # memory: base.Memory (base imports this module)
         ctx.memory = memory
         ctx.like = [(t.shape, t.dtype) if t is not None else None for t in (hidden, weight, bias)]
         ctx.grads = None
