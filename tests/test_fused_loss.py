@@ -384,6 +384,9 @@ def test_two_ranks_fused_match_one_pass(tmp_path):
     launch_two_ranks(tmp_path, ["causal_lm:0"])
     ranks, windows, err, ref = check_run(tmp_path, "causal_lm:0")
     assert all(r["fused"] is True for r in ranks)  # the default (fused_loss unset) fused on both ranks
+    # the loss kernel, where the probe timed one: the ranks' measurements agreed (MAX), one choice on both ranks
+    records = [((r["plan"] or {}).get("levers") or {}).get("loss_kernel") for r in ranks]
+    assert records[0] == records[1]
     assert err <= TOL, err
     assert ranks[0]["losses"] == pytest.approx(ref.losses, rel=1e-6)
 

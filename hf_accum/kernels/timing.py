@@ -35,9 +35,27 @@ def measure_kernels(model: torch.nn.Module, step_fn: Callable[[int], None], mete
             seconds[name] = meter.time(lambda: step_fn(micro), micro_batch_size=micro)
     finally:
         patch.kernel = None
+    seconds, peaks = agree(names, seconds, peaks)
     chosen = base.choose({n: (seconds[n], peaks[n]) for n in names}, budget_bytes, names[0])
     if log is not None:
         timed = ", ".join(f"{n} {seconds[n]:.3g} s ({peaks[n] / 2**20:.0f} MiB)" for n in names)
         log(f"loss kernel {chosen}: the fastest that fits at micro-batch {micro} ({timed} per step)")
     return {"kernel": chosen, "micro_batch_size": micro, "seconds": {n: round(seconds[n], 6) for n in names},
             "peak_bytes": peaks}
+
+
+def agree(names: list[str], seconds: dict[str, float], peaks: dict[str, int]) -> tuple[dict, dict]:
+    """Every rank's measurements made one: a data-parallel step lasts as long as its slowest rank and holds its
+    largest peak, so each kernel's seconds and peak become the MAX over ranks, and all ranks choose the same kernel
+    (the same ranks run the same kernels: the same device and dtype). Unchanged without torch.distributed."""
+    from ..probe_loop import _dist_device, _distributed
+
+    if not _distributed():
+        return seconds, peaks
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds[n] for n in names] + [float(peaks[n]) for n in names], dtype=torch.float64,
+                     device=_dist_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    values = t.tolist()
+    return dict(zip(names, values[:len(names)])), {n: int(v) for n, v in zip(names, values[len(names):])}
