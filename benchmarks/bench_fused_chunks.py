@@ -19,6 +19,7 @@ sys.path.insert(0, HERE)
 import bench_gpu as bench  # noqa: E402
 
 import hf_accum.fused_loss as fl  # noqa: E402
+from hf_accum.kernels import chunked  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,13 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     results = {"device": bench.environment(ctx, argv or [])["device"], "seq": seq, "micro": micro,
                "vocab": model.config.vocab_size, "default_rows": default_rows,
                "unfused": bench.fused_step(ctx, model, seq, micro, False), "fused": {}}
-    original = fl.chunk_rows
+    original, forced = chunked.chunk_rows, fl.IMPLEMENTATION
     try:
+        fl.IMPLEMENTATION = "chunked"  # the rows are this kernel's
         for r in rows:
-            fl.chunk_rows = lambda vocab, r=r: r
+            chunked.chunk_rows = lambda vocab, logits=0, r=r: r
             results["fused"][r] = bench.fused_step(ctx, model, seq, micro, True)
     finally:
-        fl.chunk_rows = original
+        chunked.chunk_rows, fl.IMPLEMENTATION = original, forced
     base = results["unfused"]
     print(f"fused-loss chunks on {results['device']}, micro {micro} x seq {seq}, vocab {results['vocab']} "
           f"(default rows {default_rows})")

@@ -71,8 +71,8 @@ GiB = 1 << 30
 JSON_NAME, PNG_NAME = "bench_gpu.json", "bench_gpu.png"
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SECTION_NAMES = {1: "model", 2: "probe", 3: "train", 4: "oom", 5: "throughput", 6: "tokens", 7: "estimate",
-                 8: "levers"}
-SHARES = {1: 0.04, 2: 0.38, 3: 0.19, 4: 0.08, 5: 0.13, 6: 0.11, 7: 0.07, 8: 0.2}  # of the time left, among the sections left
+                 8: "levers", 9: "loss_kernels"}
+SHARES = {1: 0.04, 2: 0.38, 3: 0.19, 4: 0.08, 5: 0.13, 6: 0.11, 7: 0.07, 8: 0.2, 9: 0.03}  # of the time left, among the sections left
 
 
 @dataclass
@@ -1477,9 +1477,25 @@ def lever_goals(figures: dict[str, Any]) -> list[dict[str, Any]]:
                  "<= 1.05", ratio <= 1.05 if ratio is not None else None)]
 
 
+def section_loss_kernels(ctx: Ctx) -> dict[str, Any]:
+    """benchmarks/bench_loss_kernels.py on this device: every loss kernel that runs here x chunk sizes (CUDA: micro
+    4 x seq 2048, vocab 128256, bf16; --quick: its CPU shape, smaller), peak and time relative to the unfused loss,
+    and the tuner's pick against the sweep's fastest. Liger and Cut Cross-Entropy fill their rows where installed."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling script
+    import bench_loss_kernels
+
+    device = "cuda" if ctx.cuda else "cpu"
+    shape = None if ctx.cuda or not ctx.quick else {"seq": 128, "hidden": 64, "vocab": 4096, "rows": (64, 256)}
+    out = bench_loss_kernels.run(device, repeats=2 if ctx.quick else 3, shape=shape)
+    print(bench_loss_kernels.table(out), flush=True)
+    ratio = out["pick_vs_fastest"]
+    return {"figures": out, "goals": [goal("tuner's loss kernel over the sweep's fastest (one loss step)", ratio,
+                                           "<= 1.05", ratio <= 1.05)]}
+
+
 SECTIONS: dict[int, Callable[[Ctx], dict[str, Any]]] = {
     1: section_model, 2: section_probe, 3: section_train, 4: section_oom, 5: section_throughput, 6: section_tokens,
-    7: section_estimate, 8: section_levers,
+    7: section_estimate, 8: section_levers, 9: section_loss_kernels,
 }
 
 
@@ -1677,7 +1693,7 @@ def parse_sections(text: str) -> list[int]:
     bad = [n for n in chosen if n not in SECTIONS]
     if bad or not chosen:
         names = ", ".join(f"{k} {v}" for k, v in SECTION_NAMES.items())
-        raise SystemExit(f"--sections={text!r}: sections are 1-8 ({names})")
+        raise SystemExit(f"--sections={text!r}: sections are 1-{len(SECTIONS)} ({names})")
     return chosen
 
 

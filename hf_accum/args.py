@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .kernels import liger
 from .levers.checkpointing import parse_layers
 from .loss import NORMALIZATIONS
 from .settings import Settings, field_default
@@ -236,6 +237,8 @@ class AccumTrainingArguments(TrainingArguments):
         # Cheap, device-free checks first: a wrong value must fail before any distributed setup.
         self._resolve_checkpoint_layers()
         self._check_levers()
+        if self.use_liger_kernel:  # now, not in transformers' ImportError after the probe
+            liger.refuse_missing_package()
         for name in ("check_accumulation", "auto_tune", "probe_from_estimate"):
             _require_bool(name, getattr(self, name))
         if not isinstance(self.loss_normalization, str) or self.loss_normalization not in NORMALIZATIONS:

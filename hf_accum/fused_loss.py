@@ -19,11 +19,10 @@ head, softcapping, logit scaling, extra loss terms (MoE router loss) -- is refus
 checks the head's type and the config and verifies one tiny forward: the model's logits must be its head's output and
 its loss the plain cross-entropy of those logits.
 
-Implementations (chosen by measurement, benchmarks/bench_fused_loss.py): torch's chunked
-`F.linear_cross_entropy` (torch >= 2.13) for float32/float64 hidden states; otherwise (older torch, bf16/fp16 weights
-or autocast) row chunks of ``F.linear -> float() -> cross_entropy`` under activation checkpointing, which are the
-unfused path's own numerics, chunk by chunk. torch's chunked op returns its loss in the input dtype, so on bf16 it
-would round the loss (and hf_accum's scale applied to it) to bf16: the checkpointed chunks keep float32 there.
+Kernels (hf_accum/kernels/, one seam): torch's chunked `F.linear_cross_entropy` (torch >= 2.13, float32/float64),
+our checkpointed chunks (everywhere), Liger's and Cut Cross-Entropy's (CUDA, their packages). Before a measurement
+the first that runs on the device and dtype computes the loss; the probe times each that runs and the plan takes the
+fastest that fits (`FusedLossPatch.kernel`, set by the ``loss_kernel`` lever from the plan or a pin).
 """
 
 from __future__ import annotations
@@ -35,16 +34,17 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from . import kernels
 from .compat import bitsandbytes_cpu, deepspeed_integration, torch_features
+from .kernels import chunked
 from .loss import IGNORE_INDEX, loss_shifts_labels
 from .settings import Settings
 
 logger = logging.getLogger(__name__)
 
-# "auto": torch's chunked op where it exists and the inputs are float32/float64; "torch" or "chunked" force one
-# (tests force "chunked" to cover the path older torch takes).
+# "auto": the patch's kernel (the plan's or a pin) or the default for the device and dtype; a kernel's name forces
+# it (tests force "chunked" to cover the path older torch takes).
 IMPLEMENTATION = "auto"
 
 # Config fields with which the model post-processes the logits (as TRL's add_fused_lm_head reads them).
@@ -53,57 +53,35 @@ _SCALES = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_sca
 
 
 # --- the loss -----------------------------------------------------------------------------------------------------
-# Logits per chunk. CPU: 2**24 (64 MiB in float32; 128-1024 rows are as fast as the unfused loss there, torch's
-# default chunking 3-10x slower). A GPU wants larger matrix products: on an H200 (bench_fused_chunks.py, ~1B Llama,
-# bf16, micro 4 x 2048, vocab 128k) 128 rows took 1.35x the unfused step, 1024 rows 1.09x (peak 0.70x vs 0.68x).
-ACCELERATOR_LOGITS_PER_CHUNK = 1 << 27
+# The kernels (hf_accum/kernels/) compute it; these names stay here for the callers and benchmarks that read them.
+chunk_rows = chunked.chunk_rows
+ACCELERATOR_LOGITS_PER_CHUNK = chunked.ACCELERATOR_LOGITS_PER_CHUNK
 
 
-def chunk_rows(vocab: int, logits: int = 1 << 24) -> int:
-    """Rows per chunk: about ``logits`` logits per chunk, a power of two in [64, 1024] -- on the CPU 512 rows at
-    vocab 32k and 128 at 128k; on a GPU 1024 at both."""
-    rows = max(1, logits // max(1, vocab))
-    return max(64, min(1024, 1 << (rows.bit_length() - 1)))
-
-
-def _chunk_sum(hidden, weight, bias, targets):
-    logits = F.linear(hidden, weight, bias).float()  # as ForCausalLMLoss: logits in the model's dtype, CE in float32
-    return F.cross_entropy(logits, targets, reduction="sum", ignore_index=IGNORE_INDEX)
-
-
-def chunked_cross_entropy_sum(hidden, weight, bias, targets, rows: int):
-    """The fallback: each chunk's logits are rebuilt in the backward (checkpointed), so one chunk lives at a time."""
-    total = None
-    for start in range(0, hidden.shape[0], rows):
-        part = checkpoint(_chunk_sum, hidden[start:start + rows], weight, bias, targets[start:start + rows],
-                          use_reentrant=False)
-        total = part if total is None else total + part
-    return total
-
-
-def implementation_for(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+def implementation_for(hidden: torch.Tensor, weight: torch.Tensor, kernel: str | None = None) -> str:
+    """The kernel that computes the loss of ``hidden`` through ``weight``: ``IMPLEMENTATION`` when forced, else the
+    plan's or the user's (``kernel``), else the default for the device and dtype (`kernels.default`)."""
     if IMPLEMENTATION != "auto":
         return IMPLEMENTATION
-    if not torch_features.HAS_LINEAR_CROSS_ENTROPY or torch_features.is_autocast_enabled(hidden.device.type):
-        return "chunked"
-    if hidden.dtype not in (torch.float32, torch.float64) or weight.dtype != hidden.dtype:
-        return "chunked"
-    return "torch"
+    autocast = torch_features.is_autocast_enabled(hidden.device.type) or hidden.dtype != weight.dtype
+    if kernel is not None:
+        why = kernels.unavailable(kernel, hidden.device.type, hidden.dtype, autocast)
+        if why is not None:
+            raise RuntimeError(f"hf_accum fused loss: loss kernel {kernel!r} cannot run here: {why}. Pin another "
+                               "(levers=\"loss_kernel=chunked\") or set fused_loss=False.")
+        return kernel
+    return kernels.default(hidden.device.type, hidden.dtype, autocast)
 
 
-def token_loss_sum(hidden, weight, bias, targets):
-    """Sum of cross_entropy(hidden @ weight.T + bias, targets) over rows; ``hidden`` (rows, hidden_size)."""
-    if hidden.shape[0] == 0:
-        # Zero, but connected to the head and the hidden states: DDP expects a gradient for every used parameter.
-        return F.linear(hidden, weight, bias).float().sum()
-    on_cpu = hidden.device.type == "cpu"
-    rows = chunk_rows(weight.shape[0]) if on_cpu else chunk_rows(weight.shape[0], ACCELERATOR_LOGITS_PER_CHUNK)
-    if implementation_for(hidden, weight) == "torch":
-        return torch_features.linear_cross_entropy_sum(hidden, weight, bias, targets, rows)
-    return chunked_cross_entropy_sum(hidden, weight, bias, targets, rows)
+def token_loss_sum(hidden, weight, bias, targets, kernel: str | None = None, paper: bool = False):
+    """Sum of cross_entropy(hidden @ weight.T + bias, targets) over rows that all count; ``hidden`` (rows,
+    hidden_size)."""
+    name = kernel if paper and kernel else implementation_for(hidden, weight, kernel)  # on paper: the estimate's pick
+    return kernels.token_loss(name, hidden, weight, bias, targets, counted=True, paper=paper)[0]
 
 
-def causal_lm_loss(hidden, weight, bias=None, labels=None, shift_labels=None, num_items_in_batch=None):
+def causal_lm_loss(hidden, weight, bias=None, labels=None, shift_labels=None, num_items_in_batch=None, kernel=None,
+                   paper=False):
     """`ForCausalLMLoss` from the hidden states entering the LM head (batch, seq, hidden) instead of the logits."""
     if shift_labels is None:
         hidden, targets = hidden[..., :-1, :], labels[..., 1:]
@@ -117,7 +95,7 @@ def causal_lm_loss(hidden, weight, bias=None, labels=None, shift_labels=None, nu
     hidden = hidden.reshape(-1, hidden.shape[-1]).to(weight.device)
     targets = targets.reshape(-1).to(hidden.device, torch.long)
     keep = targets != IGNORE_INDEX  # only counted rows reach the head: prompt and padding cost nothing
-    total = token_loss_sum(hidden[keep], weight, bias, targets[keep])
+    total = token_loss_sum(hidden[keep], weight, bias, targets[keep], kernel=kernel, paper=paper)
     count = keep.sum() if num_items_in_batch is None else num_items_in_batch
     if torch.is_tensor(count):
         count = count.to(total.device)
@@ -147,6 +125,8 @@ class FusedLossPatch:
     def __init__(self, model: nn.Module):
         self.model = model
         self.active = True
+        self.kernel: str | None = None  # the plan's or the user's loss kernel (the loss_kernel lever sets it)
+        self.paper = False  # the estimate's fake step: the kernel's memory model stands in (kernels/paper.py)
         self.original = model.forward
         self.previous = model.__dict__.get("forward")
         patch = self
@@ -186,7 +166,8 @@ class FusedLossPatch:
                 f"hf_accum fused loss: {type(self.model).__name__}'s forward called its LM head {len(captured)} times "
                 "(expected once); set fused_loss=False and report this model."
             )
-        loss = causal_lm_loss(captured[0], head.weight, head.bias, labels, shift_labels, num_items_in_batch)
+        loss = causal_lm_loss(captured[0], head.weight, head.bias, labels, shift_labels, num_items_in_batch,
+                              kernel=self.kernel, paper=self.paper)
         if isinstance(out, tuple):  # return_dict=False: (logits, ...) -> (loss, ...)
             return (loss, *out[1:])
         return type(out)(**{**{k: v for k, v in out.items() if k != "logits"}, "loss": loss})
@@ -231,8 +212,9 @@ def fused_lm_loss(model: nn.Module):
 
 
 # --- what is supported ----------------------------------------------------------------------------------------------
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why the fused loss cannot reproduce ``model``'s training loss exactly, or None when it can."""
+def unsupported_reason(model: nn.Module, verify: bool = True) -> str | None:
+    """Why the fused loss cannot reproduce ``model``'s training loss exactly, or None when it can. ``verify=False``
+    (the estimate, whose model has no weights): the head and the config only, not the tiny forward."""
     inner = causal_lm_module(model)
     if inner is None or not loss_shifts_labels(model):
         return f"{type(model).__name__} is not a causal language model"
@@ -252,7 +234,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
         value = getattr(config, name, None)
         if value is not None and value != 1:
             return f"config.{name}={value} scales the logits, which the fused loss does not reproduce"
-    return _verify_forward(inner, head)
+    return _verify_forward(inner, head) if verify else None
 
 
 def _verify_forward(inner, head) -> str | None:
@@ -337,8 +319,16 @@ def _describe_implementation() -> str:
     if IMPLEMENTATION != "auto":
         return IMPLEMENTATION
     if torch_features.HAS_LINEAR_CROSS_ENTROPY:
-        return "torch.nn.functional.linear_cross_entropy for float32/64, checkpointed chunks for bf16/fp16"
-    return "checkpointed chunks (this torch has no linear_cross_entropy)"
+        return ("loss kernel torch (F.linear_cross_entropy) for float32/64, chunked for bf16/fp16, or the probe's "
+                "fastest")
+    return "loss kernel chunked (this torch has no linear_cross_entropy)"
+
+
+def installed_patch(model: nn.Module) -> FusedLossPatch | None:
+    """The active fused-loss patch on ``model``'s causal LM, None when there is none."""
+    inner = causal_lm_module(model)
+    patch = None if inner is None else getattr(inner.__dict__.get("forward"), "_hf_accum_fused_loss", None)
+    return patch if patch is not None and patch.active else None
 
 
 @contextlib.contextmanager
@@ -377,5 +367,5 @@ def with_fused_loss(method):
     return wrapper
 
 
-__all__ = ["causal_lm_loss", "fused_lm_loss", "fused_loss_for", "patch_model", "resolve_for_model",
+__all__ = ["causal_lm_loss", "fused_lm_loss", "fused_loss_for", "installed_patch", "patch_model", "resolve_for_model",
            "resolve_fused_loss", "unsupported_reason", "with_fused_loss"]

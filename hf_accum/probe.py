@@ -15,6 +15,7 @@ import torch
 
 from .compat import bitsandbytes_cpu
 from .fit_hints import levers_on
+from .kernels.timing import measure_kernels
 from .level_probe import probe_levels
 from .meters import CpuMeter, CudaMeter, Meter, format_bytes, live_tensor_bytes
 from .planning.plan import (
@@ -194,13 +195,26 @@ def probe_model(
         try:
             result = _search(step_fn, meter, budget, cap, per_rank, optimize=optimize, log=log, lever=lever,
                              seed=seed)
+            plan = _with_level(plan_from_result(result, target_batch_size, world_size), result)
+            plan = _with_kernel(plan, result, model, step_fn, meter, budget, lever, autocast_dtype is not None, log)
         finally:
             opt.state.clear()  # the probe's optimizer state goes now, not whenever the closures die
     result.extra["seq_len"] = seq_len
     result.extra["levers_on"] = levers_on(model)
     if estimated is not None:
         result.extra["estimate"] = estimated
-    return result, _with_level(plan_from_result(result, target_batch_size, world_size), result)
+    return result, plan
+
+
+def _with_kernel(plan: Plan, result: ProbeResult, model, step_fn: StepFn, meter: Meter, budget: int, lever: Any,
+                 autocast: bool, log: Log | None) -> Plan:
+    """The plan, recording the loss kernel timed fastest at its micro-batch (and the level a level search chose)."""
+    with contextlib.nullcontext() if lever is None else lever.at(result.extra["checkpointing"]["chosen_k"]):
+        kernel = measure_kernels(model, step_fn, meter, budget, plan.micro_batch_size, autocast, log)
+    if kernel is None:
+        return plan
+    result.extra["loss_kernel"] = kernel
+    return dataclasses.replace(plan, levers={**(plan.levers or {}), "loss_kernel": kernel})
 
 
 def _with_level(plan: Plan, result: ProbeResult) -> Plan:

@@ -18,7 +18,8 @@ from hf_accum import flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_gpu.py")
-SECTIONS = ["1_model", "2_probe", "3_train", "4_oom", "5_throughput", "6_tokens", "7_estimate", "8_levers"]
+SECTIONS = ["1_model", "2_probe", "3_train", "4_oom", "5_throughput", "6_tokens", "7_estimate", "8_levers",
+            "9_loss_kernels"]
 
 
 def load_script():
@@ -126,8 +127,19 @@ def test_sections_runs_only_those(tmp_path):
     assert list(data["sections"]) == ["1_model"]
     assert all(s["status"] == "ok" for s in data["sections"].values())
     assert data["png"] is None and "section 2 not selected" in data["png_null_reason"]
-    with pytest.raises(SystemExit, match="sections are 1-8"):
-        bench.main(["--quick", "--sections", "9", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="sections are 1-9"):
+        bench.main(["--quick", "--sections", "10", "--out", str(tmp_path)])
+
+
+def test_the_loss_kernel_section_measures_each_kernel_here(tmp_path):
+    bench = load_script()
+    assert bench.main(["--quick", "--sections", "9", "--out", str(tmp_path)]) == 0
+    sec = json.loads((tmp_path / "bench_gpu.json").read_text())["sections"]["9_loss_kernels"]
+    assert sec["status"] == "ok", sec.get("traceback")
+    fig = sec["figures"]
+    assert {"torch@256", "chunked@256", "torch@64", "chunked@64"} <= set(fig["kernels"])
+    assert set(fig["unavailable"]) == {"liger", "cut_ce"} and fig["pick"] in fig["kernels"]
+    assert all(m["peak_bytes"] > 0 and m["seconds"] > 0 for m in fig["kernels"].values())
 
 
 def test_set_overrides_one_size_and_refuses_what_is_not_a_size():

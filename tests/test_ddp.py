@@ -93,6 +93,8 @@ def test_two_ranks_cut_an_uneven_window_exactly(tmp_path):
     assert [len(w) for w in windows] == [2, 2], "one loaded window per rank per step"
     assert [sum(int(b["input_ids"].shape[0]) for b in w) for w in windows] == [14, 14]
     assert ranks[0]["plan"] == ranks[1]["plan"]  # one plan (and checkpointing level) on both ranks
+    kernel = ranks[0]["plan"]["levers"]["loss_kernel"]  # timed on each rank, agreed (MAX over ranks): one choice
+    assert kernel["kernel"] in ("torch", "chunked") and set(kernel["seconds"]) == {"torch", "chunked"}
     core = ("micro_batch_size", "gradient_accumulation_steps", "world_size", "target_batch_size")
     for r in ranks:
         assert {k: r["plan"][k] for k in core} == {

@@ -19,6 +19,7 @@ from transformers.trainer_callback import PrinterCallback
 
 import hf_accum.fused_loss as fl
 from hf_accum import AccumTrainer, AccumTrainingArguments
+from hf_accum.kernels import chunked
 from hf_accum.planning.store import PLAN_FILE
 
 from .exactness import (
@@ -46,9 +47,9 @@ def fused_calls(monkeypatch):
     calls = []
     original = fl.token_loss_sum
 
-    def counting(hidden, weight, bias, targets):
-        calls.append((tuple(hidden.shape), fl.implementation_for(hidden, weight)))
-        return original(hidden, weight, bias, targets)
+    def counting(hidden, weight, bias, targets, kernel=None, paper=False):
+        calls.append((tuple(hidden.shape), fl.implementation_for(hidden, weight, kernel)))
+        return original(hidden, weight, bias, targets, kernel, paper)
 
     monkeypatch.setattr(fl, "token_loss_sum", counting)
     return calls
@@ -124,7 +125,7 @@ def test_fused_equals_one_pass_by_hand(impl, mode, tmp_path, monkeypatch, fused_
     if impl == "torch" and not fl.torch_features.HAS_LINEAR_CROSS_ENTROPY:
         pytest.skip("this torch has no F.linear_cross_entropy (the chunked fallback is tested)")
     monkeypatch.setattr(fl, "IMPLEMENTATION", impl)
-    monkeypatch.setattr(fl, "chunk_rows", lambda vocab: 7)  # several chunks per micro-batch, a ragged last one
+    monkeypatch.setattr(chunked, "chunk_rows", lambda vocab, logits=0: 7)  # several chunks per micro-batch, a ragged last one
     model = tiny_llama()
     initial = copy.deepcopy(model)
     trainer, recorder = train(model, tmp_path, loss_normalization=mode)
@@ -383,6 +384,9 @@ def test_two_ranks_fused_match_one_pass(tmp_path):
     launch_two_ranks(tmp_path, ["causal_lm:0"])
     ranks, windows, err, ref = check_run(tmp_path, "causal_lm:0")
     assert all(r["fused"] is True for r in ranks)  # the default (fused_loss unset) fused on both ranks
+    # the loss kernel, where the probe timed one: the ranks' measurements agreed (MAX), one choice on both ranks
+    records = [((r["plan"] or {}).get("levers") or {}).get("loss_kernel") for r in ranks]
+    assert records[0] == records[1]
     assert err <= TOL, err
     assert ranks[0]["losses"] == pytest.approx(ref.losses, rel=1e-6)
 
@@ -488,8 +492,9 @@ def test_a_gpu_tensor_gets_the_larger_chunks(monkeypatch):
     """The device decides the chunk (H200: 128 rows cost 1.35x the unfused step, 1024 rows 1.09x); meta stands in
     for a GPU here."""
     seen = []
-    monkeypatch.setattr(fl, "chunked_cross_entropy_sum", lambda h, w, b, t, rows: seen.append(rows) or h.sum())
-    monkeypatch.setattr(fl, "implementation_for", lambda h, w: "chunked")
+    monkeypatch.setattr(chunked, "loss_sum", lambda h, w, b, t, label_smoothing=0.0:
+                        seen.append(chunked.rows_for(h.device.type, w.shape[0])) or h.sum())
+    monkeypatch.setattr(fl, "implementation_for", lambda h, w, kernel=None: "chunked")
     for device in ("cpu", "meta"):
         fl.token_loss_sum(torch.zeros(4, 8, device=device), torch.zeros(128256, 8, device=device), None,
                           torch.zeros(4, dtype=torch.long, device=device))

@@ -53,6 +53,27 @@ def weights_dtype(config) -> str:
     return str(named).removeprefix("torch.") if named is not None else "float32 (the config names no dtype)"
 
 
+def with_fused_loss(build, setting: bool | None):
+    """``build`` with the fused loss installed as the probe installs it (``--fused-loss``: required; unset: where
+    the head and the config allow it; ``--no-fused-loss``: off). The estimate then runs the loss kernel's memory
+    model (estimate.py says which kernel it assumed)."""
+    if setting is False:
+        return build
+
+    def built():
+        from ..fused_loss import patch_model, unsupported_reason
+
+        model = build()
+        why = unsupported_reason(model, verify=False)
+        if why is None:
+            patch_model(model)
+        elif setting:
+            raise ValueError(f"--fused-loss, but {why}. Set --no-fused-loss to estimate with the full logits.")
+        return model
+
+    return built
+
+
 def with_lora(build, r: int, targets: str | None):
     from peft import LoraConfig, get_peft_model
 
@@ -95,9 +116,9 @@ def refusal(args: Any) -> str | None:
         return "--estimate works on a bare model (--model); recipes are not estimated yet"
     if args.load_in_4bit or args.load_in_8bit:
         return "--estimate does not model quantized (4-bit/8-bit) bases yet; estimate without --load-in-4bit/8bit"
-    if args.gradient_checkpointing or args.checkpoint_layers is not None or args.fused_loss:
-        return ("--estimate does not model checkpointing or the fused loss yet; drop --gradient-checkpointing, "
-                "--checkpoint-layers and --fused-loss")
+    if args.gradient_checkpointing or args.checkpoint_layers is not None:
+        return ("--estimate does not model checkpointing yet; drop --gradient-checkpointing and "
+                "--checkpoint-layers")
     if args.model == "tiny":  # also what --model tiny gives: the built-in model has no config.json to build from
         return ("--estimate builds the model from its config.json and the built-in tiny model has none: give --model "
                 "a folder holding config.json or a hub id, or probe tiny itself (drop --estimate: it is small)")
@@ -116,6 +137,7 @@ def run(args: Any, say=print) -> int:
     build = config_builder(config)
     if args.lora:
         build = with_lora(build, args.lora_r, args.lora_target_modules)
+    build = with_fused_loss(build, args.fused_loss)
     say(f"estimating {args.model} for {device} with {memory / 2**30:.1f} GiB (fake tensors: nothing loaded; "
         f"weights {weights_dtype(config)}) ...")
     est = estimate_model(build, seq_len=args.seq_len, target_batch_size=args.target_batch, device_memory=memory,
@@ -129,6 +151,7 @@ def run(args: Any, say=print) -> int:
               f"of this machine's {device} memory")
     say(summary(est.result, est.plan, args.seq_len, source))
     say("predicted peak per micro-batch: " + ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in est.peaks.items()))
+    say(f"assumed: {est.loss}")
     for line in est.assumptions:
         say(f"assumed: {line}")
     if args.json:

@@ -45,12 +45,14 @@ class Estimate:
     device: str
     peaks: dict[int, int] = field(default_factory=dict)
     assumptions: tuple[str, ...] = ()
+    loss: str = ""  # the loss the estimate assumed: the model's own (full logits) or the fused loss's kernel
 
     def to_json(self) -> dict[str, Any]:
         from ..probe_report import to_json
 
         return {**to_json(self.result, self.plan, self.seq_len), "estimated": True, "estimate_device": self.device,
-                "peaks": {str(k): v for k, v in sorted(self.peaks.items())}, "assumptions": list(self.assumptions)}
+                "peaks": {str(k): v for k, v in sorted(self.peaks.items())}, "assumptions": list(self.assumptions),
+                "loss": self.loss}
 
 
 def estimate_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
@@ -129,6 +131,7 @@ def estimate_model(
     autocast = torch.bfloat16 if bf16 else None
     with torch.device("meta"):
         model = build()
+    loss_line = on_paper(model, device, autocast is not None)
     with fake_session(CUDA_GRANULE if device == "cuda" else 1) as counter:
         to_fake(model)
         meter = PaperMeter(counter, model, device_memory, device)
@@ -147,7 +150,26 @@ def estimate_model(
     result.warmup_seconds = None
     result.extra.update({"estimated": True, "peaks": peaks})
     assumptions = CUDA_ASSUMPTIONS if device == "cuda" else ()
-    return Estimate(result, plan, seq_len, device, peaks, assumptions)
+    result.extra["loss"] = loss_line
+    return Estimate(result, plan, seq_len, device, peaks, assumptions, loss_line)
+
+
+def on_paper(model: torch.nn.Module, device: str, autocast: bool) -> str:
+    """Set the model's fused loss (if installed) to run on paper the kernel the device would run before a
+    measurement, and say which: a kernel whose allocations fake tensors do not see runs as its memory model."""
+    from .. import kernels
+    from ..fused_loss import installed_patch
+
+    patch = installed_patch(model)
+    if patch is None:
+        return "loss: the model's own, from the full logits (the fused loss is off)"
+    weight = patch.model.get_output_embeddings().weight
+    name = patch.kernel or kernels.default(device, weight.dtype, autocast)
+    patch.kernel, patch.paper = name, True
+    how = ("its operators, counted one by one" if kernels.get(name).COUNTED_BY_OPS
+           else "its memory model (hf_accum/kernels/)")
+    return (f"loss: the fused loss, kernel {name} (the default for {str(weight.dtype).removeprefix('torch.')} on "
+            f"{device}; the probe times every kernel that runs and may take another), by {how}")
 
 
 def estimate_peaks(build, sizes: tuple[int, ...], *, seq_len: int, device: str = "cuda",
@@ -156,6 +178,7 @@ def estimate_peaks(build, sizes: tuple[int, ...], *, seq_len: int, device: str =
     a benchmark measures the real ones."""
     with torch.device("meta"):
         model = build()
+    on_paper(model, device, bf16)
     with fake_session(CUDA_GRANULE if device == "cuda" else 1) as counter:
         to_fake(model)
         meter = PaperMeter(counter, model, 1, device)

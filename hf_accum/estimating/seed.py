@@ -101,20 +101,6 @@ def unsupported_reason(model: torch.nn.Module, autocast_dtype: torch.dtype | Non
         return "a quantized (4-bit/8-bit) base is not modelled"
     if autocast_dtype is not None and autocast_dtype is not torch.bfloat16:
         return f"{autocast_dtype} autocast is not modelled (bf16 is)"
-    return _fused_reason(model, autocast_dtype)
-
-
-def _fused_reason(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> str | None:
-    """The fused loss's checkpointed chunks are ordinary operators the estimate counts; torch's own
-    ``linear_cross_entropy`` kernel allocates inside one call, which fake tensors do not see."""
-    from .. import fused_loss
-
-    if _fused_patch(model) is None:
-        return None
-    head = model.get_output_embeddings()
-    hidden = torch.empty(0, dtype=head.weight.dtype, device=head.weight.device)
-    if autocast_dtype is None and fused_loss.implementation_for(hidden, head.weight) == "torch":
-        return "the fused loss runs torch's linear_cross_entropy kernel, whose memory fake tensors do not see"
     return None
 
 

@@ -6,6 +6,7 @@ levers and name none of them.
 
 from __future__ import annotations
 
+from ..kernels import lever as loss_kernel
 from . import offload, selective
 from .base import (
     Levels,
@@ -25,6 +26,7 @@ from .checkpointing import CheckpointingLever
 register_lever(CheckpointingLever())
 register_lever(module_lever(selective))
 register_lever(module_lever(offload))
+register_lever(module_lever(loss_kernel))
 
 __all__ = ["Lever", "Levels", "apply_requested", "check_requests", "get_lever", "module_lever", "parse_pins", "pinned_records",
            "register_lever", "registered", "searched"]

@@ -232,7 +232,14 @@ OPTIONAL_FIELDS = ("token_budget", "token_model", "engine", "levers", "step_seco
 
 def check_lever_record(name: str, record) -> None:
     """What the plan knows of any lever's record (hf_accum/levers/base.py): plain numbers, a layer count ``of`` >= 1,
-    and the layers at each level (every other integer) adding up to at most ``of``. ValueError otherwise."""
+    and the layers at each level (every other integer) adding up to at most ``of``; or a kernel's record (the
+    ``loss_kernel`` lever): its name and what was measured of each kernel. ValueError otherwise."""
+    if isinstance(record, dict) and "kernel" in record:
+        measured = [v for key in ("seconds", "peak_bytes") for v in (record.get(key) or {}).values()]
+        if not isinstance(record["kernel"], str) or not all(isinstance(v, (int, float)) and v >= 0 for v in measured):
+            raise ValueError(f"inconsistent plan: levers[{name!r}]={record!r} (a kernel's name and its measured "
+                             "seconds and peaks, each >= 0)")
+        return
     counts = {k: v for k, v in record.items() if k != "of" and isinstance(v, int) and not isinstance(v, bool)} \
         if isinstance(record, dict) else {}
     of = record.get("of") if isinstance(record, dict) else None

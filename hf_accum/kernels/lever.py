@@ -1,0 +1,108 @@
+"""The ``loss_kernel`` lever: which loss kernel the fused loss runs (hf_accum/kernels/). Unlike the layer levers it
+has no levels to search: the probe times every kernel that runs on the device at the planned micro-batch
+(`probe.time_kernels`) and the plan records ``{"kernel": NAME, "seconds": {...}, "peak_bytes": {...}}``;
+``levers="loss_kernel=NAME"`` pins one (checked here before any model work), ``fused_loss=False`` turns the fused
+loss, and so this lever, off. Its records are applied to the installed fused-loss patch (`FusedLossPatch.kernel`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..settings import Settings
+from . import base
+
+NAME = "loss_kernel"
+
+
+def parse_pin(value: str) -> str:
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        return base.get(text).NAME
+    except ValueError:
+        names = ", ".join(k.NAME for k in base.registered())
+        raise ValueError(f"levers: loss_kernel={value!r} names no loss kernel; give 'auto' or one of {names}") from None
+
+
+def requested(args) -> Any:
+    if Settings(args).fused_loss is False:
+        return False
+    from ..levers.base import pin
+
+    value = pin(args, NAME)
+    return "auto" if value is None else parse_pin(value)
+
+
+def _where(model, args) -> tuple[str, Any, bool]:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = head.weight if head is not None else next(model.parameters())
+    return weight.device.type, weight.dtype, bool(args.bf16 or args.fp16)
+
+
+def check(model, args) -> None:
+    """A pinned kernel must run on the model's device and dtype and compute the loss asked for; with
+    fused_loss=False a pin has nothing to run."""
+    value = parse_pins_value(args)
+    if value is None or value == "auto":
+        return
+    if Settings(args).fused_loss is False:
+        raise ValueError(f'levers="loss_kernel={value}" pins a fused-loss kernel, but fused_loss=False; drop the pin '
+                         "or leave fused_loss unset")
+    device, dtype, autocast = _where(model, args)
+    why = base.unavailable(value, device, dtype, autocast)
+    if why is not None:
+        runs = ", ".join(base.runnable(device, dtype, autocast))
+        raise ValueError(f'levers="loss_kernel={value}": the loss kernel cannot run here: {why}. Pin one that runs '
+                         f"({runs}) or drop the pin to let the probe choose")
+    base.refuse_settings(value, Settings(args).label_smoothing_factor)
+
+
+def parse_pins_value(args) -> str | None:
+    from ..levers.base import pin
+
+    value = pin(args, NAME)
+    return None if value is None else parse_pin(value)
+
+
+def _patch(model):
+    from ..fused_loss import installed_patch
+
+    return installed_patch(model)
+
+
+def apply_requested(model, args) -> None:
+    value = requested(args)
+    patch = _patch(model)
+    if patch is not None and value not in ("auto", False):
+        patch.kernel = value
+
+
+def pinned_record(model, args) -> dict[str, Any] | None:
+    value = requested(args)
+    return None if value in ("auto", False) else {"kernel": value, "pinned": True}
+
+
+def levels(trainer) -> None:
+    return None  # not a level search: the probe times the kernels itself (probe.time_kernels)
+
+
+def apply(model, record: dict[str, Any], args) -> None:
+    patch = _patch(model)
+    if patch is not None:
+        patch.kernel = record["kernel"]
+
+
+def describe(record: dict[str, Any]) -> str:
+    if record.get("pinned"):
+        return f"loss kernel {record['kernel']} (pinned)"
+    seconds = record.get("seconds") or {}
+    timed = ", ".join(f"{name} {s:.3g} s" for name, s in seconds.items())
+    return f"loss kernel {record['kernel']}" + (f" (fastest that fits, per step: {timed})" if timed else "")
+
+
+def figures(record: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {f"hf_accum/loss_kernel/{record['kernel']}": 1}
+    out.update({f"hf_accum/loss_kernel_seconds/{k}": v for k, v in (record.get("seconds") or {}).items()})
+    return out
