@@ -17,8 +17,15 @@ def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size:
     adapters of that rank. ``fused_loss``: as the trainer's (None: the fused loss where the model allows it, its
     kernel's memory model). Other keywords as `estimate_model` (world_size, budget_bytes, budget_fraction, bf16,
     max_micro_batch, log)."""
-    from .command import (config_builder, load_config, machine_device, machine_memory, parse_size, with_fused_loss,
-                          with_lora)
+    from .command import (
+        config_builder,
+        load_config,
+        machine_device,
+        machine_memory,
+        parse_size,
+        with_fused_loss,
+        with_lora,
+    )
 
     device = device or machine_device()
     if device_memory is None:
