@@ -464,3 +464,22 @@ def test_the_console_callbacks_can_be_left_out_of_one_log_call(tmp_path, capsys)
     assert "hf_accum/figure" not in capsys.readouterr().out
     trainer.log({"hf_accum/other": 2.0})  # without the context the printer prints, as transformers does
     assert "hf_accum/other" in capsys.readouterr().out
+
+
+def test_grpo_generates_into_its_buffer_when_it_is_empty():
+    """`trl_internals.grpo_generated_slices` empties GRPOTrainer's `_buffered_inputs` so that `_prepare_inputs`
+    generates a whole generation batch, and takes its `steps_per_generation` slices from there; its compute_loss
+    reads the window's count from the batch's num_items_in_batch and divides by current_gradient_accumulation_steps
+    (grpo.GRPOAdapter.chunk sets both)."""
+    pytest.importorskip("trl")
+    import inspect
+
+    from trl import GRPOTrainer
+
+    prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
+    assert "or self._buffered_inputs is None" in prepare
+    assert "self._buffered_inputs = [" in prepare and "split_tensor_dict(generation_batch, self.args.steps_per_generation)" in prepare
+    loss = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes' in loss
+    assert "normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation" in loss
+    assert loss.count("normalizer = self.current_gradient_accumulation_steps if mode == \"train\" else 1.0") >= 3

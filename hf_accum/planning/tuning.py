@@ -65,8 +65,10 @@ def prepare(trainer) -> Prepared:
     budget = resolve_budget(meter, args.memory_budget_bytes, fraction, names=BUDGET_NAMES)
     # one pass over the data for every length the probe and the plan need (none with probe_seq_len, but in "tokens"
     # mode, whose expected cuts are computed on the data)
-    lengths = train_lengths(trainer) if args.probe_seq_len is None or args.micro_batching == "tokens" else None
-    make_batch, seq_len = probe_batches(trainer, lengths=lengths)
+    own = trainer._adapter.probe_batches(trainer)  # GRPO: its generated batches at the longest prompt + completion
+    lengths = None if own else train_lengths(trainer) if args.probe_seq_len is None or args.micro_batching == "tokens" \
+        else None
+    make_batch, seq_len = own or probe_batches(trainer, lengths=lengths)
     device = str(meter.describe().get("device", meter.name))
     key = plan_key(trainer, seq_len=seq_len, capacity_bytes=meter.capacity_bytes(), device=device)
     return Prepared(meter, budget, lengths, make_batch, seq_len, key, _stored_plan(args.output_dir, key))
@@ -148,7 +150,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
             optimizer_cls=optimizer_cls,
             optimizer_kwargs=optimizer_kwargs,
             optimizer=trainer.optimizer,
-            forward=lambda model, batch: trainer.compute_loss(model, batch, num_items_in_batch=_items(trainer, batch)),
+            forward=lambda model, batch: _forward(trainer, model, batch),
             autocast_dtype=autocast,
             max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
             meter=prepared.meter,
@@ -159,6 +161,15 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
         )
 
     return probe
+
+
+def _forward(trainer, model, batch) -> torch.Tensor:
+    """One training forward's loss as `_chunk_step` computes it: its own count as ``num_items_in_batch``, through the
+    trainer's adapter (GRPO: TRL's loss as the forward's own mean)."""
+    items = _items(trainer, batch)
+    batch, context = trainer._adapter.chunk(trainer, batch, items if items is not None else 1)
+    with context:
+        return trainer.compute_loss(model, batch, num_items_in_batch=items)
 
 
 def _items(trainer, batch) -> torch.Tensor | None:
