@@ -136,7 +136,7 @@ class GRPOAdapter(TrainerAdapter):
         if prompt < 1:
             raise ValueError(f"probe_seq_len={args.probe_seq_len} leaves no prompt token after max_completion_length="
                              f"{completion}: set probe_seq_len to prompt + completion tokens.")
-        vocab = trainer.model.get_input_embeddings().num_embeddings
+        vocab = trainer.model.config.get_text_config().vocab_size
         device = args.device
 
         def make_batch(micro: int) -> dict:

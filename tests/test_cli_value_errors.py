@@ -51,7 +51,7 @@ CASES = [
     (["save_strategy=sometimes"], "training.save_strategy takes one of 'no', 'steps', 'epoch', 'best'"),
     (["lora.r=0"], "lora.r=0 must be a positive integer"),
     (["model.dtype=float33"], "model.dtype='float33' is not a torch dtype"),
-    (["model.task=regression"], "model.task='regression' must be one of ['causal_lm', 'seq_cls', 'dpo']"),
+    (["model.task=regression"], "model.task='regression' must be one of ['causal_lm', 'seq_cls', 'dpo', 'grpo']"),
     (["data.eval_examples=-1"], "data.eval_examples=-1 must be a whole number of rows"),
     (["eval_strategy=steps"], "training.eval_strategy=steps evaluates during training, but no rows are held out"),
     (["model.task=dpo", "beta=abc"], "training.beta='abc' is a string, but training.beta takes a number"),

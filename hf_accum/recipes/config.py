@@ -26,6 +26,7 @@ TRAINING_CLASSES = {
     "causal_lm": ("hf_accum.trl", "AccumSFTConfig"),
     "seq_cls": ("hf_accum.args", "AccumTrainingArguments"),
     "dpo": ("hf_accum.trl", "AccumDPOConfig"),
+    "grpo": ("hf_accum.trl", "AccumGRPOConfig"),
 }
 
 
@@ -158,8 +159,8 @@ def _unknown_key(key: str, keys: dict[str, list[str]], extra: str = "") -> Recip
     hint = f" Did you mean {' or '.join(close[:3])}?" if close else (
         f" Keys are section.key with sections {', '.join(SECTIONS)} (or a bare key that one section has).")
     return RecipeError(f"unknown key {key!r}.{extra}{hint} (`--print-config` shows the recipe's keys; training.* takes "
-                       "any field of the task's trainer config: AccumSFTConfig/AccumDPOConfig/AccumTrainingArguments "
-                       "for causal_lm/dpo/seq_cls, lora.* any peft.LoraConfig field)")
+                       "any field of the task's trainer config: AccumSFTConfig/AccumDPOConfig/AccumGRPOConfig/"
+                       "AccumTrainingArguments for causal_lm/dpo/grpo/seq_cls, lora.* any peft.LoraConfig field)")
 
 
 def resolve_key(key: str, keys: dict[str, list[str]] | None = None) -> tuple[str, ...]:
