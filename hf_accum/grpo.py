@@ -117,7 +117,7 @@ class GRPOAdapter(TrainerAdapter):
         # other losses' means by the accumulation: with the window length 1 and this count, every loss type returns
         # the forward's own mean, which the mixin scales to its exact share of the window.
         count = local_count * trainer.accelerator.num_processes * trainer.args.steps_per_generation
-        return {**inputs, "num_items_in_batch": count}, trainer_internals.window_length_set(trainer, 1)
+        return {**trimmed(inputs), "num_items_in_batch": count}, trainer_internals.window_length_set(trainer, 1)
 
     def before_train(self, trainer) -> None:
         # The plan sets the micro-batch and accumulation; one generation batch per optimizer step follows from them.
@@ -155,6 +155,21 @@ class GRPOAdapter(TrainerAdapter):
 
     def check_data(self, trainer) -> bool:
         return False  # the rows are prompts: their completions do not exist yet
+
+
+def trimmed(inputs: Mapping) -> dict:
+    """A forward's completions cut after its longest one: most completions end before max_completion_length, and
+    the padding after them is masked out of the loss and, the model being causal, changes no earlier position. Every
+    per-completion-token tensor (completion_ids, its masks, the stored log-probabilities) is cut alike; a loss that
+    divides by max_completion_length (dr_grpo) reads it from the config, not from the width."""
+    mask = inputs["completion_mask"]  # the loss mask is this (x tool_mask, which is 1 on padding)
+    width = mask.shape[1]
+    columns = mask.any(0).nonzero()
+    keep = int(columns.max()) + 1 if len(columns) else 1
+    if keep == width:
+        return dict(inputs)
+    return {k: v[:, :keep] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == width and k != "prompt_ids"
+            and k != "prompt_mask" else v for k, v in inputs.items()}
 
 
 def longest_prompt(trainer) -> int:

@@ -110,11 +110,13 @@ def grpo_run(tmp_path, cls, config_cls, micro, accumulation, *, lora=False, oom_
     model = trainer.model
     trainer.remove_callback(PrinterCallback)
     fixed_completions(trainer)
-    seen = []
+    seen, widths = [], []
+    trainer.widths = widths  # tokens per row of each training forward
 
     def training_forward(module, args, kwargs):  # the forwards with gradients (not the reference's, under no_grad)
         if torch.is_grad_enabled():
             seen.append(kwargs["input_ids"].shape[0])
+            widths.append(kwargs["input_ids"].shape[1])
             if len(seen) in oom_calls:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
 
@@ -212,6 +214,9 @@ def test_one_step_with_uneven_cuts_and_an_oom_equals_one_pass_and_trls_equal_cut
     assert "out of memory at step 0" in caplog.text
     assert seen[:2] == [5, 5] and sorted(set(seen[2:])) == [2, 3] and sum(seen[2:]) == 20  # uneven, whole rows
     assert [sum(len(b["advantages"]) for b in w) for w in ours.windows] == [20]
+    # each forward ends at its own longest completion (the window's widest is prompt + max_completion_length)
+    full = max(b["prompt_ids"].shape[1] + b["completion_ids"].shape[1] for b in ours.windows[0])
+    assert max(ours.widths) <= full and min(ours.widths[2:]) < full
     assert ours._normalization == ("tokens" if loss_type == "dapo" else "samples")
     want = reference_grad(initial, recorder.weights[0], ours.windows[0], loss_type, beta, level == "sequence", tok)
     assert relative_error(recorder.grads[0], want) <= 1e-10
