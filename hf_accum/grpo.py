@@ -22,13 +22,17 @@ TRL's, made to return the mean over the forward's own count (`chunk`), which the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Mapping
 
 import torch
 
 from .adapter import TrainerAdapter
 from .compat import trainer_internals, trl_internals
 from .loss import LabelSpec
+from .oom import guarded
 from .settings import Settings
 
 TOKEN_MEAN_LOSSES = frozenset({"dapo", "cispo", "vespo"})
@@ -36,6 +40,8 @@ SEQUENCE_MEAN_LOSSES = frozenset({"grpo", "sapo", "luspo", "dr_grpo"})
 EXACT_LOSSES = TOKEN_MEAN_LOSSES | SEQUENCE_MEAN_LOSSES
 
 # A completion token counts where TRL's loss mask (`completion_mask`) is 1: counted as labels that are not 0.
+logger = logging.getLogger(__name__)
+
 COMPLETION_TOKENS = LabelSpec(key="completion_mask", ignore_index=0, shift=False)
 
 
@@ -107,7 +113,8 @@ class GRPOAdapter(TrainerAdapter):
         trainer.model.train()  # TRL's _prepare_inputs generates for training only in train mode
         engine = trainer._engine
         cut = engine.cut_units if engine is not None else trainer.planner.cut(trainer.plan)
-        return trl_internals.grpo_generated_slices(trainer, batch_samples[0], cut)
+        with generation_in_chunks(trainer, cut or trainer.args.per_device_train_batch_size):
+            return trl_internals.grpo_generated_slices(trainer, batch_samples[0], cut)
 
     def prepared(self, inputs) -> bool:
         return isinstance(inputs, Mapping) and "completion_ids" in inputs and "advantages" in inputs
@@ -155,6 +162,57 @@ class GRPOAdapter(TrainerAdapter):
 
     def check_data(self, trainer) -> bool:
         return False  # the rows are prompts: their completions do not exist yet
+
+
+def generate_in_chunks(generate: Callable[[list], tuple], prompts: list, rows: int) -> tuple[tuple, int]:
+    """``generate(prompts)`` -> (completion ids, log-probabilities or None), run over ``rows`` prompts at a time; an
+    out-of-memory error re-runs that chunk with half as many rows (memory freed first). Returns the concatenated
+    result and the rows that fitted (kept for the next generation batch)."""
+    ids, logps, start = [], [], 0
+    while start < len(prompts):
+        part = prompts[start:start + rows]
+        result, oom = guarded(functools.partial(generate, part))
+        if oom:
+            if rows == 1:
+                raise RuntimeError("hf_accum: out of memory generating one completion at a time; nothing smaller to "
+                                   "try. Lower max_completion_length, load the model in bfloat16, or free memory.")
+            rows = max(1, rows // 2)
+            logger.warning("hf_accum: out of memory in generation; generating %d prompts at a time", rows)
+            continue
+        ids.extend(result[0])
+        logps = None if result[1] is None else [*(logps or []), *result[1]]
+        start += len(part)
+    return (ids, logps), rows
+
+
+@contextlib.contextmanager
+def generation_in_chunks(trainer, rows: int):
+    """During one generation batch, TRL's transformers generation (not vLLM, not continuous batching, not images)
+    runs in chunks of at most ``rows`` prompts (the plan's rows per forward; fewer after an OOM in generation), so
+    the KV cache of the whole generation batch is never held at once. Not under DeepSpeed or FSDP, whose generation
+    gathers parameters with collectives: every rank must call it as often (TRL's one call is kept)."""
+    own = trainer.__dict__.get("_generate_single_turn")  # a patched generation (tests) is chunked too
+    original = own or trainer._generate_single_turn
+    plain = not (trainer.use_vllm or trainer.args.use_transformers_continuous_batching
+                 or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled)
+    rows = min(rows, trainer.__dict__.get("_hf_accum_generation_rows") or rows)
+
+    def chunked(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
+        if not plain or images is not None or multimodal_fields:
+            return original(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
+        result, fitted = generate_in_chunks(
+            lambda part: original(part, images, multimodal_fields, num_generations, *args, **kwargs), prompt_ids, rows)
+        trainer._hf_accum_generation_rows = fitted
+        return result
+
+    trainer._generate_single_turn = chunked
+    try:
+        yield
+    finally:
+        if own is not None:
+            trainer._generate_single_turn = own
+        else:
+            del trainer._generate_single_turn
 
 
 def trimmed(inputs: Mapping) -> dict:

@@ -279,3 +279,35 @@ def test_auto_tune_plans_rows_per_forward_from_the_training_step_at_the_longest_
     assert training == [plan.micro_batch_size] * plan.gradient_accumulation_steps
     assert 5 in seen[:-len(training)]  # the probe measured the training step up to the cap
     assert f"hf_accum plan: micro {plan.micro_batch_size} × accumulation {plan.gradient_accumulation_steps}" in caplog.text
+
+
+def test_generation_runs_in_chunks_of_the_planned_rows_and_an_oom_there_re_runs_that_chunk_smaller(tmp_path, caplog):
+    """Generation (the patched sampler standing for transformers' generate) runs over at most the rows of one forward
+    at a time; an out-of-memory error in it re-generates that chunk in halves, the next generation batch starts from
+    the smaller size, and the optimizer step still sees the whole generation batch, exactly."""
+    calls = []
+
+    class Trainer(AccumGRPOTrainer):
+        def train(self, *args, **kwargs):
+            sample = self._generate_single_turn  # fixed_completions' sampler, set by grpo_run
+
+            def generate(prompt_ids, *rest):
+                calls.append(len(prompt_ids))
+                if len(calls) == 2:  # the second chunk of the first generation batch
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+                return sample(prompt_ids, *rest)
+
+            self._generate_single_turn = generate
+            return super().train(*args, **kwargs)
+
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        trainer, recorder, initial, _ = grpo_run(tmp_path, Trainer, AccumGRPOConfig, 5, 4, auto_tune=False,
+                                                 target_batch_size=20, loss_type="grpo", max_steps=2)
+    assert "out of memory in generation; generating 2 prompts at a time" in caplog.text
+    # per_device 5 x accumulation 4: 20 prompt rows per generation batch, at most 5 per call, then 2
+    # 20 prompt rows per generation batch, 5 per call (the rows of one forward); the 2nd call fails: the 15 rows left
+    # go 2 at a time, and so does the next generation batch
+    assert calls == [5, 5] + [2] * 7 + [1] + [2] * 10
+    assert [sum(len(b["advantages"]) for b in w) for w in trainer.windows] == [20, 20]
+    want = reference_grad(initial, recorder.weights[0], trainer.windows[0], "grpo", 0.0, False, tiny.build_tokenizer())
+    assert relative_error(recorder.grads[0], want) <= 1e-10
