@@ -38,6 +38,7 @@ from . import router_aux
 from .args import AccumTrainingArguments
 from .compat import trl_internals
 from .grpo import grpo_refusal, normalization_for
+from .planning.planner import rows_per_device
 from .trainer import AccumulationMixin
 from .trl_support import (  # noqa: F401 (public here)
     PER_PAIR_DPO_LOSSES,
@@ -180,14 +181,13 @@ class AccumGRPOConfig(GRPOConfig, AccumTrainingArguments):
                 f"{self.num_generations}: a generation batch holds whole groups of one prompt's completions. Set "
                 f"target_batch_size to a multiple of {self.num_generations}."
             )
-        given = self.per_device_train_batch_size
         planned = self.auto_tune and self.target_batch_size and self.generation_batch_size is None
-        if planned and (given * self.gradient_accumulation_steps) % self.num_generations:
-            # the tuner plans the layout (a micro-batch given is unused, as tune() says): GRPOConfig's derivation of
-            # the generation batch from it must not refuse it; train() derives it from the plan (grpo.before_train)
-            self.per_device_train_batch_size = self.num_generations
-        super().__post_init__()
-        self.per_device_train_batch_size = given
+        # the tuner plans the layout (a micro-batch given is unused, as tune() says): GRPOConfig's derivation of the
+        # generation batch from it must not refuse it; train() derives it from the plan (grpo.before_train)
+        rows = self.num_generations if planned and (
+            self.per_device_train_batch_size * self.gradient_accumulation_steps) % self.num_generations else None
+        with rows_per_device(self, rows):
+            super().__post_init__()
         problem = grpo_refusal(self, self.loss_normalization)
         if problem:
             raise ValueError(problem)

@@ -95,7 +95,8 @@ for _name in ("hf_hub_download", "snapshot_download"):
 # --- the swap ---------------------------------------------------------------------------------------------
 SWAPS = {"SFTTrainer": accum_trl.AccumSFTTrainer, "SFTConfig": accum_trl.AccumSFTConfig,
          "DPOTrainer": accum_trl.AccumDPOTrainer, "DPOConfig": accum_trl.AccumDPOConfig,
-         "RewardTrainer": accum_trl.AccumRewardTrainer, "RewardConfig": accum_trl.AccumRewardConfig}
+         "RewardTrainer": accum_trl.AccumRewardTrainer, "RewardConfig": accum_trl.AccumRewardConfig,
+         "GRPOTrainer": accum_trl.AccumGRPOTrainer, "GRPOConfig": accum_trl.AccumGRPOConfig}
 if SWAP:
     for _name, _cls in SWAPS.items():
         for _namespace in (trl, trl.trainer):

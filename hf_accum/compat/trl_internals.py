@@ -62,13 +62,11 @@ def grpo_generated_slices(trainer, loaded, forward_rows: int | None = None) -> l
     generation (the reference's log-probabilities, where beta > 0) in chunks of per_device_train_batch_size rows:
     ``forward_rows`` sets that for the call (the plan's rows per forward, where each rank loads its whole window).
     Pinned by tests/test_compat.py."""
-    args = trainer.args
-    saved, trainer._buffered_inputs = args.per_device_train_batch_size, None
-    args.per_device_train_batch_size = forward_rows or saved
-    try:
+    from ..planning.planner import rows_per_device
+
+    trainer._buffered_inputs = None
+    with rows_per_device(trainer.args, forward_rows):
         trainer._prepare_inputs(loaded)
-    finally:
-        args.per_device_train_batch_size = saved
     return list(trainer._buffered_inputs)
 
 
