@@ -70,7 +70,8 @@ GA_K = (f"(TestSFTTrainer and ({_SFT} or (test_train and not test_train_))) or (
 BAD = ("failed", "error")
 # DPO loss types whose loss depends on the whole batch, refused by hf_accum (trl_support.PER_PAIR_DPO_LOSSES):
 # a test parametrized with one of them by name, or TRL's MPO combination (sigmoid + bco_pair + sft), may fail.
-BATCH_DEPENDENT = re.compile(r"\[(aot|aot_unpaired|bco_pair|bnpo)\]$")  # bnpo: GRPO's per-forward token mean
+# bnpo: GRPO's per-forward token mean (its test id carries a second parameter: [bnpo-False])
+BATCH_DEPENDENT = re.compile(r"\[(aot|aot_unpaired|bco_pair|bnpo)(-[^\]]*)?\]$")
 MPO_TESTS = {"test_train_multi_loss_types"}
 
 
