@@ -1,4 +1,4 @@
-"""Run TRL's own SFT / DPO / Reward trainer tests plain and with hf_accum's classes swapped in, offline, side by side.
+"""Run TRL's own SFT / DPO / Reward / GRPO trainer tests plain and with hf_accum's classes swapped in, offline, side by side.
 
     python scripts/trl_swap_suite.py TESTS_DIR [FILES...] [--modes plain,swapped,swapped-ga2,swapped-ga3]
                                      [-k EXPR] [--ga-k EXPR] [--timeout 300]
