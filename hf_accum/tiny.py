@@ -166,6 +166,13 @@ def generate_instruction_data(n: int, seed: int = 0, *, long_tailed: bool = Fals
     return rows
 
 
+def generate_arithmetic_prompts(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """`n` {"prompt", "answer"} rows of the generated addition task ("add 37 and 45" -> "82"): prompts for GRPO, whose
+    reward checks a completion against the answer (`hf_accum.recipes.rewards`)."""
+    rng = random.Random(seed)
+    return [dict(zip(("prompt", "answer"), _add(rng))) for _ in range(n)]
+
+
 # Letters the instructions never use: a corrupted letter is one of these, so a model can learn to tell a rejected
 # response from a chosen one without first solving the task (a digit is replaced by another digit).
 _WRONG_LETTERS = "klmnopqrst"

@@ -31,6 +31,7 @@ from transformers import Trainer
 
 from . import accumulation_check, construction, engines, evaluation, finite_grads, levers, scaled_loss, stopping
 from .accumulation_check import AccumulationCheck, run_accumulation_check
+from .adapter import NO_ADAPTER
 from .args import AccumTrainingArguments
 from .checkpoints import check_resume
 from .compat import trainer_internals, trl_internals
@@ -72,6 +73,7 @@ class AccumulationMixin:
         if bound.arguments.get("args") is not None:
             bound.arguments["args"] = copy.copy(bound.arguments["args"])
         self._trl = construction.trl_base(type(self), bound.arguments.get("args"))  # before TRL tokenizes the data
+        self._adapter = self._trl[1].adapter if self._trl is not None else NO_ADAPTER
         if self._trl is not None:
             self.batch_unit = self.batch_unit or self._trl[1].unit
             self.collectives_in_compute_loss = True  # every TRL trainer gathers metrics in compute_loss
@@ -192,16 +194,23 @@ class AccumulationMixin:
     def _normalization(self) -> str:
         # plain TrainingArguments: "tokens"; a plain TRL config: what its trainer's loss is a mean over
         trl = getattr(self, "_trl", None)
-        return self.settings.loss_normalization or (trl[1].normalization if trl else "tokens")
+        return self.settings.loss_normalization or (trl[1].normalization_of(self.args) if trl else "tokens")
 
     # --- the window ---------------------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._normalization != "model" and batch_samples:
+            batch_samples = self._adapter.window(self, batch_samples)  # GRPO: generated and scored here
         if self._planner.pending_probe is not None and batch_samples:
             self._probe_through_engine(batch_samples[0])
         if self._normalization != "model" and batch_samples:
             self._window_engine(batch_samples[0]).begin(batch_samples)
         return batch_samples, num_items_in_batch
+
+    def _prepare_inputs(self, inputs):
+        if self._adapter.prepared(inputs):  # a batch the window built (GRPO's generated completions)
+            return inputs
+        return super()._prepare_inputs(inputs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self._normalization == "model":
@@ -266,6 +275,9 @@ class AccumulationMixin:
         self.model.zero_grad(set_to_none=True)
 
     def _label_spec(self) -> LabelSpec:
+        own = self._adapter.label_spec(self)
+        if own is not None:
+            return own
         return label_spec(self.model, self.args.label_names, custom_loss=trainer_internals.computes_own_loss(self))
 
     # --- one chunk: the Trainer's own training_step, its loss scaled to the chunk's exact share -------------------
@@ -281,7 +293,8 @@ class AccumulationMixin:
             undo = trainer_internals.window_length(self)
             scale = share * undo  # pre-compensate training_step's division
         scaled = scaled_loss.loss_scaled(self, engine, scale, final, undo)
-        with self.engine.chunk(model, final), scaled as raw:
+        inputs, adapted = self._adapter.chunk(self, inputs, local_for_loss)
+        with self.engine.chunk(model, final), scaled as raw, adapted:
             returned = super().training_step(model, inputs, local_for_loss)
         self._forwarded_tokens += trainer_internals.main_input_tokens(self, inputs)
         if not self._post_checked:
@@ -308,7 +321,8 @@ class AccumulationMixin:
         anything is written to output_dir (`preflight.py`)."""
         if self._normalization != "model":
             self._label_spec()  # refuses a model whose loss hf_accum cannot drive exactly
-        check_training_data(self)
+        if self._adapter.check_data(self):
+            check_training_data(self)
         if self.settings.tunes and self.args.should_save:
             check_output_dir_writable(self.args.output_dir)
 
@@ -361,6 +375,7 @@ class AccumulationMixin:
         self._checked_before_probe = True
         levers.apply_requested(self.model, self.args)  # an explicit k (True: Trainer.train sets it)
         self._planner.start(stored, resume_from_checkpoint)
+        self._adapter.before_train(self)
         return resume_from_checkpoint
 
     def _resume_advice(self, where: str) -> str:
@@ -380,6 +395,9 @@ class AccumulationMixin:
     # --- evaluation: an exact eval_loss, OOM re-runs of the failed batch alone (evaluation.py) ---------------------
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
+        if not self._adapter.exact_eval:
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                           metric_key_prefix)
         self._eval_loss = evaluation.eval_loss_for(self)
         try:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
@@ -399,7 +417,7 @@ class AccumulationMixin:
 
     def evaluate(self, eval_dataset=None, *args, **kwargs):
         # Measured on the trainer's own eval set (a TRL trainer prepares a dataset passed here only in its evaluate).
-        if self._planner.wants_eval_batch(self.collectives_in_compute_loss) and self.eval_dataset is not None and (eval_dataset is None
+        if self._adapter.exact_eval and self._planner.wants_eval_batch(self.collectives_in_compute_loss) and self.eval_dataset is not None and (eval_dataset is None
                                                                             or isinstance(eval_dataset, str)):
             self._plan_eval_batch(eval_dataset)
         return super().evaluate(eval_dataset, *args, **kwargs)

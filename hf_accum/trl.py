@@ -30,13 +30,15 @@ from dataclasses import dataclass, field
 from transformers import Trainer
 
 try:
-    from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 except ImportError as exc:  # pragma: no cover - trl is in the dev extra, optional for users
     raise ImportError(f"hf_accum.trl needs TRL ({exc}): pip install trl") from exc
 
 from . import router_aux
 from .args import AccumTrainingArguments
 from .compat import trl_internals
+from .grpo import grpo_refusal, normalization_for
+from .planning.planner import rows_per_device
 from .trainer import AccumulationMixin
 from .trl_support import (  # noqa: F401 (public here)
     PER_PAIR_DPO_LOSSES,
@@ -157,9 +159,52 @@ class AccumRewardTrainer(_TRLAccumulation, RewardTrainer):
     forward, also after an OOM), the tuner. As for any class mixing `AccumulationMixin` into `RewardTrainer`."""
 
 
+@dataclass
+class AccumGRPOConfig(GRPOConfig, AccumTrainingArguments):
+    """`trl.GRPOConfig` with hf_accum's fields. ``target_batch_size`` counts completions per optimizer step (prompts x
+    num_generations), one generation batch per step. ``loss_normalization`` follows ``loss_type`` when unset:
+    "tokens" for dapo (the default), cispo and vespo; "samples" (completions) for grpo, sapo, luspo and dr_grpo;
+    bnpo, whose loss depends on the cut, is refused (hf_accum/grpo.py)."""
+
+    loss_normalization: str | None = None
+    gradient_checkpointing: bool | None = field(default=None, metadata=_FLAG_METADATA)
+
+    def __post_init__(self):
+        if self.loss_normalization is None:
+            self.loss_normalization = normalization_for(self.loss_type)
+        problem = grpo_refusal(self, self.loss_normalization) if self.loss_type == "bnpo" else None
+        if problem:  # before any setup: the one line names dapo
+            raise ValueError(problem)
+        if self.target_batch_size and self.num_generations and self.target_batch_size % self.num_generations:
+            raise ValueError(
+                f"target_batch_size={self.target_batch_size} completions is not a multiple of num_generations="
+                f"{self.num_generations}: a generation batch holds whole groups of one prompt's completions. Set "
+                f"target_batch_size to a multiple of {self.num_generations}."
+            )
+        planned = self.auto_tune and self.target_batch_size and self.generation_batch_size is None
+        # the tuner plans the layout (a micro-batch given is unused, as tune() says): GRPOConfig's derivation of the
+        # generation batch from it must not refuse it; train() derives it from the plan (grpo.before_train)
+        rows = self.num_generations if planned and (
+            self.per_device_train_batch_size * self.gradient_accumulation_steps) % self.num_generations else None
+        with rows_per_device(self, rows):
+            super().__post_init__()
+        problem = grpo_refusal(self, self.loss_normalization)
+        if problem:
+            raise ValueError(problem)
+
+
+class AccumGRPOTrainer(_TRLAccumulation, GRPOTrainer):
+    """`trl.GRPOTrainer` + hf_accum: pass an `AccumGRPOConfig`. Each optimizer step generates and scores one
+    generation batch (TRL's own generation, rewards and advantages over the whole batch), then trains on it in
+    forwards of whole completion rows, of whatever size memory allows, the loss normalized over the whole generation
+    batch exactly for every loss type but bnpo (refused): uneven cuts and out-of-memory re-runs give the same step
+    as one pass over the batch. As for any class mixing `AccumulationMixin` into `GRPOTrainer` (hf_accum/grpo.py)."""
+
+
 # With TRL's fused head, SFTTrainer.compute_loss reads no logits: resolve_fused_loss must not count it (or ours) as a
 # user override. Older TRL reads the logits for its token accuracy: hf_accum's fused loss stays off there.
 AccumSFTTrainer._fused_compute_loss_classes = (SFTTrainer, AccumSFTTrainer) if trl_internals.trl_fuses_lm_head() else ()
 
-__all__ = ["TRL_TRAINERS", "AccumDPOConfig", "AccumDPOTrainer", "AccumRewardConfig", "AccumRewardTrainer",
+__all__ = ["TRL_TRAINERS", "AccumDPOConfig", "AccumDPOTrainer", "AccumGRPOConfig", "AccumGRPOTrainer",
+           "AccumRewardConfig", "AccumRewardTrainer",
            "AccumSFTConfig", "AccumSFTTrainer", "AccumulationMixin", "mixed_into"]

@@ -13,6 +13,9 @@ from typing import Any
 
 from transformers import Trainer
 
+from .adapter import NO_ADAPTER, TrainerAdapter
+from .grpo import GRPO, grpo_trainer_refusal
+
 # DPO losses whose batch loss is the mean over pairs of a term of that pair alone: cutting a window into forwards
 # of whole pairs and re-weighting them by pair count gives the window's mean exactly; "sft", a token mean over the
 # chosen completions, gets its own count over the window (dpo_sft.py). The others are refused: "aot"/"aot_unpaired"
@@ -62,13 +65,19 @@ def _reward_trainer_refusal(trainer) -> str | None:
 class MixedInto:
     """What `AccumulationMixin` does over one TRL trainer: ``unit`` of its batches (None: rows, or padding-free
     sequences, detected from each batch), the loss normalization where the config has no ``loss_normalization``
-    field (a plain TRL config), the check of the constructed trainer (a message when it cannot be exact), or
-    ``refusal``: why hf_accum cannot cut its batches exactly, and what to use instead."""
+    field (a plain TRL config; the adapter's where it depends on the config), the check of the constructed trainer
+    (a message when it cannot be exact), or ``refusal``: why hf_accum cannot cut its batches exactly, and what to use
+    instead. ``adapter``: the mixin's hooks where the trainer builds its batches itself (GRPO generates them)."""
 
     unit: str | None = None
     normalization: str = "tokens"
     check: Callable[[Any], str | None] | None = None
     refusal: str | None = None
+    adapter: TrainerAdapter = NO_ADAPTER
+
+    def normalization_of(self, args) -> str:
+        """The loss normalization of a plain TRL config ``args`` for this trainer."""
+        return self.adapter.normalization(args) or self.normalization
 
 
 _GENERATION_GROUPS = (
@@ -88,7 +97,8 @@ TRL_TRAINERS: dict[str, MixedInto] = {
         "its loss compares each sample with a KL estimate averaged over the whole batch (mismatched prompt/completion "
         "rows, gathered over ranks), so cutting a batch into smaller forwards changes every sample's term. Use "
         "KTOTrainer without AccumulationMixin")),
-    "GRPOTrainer": MixedInto(refusal=_GENERATION_GROUPS.format(name="GRPOTrainer")),
+    # rows of completions, generated per window (grpo.py); the normalization follows loss_type
+    "GRPOTrainer": MixedInto("rows", check=grpo_trainer_refusal, adapter=GRPO),
     "RLOOTrainer": MixedInto(refusal=_GENERATION_GROUPS.format(name="RLOOTrainer")),
     "DistillationTrainer": MixedInto(refusal=(
         "it generates its completions inside the training loop for a whole accumulation window at once (as GRPO "

@@ -1,7 +1,7 @@
-"""pytest plugin for `trl_swap_suite.py`: runs TRL's own SFT / DPO / Reward trainer tests offline, plain or with
+"""pytest plugin for `trl_swap_suite.py`: runs TRL's own SFT / DPO / Reward / GRPO trainer tests offline, plain or with
 hf_accum's classes swapped in, optionally with gradient_accumulation_steps forced. Environment:
 
-- HF_ACCUM_TRL_SWAP=1: `trl.SFTTrainer` / `SFTConfig` / `DPOTrainer` / `DPOConfig` / `RewardTrainer` /
+- HF_ACCUM_TRL_SWAP=1: `trl.SFTTrainer` / `SFTConfig` / `DPOTrainer` / `DPOConfig` / `RewardTrainer` / (and GRPO's)
   `RewardConfig` (in `trl` and `trl.trainer`, where the tests import them from) become `AccumSFTTrainer`, ... of
   `hf_accum.trl`. TRL's own modules keep their classes, so TRL's internals behave as TRL wrote them.
 - HF_ACCUM_TRL_GA=N: every TRL config (`_BaseConfig`, so ours too) gets gradient_accumulation_steps=N, whatever the
@@ -98,7 +98,8 @@ for _name in ("hf_hub_download", "snapshot_download"):
 # --- the swap ---------------------------------------------------------------------------------------------
 SWAPS = {"SFTTrainer": accum_trl.AccumSFTTrainer, "SFTConfig": accum_trl.AccumSFTConfig,
          "DPOTrainer": accum_trl.AccumDPOTrainer, "DPOConfig": accum_trl.AccumDPOConfig,
-         "RewardTrainer": accum_trl.AccumRewardTrainer, "RewardConfig": accum_trl.AccumRewardConfig}
+         "RewardTrainer": accum_trl.AccumRewardTrainer, "RewardConfig": accum_trl.AccumRewardConfig,
+         "GRPOTrainer": accum_trl.AccumGRPOTrainer, "GRPOConfig": accum_trl.AccumGRPOConfig}
 if SWAP:
     for _name, _cls in SWAPS.items():
         for _namespace in (trl, trl.trainer):

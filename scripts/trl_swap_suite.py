@@ -1,4 +1,4 @@
-"""Run TRL's own SFT / DPO / Reward trainer tests plain and with hf_accum's classes swapped in, offline, side by side.
+"""Run TRL's own SFT / DPO / Reward / GRPO trainer tests plain and with hf_accum's classes swapped in, offline, side by side.
 
     python scripts/trl_swap_suite.py TESTS_DIR [FILES...] [--modes plain,swapped,swapped-ga2,swapped-ga3,swapped-target]
                                      [-k EXPR] [--ga-k EXPR] [--timeout 300]
@@ -46,16 +46,25 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 from trainer_swap_suite import outcomes  # noqa: E402  (junit -> {test id: (result, message)})
 
-FILES = ["tests/test_sft_trainer.py", "tests/test_dpo_trainer.py", "tests/test_reward_trainer.py"]
+FILES = ["tests/test_sft_trainer.py", "tests/test_dpo_trainer.py", "tests/test_reward_trainer.py",
+         "tests/test_grpo_trainer.py"]
 MODES = ["plain", "swapped", "swapped-ga2", "swapped-ga3"]
 # What fits an afternoon on 2 shared CPU cores (~5 s a test): the trainer tests of the three files (the collator,
 # chunked-loss, VLM and GPU-only classes build none of our trainers), SFT's narrowed to a representative set, and
 # for the GA modes the training runs whose loss accumulation GA changes. `-k ""` / `--ga-k ""` run everything.
 _SFT = ("test_train_dataset_format or test_train_model or test_train_gpt_oss or test_train_moe or "
         "test_train_padding_free or test_train_packing or test_train_completion_only or test_train_assistant_only")
+# GRPO's training runs on the transformers generation path (no vLLM, environments, VLMs or liger kernels)
+_GRPO = ("(test_train and not test_train_) or test_train_loss_types or test_train_peft_model or test_train_beta_non_zero "
+         "or test_train_multiple_reward_funcs or test_train_with_pad_to_multiple_of or test_train_scale_rewards or "
+         "test_train_with_mask_truncated_completions or test_train_num_generations_larger_than_batch_size or "
+         "test_train_delta_clipping or test_train_sequence_importance_sampling or test_train_with_bias_correction_kl "
+         "or test_train_peft_config or test_train_dataset_format or test_train_multiple_iterations or "
+         "test_train_with_entropy_filter or test_train_with_static_entropy")
 K = (f"(TestSFTTrainer and ((test_train and not test_train_) or {_SFT} or test_train_with_eval or "
      "test_train_nll_loss or test_train_dft_loss or test_train_with_iterable_dataset or "
-     "test_train_with_gradient_checkpointing)) or ((TestDPOTrainer or TestRewardTrainer) and not VLM and not Slow)")
+     "test_train_with_gradient_checkpointing)) or ((TestDPOTrainer or TestRewardTrainer) and not VLM and not Slow) or "
+     f"(TestGRPOTrainer and ({_GRPO}))")
 GA_K = (f"(TestSFTTrainer and ({_SFT} or (test_train and not test_train_))) or (TestDPOTrainer and "
         "(test_train_loss_types or test_train_multi_loss_types or test_train_model or test_train_moe or "
         "test_train_gpt_oss or test_train_with_iterable_dataset or test_train_padding_free or "
@@ -65,7 +74,8 @@ GA_K = (f"(TestSFTTrainer and ({_SFT} or (test_train and not test_train_))) or (
 BAD = ("failed", "error")
 # DPO loss types whose loss depends on the whole batch, refused by hf_accum (trl_support.PER_PAIR_DPO_LOSSES):
 # a test parametrized with one of them by name, or TRL's MPO combination (sigmoid + bco_pair + sft), may fail.
-BATCH_DEPENDENT = re.compile(r"\[(aot|aot_unpaired|bco_pair)\]$")
+# bnpo: GRPO's per-forward token mean (its test id carries a second parameter: [bnpo-False])
+BATCH_DEPENDENT = re.compile(r"\[(aot|aot_unpaired|bco_pair|bnpo)(-[^\]]*)?\]$")
 MPO_TESTS = {"test_train_multi_loss_types"}
 
 

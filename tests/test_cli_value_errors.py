@@ -56,7 +56,7 @@ CASES = [
     (["save_steps=-5"], "training.save_steps=-5 is negative: give a number of optimizer steps"),
     (["save_total_limit=-1"], "training.save_total_limit=-1 is negative: give how many checkpoints to keep"),
     (["model.dtype=float33"], "model.dtype='float33' is not a torch dtype"),
-    (["model.task=regression"], "model.task='regression' must be one of ['causal_lm', 'seq_cls', 'dpo']"),
+    (["model.task=regression"], "model.task='regression' must be one of ['causal_lm', 'seq_cls', 'dpo', 'grpo']"),
     (["data.eval_examples=-1"], "data.eval_examples=-1 must be a whole number of rows"),
     (["eval_strategy=steps"], "training.eval_strategy=steps evaluates during training, but no rows are held out"),
     (["model.task=dpo", "beta=abc"], "training.beta='abc' is a string, but training.beta takes a number"),

@@ -537,3 +537,22 @@ def test_peft_still_reads_the_renamed_checkpointing_property_and_our_wraps_say_n
     assert deprecations(lambda: add_lora(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"]))) == []
     tiny_llama().config.save_pretrained(tmp_path)
     assert deprecations(lambda: estimate(str(tmp_path), lora_r=4, device="cpu", seq_len=16, target_batch_size=2)) == []
+
+
+def test_grpo_generates_into_its_buffer_when_it_is_empty():
+    """`trl_internals.grpo_generated_slices` empties GRPOTrainer's `_buffered_inputs` so that `_prepare_inputs`
+    generates a whole generation batch, and takes its `steps_per_generation` slices from there; its compute_loss
+    reads the window's count from the batch's num_items_in_batch and divides by current_gradient_accumulation_steps
+    (grpo.GRPOAdapter.chunk sets both)."""
+    pytest.importorskip("trl")
+    import inspect
+
+    from trl import GRPOTrainer
+
+    prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
+    assert "or self._buffered_inputs is None" in prepare
+    assert "self._buffered_inputs = [" in prepare and "split_tensor_dict(generation_batch, self.args.steps_per_generation)" in prepare
+    loss = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes' in loss
+    assert "normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation" in loss
+    assert loss.count("normalizer = self.current_gradient_accumulation_steps if mode == \"train\" else 1.0") >= 3

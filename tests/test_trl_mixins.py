@@ -146,7 +146,23 @@ def sft_exact(tmp_path, caplog):
     return max_step_error(recorder, reference_run(initial, recorder, trainer.windows, "causal"))
 
 
-EXACT = {"DPOTrainer": dpo_exact, "RewardTrainer": reward_exact, "SFTTrainer": sft_exact}
+def grpo_exact(tmp_path, caplog):
+    """Plain GRPOConfig (loss_type='grpo': a mean over completions), one generation batch of 20 completions as 4
+    slices of 5, an OOM in the 2nd forward (then 3 + 2 completions per slice). Reference: tests/test_grpo.py's loss
+    by hand over the whole generation batch (TRL's fused head computes log-probabilities in float32: 1e-6)."""
+    from .test_grpo import grpo_run, reference_grad
+
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        trainer, recorder, initial, seen = grpo_run(tmp_path, mixed("GRPOTrainer"), trl.GRPOConfig, 5, 4,
+                                                    oom_calls=(2,), loss_type="grpo")
+    assert "out of memory at step 0" in caplog.text
+    assert (trainer.batch_unit, trainer._normalization) == ("rows", "samples")
+    assert seen[:2] == [5, 5] and sum(seen[2:]) == 20 and set(seen[2:]) == {2, 3}
+    want = reference_grad(initial, recorder.weights[0], trainer.windows[0], "grpo", 0.0, False, tiny.build_tokenizer())
+    return max_relative_error(recorder.grads, [want])
+
+
+EXACT = {"DPOTrainer": dpo_exact, "RewardTrainer": reward_exact, "SFTTrainer": sft_exact, "GRPOTrainer": grpo_exact}
 
 
 def test_the_table_holds_exactly_the_trainers_trl_exports():
@@ -165,6 +181,17 @@ def test_each_trl_trainer_mixed_in_is_exact_or_refused(name, tmp_path, caplog):
                                          rf"Use {name} without AccumulationMixin\.$"):
         cls(model="not loaded: refused first")
     assert not any(tmp_path.iterdir())
+
+
+def test_plain_grpo_config_gets_accum_grpo_configs_checks(tmp_path):
+    # bnpo's loss depends on the cut: refused at construction, before any model work, naming dapo
+    with pytest.raises(ValueError, match=r"^MyGRPOTrainer \(hf_accum over trl\.GRPOTrainer\): loss_type='bnpo' .* "
+                                         r"Use loss_type='dapo'"):
+        mixed("GRPOTrainer")(model=tiny.build_model("causal_lm", hidden_size=32), reward_funcs=[len],
+                             args=trl.GRPOConfig(output_dir=str(tmp_path), loss_type="bnpo", num_generations=2,
+                                                 per_device_train_batch_size=2, use_cpu=True, report_to=[]),
+                             train_dataset=Dataset.from_list([{"prompt": "a"}] * 4),
+                             processing_class=tiny.build_tokenizer())
 
 
 def test_a_trl_trainer_missing_from_the_table_is_refused():

@@ -95,6 +95,9 @@ def test_zen_stand_in_refuses_an_unknown_config_and_splits_17_2():
     ("tests/test_dpo_trainer.py::TestDPOTrainer::test_train_loss_types[sft]", False),
     ("tests/test_dpo_trainer.py::TestDPOTrainer::test_train_model", False),
     ("tests/test_aot_file.py::TestX::test_train", False),  # only the test's own name counts
+    ("tests/test_grpo_trainer.py::TestGRPOTrainer::test_train_loss_types[bnpo-False]", True),  # GRPO's cut-dependent
+    ("tests/test_grpo_trainer.py::TestGRPOTrainer::test_train_loss_types[bnpo-True]", True),
+    ("tests/test_grpo_trainer.py::TestGRPOTrainer::test_train_loss_types[dapo-False]", False),
 ])
 def test_only_batch_dependent_loss_types_are_allowed_regressions(test_id, ok):
     assert suite.allowed(test_id) is ok

@@ -50,3 +50,27 @@ def trl_fuses_lm_head() -> bool:
     except ImportError:
         return False
     return hasattr(utils, "add_fused_lm_head")
+
+
+def grpo_generated_slices(trainer, loaded, forward_rows: int | None = None) -> list[dict]:
+    """One generation batch of TRL's GRPOTrainer, generated and scored now, as its `steps_per_generation` slices.
+
+    `GRPOTrainer._prepare_inputs` generates when its step counter starts a generation cycle or when its buffer
+    `_buffered_inputs` is empty (a resumed run), keeps the batch shuffled and cut into `steps_per_generation`
+    slices there, and returns one. hf_accum needs the whole generation batch at the start of each optimizer step,
+    so it empties the buffer (as a resume does) and takes every slice. TRL runs the no-gradient forwards of
+    generation (the reference's log-probabilities, where beta > 0) in chunks of per_device_train_batch_size rows:
+    ``forward_rows`` sets that for the call (the plan's rows per forward, where each rank loads its whole window).
+    Pinned by tests/test_compat.py."""
+    from ..planning.planner import rows_per_device
+
+    trainer._buffered_inputs = None
+    with rows_per_device(trainer.args, forward_rows):
+        trainer._prepare_inputs(loaded)
+    return list(trainer._buffered_inputs)
+
+
+def grpo_prompt_lengths(trainer, prompts: list) -> list[int]:
+    """Tokens of each prompt as GRPOTrainer generates from it (`_tokenize_prompts`: its chat template, tools)."""
+    prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
+    return [len(ids) for ids in prompt_ids]

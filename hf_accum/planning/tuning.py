@@ -64,8 +64,10 @@ def prepare(trainer) -> Prepared:
     budget = resolve_budget(meter, args.memory_budget_bytes, fraction, names=BUDGET_NAMES)
     # one pass over the data for every length the probe and the plan need (none with probe_seq_len, but in "tokens"
     # mode, whose expected cuts are computed on the data)
-    lengths = train_lengths(trainer) if args.probe_seq_len is None or args.micro_batching == "tokens" else None
-    make_batch, seq_len = probe_batches(trainer, lengths=lengths)
+    own = trainer._adapter.probe_batches(trainer)  # GRPO: its generated batches at the longest prompt + completion
+    lengths = None if own else train_lengths(trainer) if args.probe_seq_len is None or args.micro_batching == "tokens" \
+        else None
+    make_batch, seq_len = own or probe_batches(trainer, lengths=lengths)
     device = str(meter.describe().get("device", meter.name))
     key = plan_key(trainer, seq_len=seq_len, capacity_bytes=meter.capacity_bytes(), device=device)
     return Prepared(meter, budget, lengths, make_batch, seq_len, key, _stored_plan(args.output_dir, key))
@@ -160,10 +162,13 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
     return probe
 
 
-def _probe_forward(trainer, model, batch):
-    """One probe step's loss, as a training forward computes it: a window of one forward (its micro-batch)."""
-    with trainer_internals.one_forward_window(trainer):
-        return trainer.compute_loss(model, batch, num_items_in_batch=_items(trainer, batch))
+def _probe_forward(trainer, model, batch) -> torch.Tensor:
+    """One probe step's loss, as a training forward computes it: a window of one forward (its micro-batch), its own
+    count as ``num_items_in_batch``, through the trainer's adapter (GRPO: TRL's loss as the forward's own mean)."""
+    items = _items(trainer, batch)
+    batch, context = trainer._adapter.chunk(trainer, batch, items if items is not None else 1)
+    with trainer_internals.one_forward_window(trainer), context:
+        return trainer.compute_loss(model, batch, num_items_in_batch=items)
 
 
 def _items(trainer, batch) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ TRAINING_CLASSES = {
     "causal_lm": ("hf_accum.trl", "AccumSFTConfig"),
     "seq_cls": ("hf_accum.args", "AccumTrainingArguments"),
     "dpo": ("hf_accum.trl", "AccumDPOConfig"),
+    "grpo": ("hf_accum.trl", "AccumGRPOConfig"),
 }
 
 
@@ -161,8 +162,8 @@ def _unknown_key(key: str, keys: dict[str, list[str]], extra: str = "") -> Recip
     if elsewhere:
         hint = elsewhere
     return RecipeError(f"unknown key {key!r}.{extra}{hint} (`--print-config` shows the recipe's keys; training.* takes "
-                       "any field of the task's trainer config: AccumSFTConfig/AccumDPOConfig/AccumTrainingArguments "
-                       "for causal_lm/dpo/seq_cls, lora.* any peft.LoraConfig field)")
+                       "any field of the task's trainer config: AccumSFTConfig/AccumDPOConfig/AccumGRPOConfig/"
+                       "AccumTrainingArguments for causal_lm/dpo/grpo/seq_cls, lora.* any peft.LoraConfig field)")
 
 
 # The shipped recipes of each model.task, for "this key belongs to the DPO recipes".

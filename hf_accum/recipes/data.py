@@ -29,6 +29,8 @@ def build_data(recipe: Recipe, tokenizer) -> RecipeData:
     `datasets.Dataset`), which the TRL trainer tokenizes and collates; :func:`sft_stats` / :func:`preference_stats`
     count the tokens after that."""
     d, task = recipe.data, recipe.model.task
+    if task == "grpo":
+        return _held_out(_grpo_data(d, tokenizer), d)
     if task == "dpo":
         return _held_out(_preference_data(d, tokenizer), d)
     if task == "causal_lm":
@@ -129,6 +131,36 @@ def _preference_data(d: DataSection, tokenizer) -> RecipeData:
                               f"{field!r}")
         dataset = rows.select_columns(list(fields)).rename_columns({k: v for k, v in fields.items() if k != v})
     return RecipeData(dataset, None, None, 0.0, 1.0, 0)
+
+
+def _grpo_data(d: DataSection, tokenizer) -> RecipeData:
+    """Prompts and answers as TRL's GRPOTrainer reads them ({prompt, answer}; the prompt in chat form where the
+    tokenizer has a template, which TRL applies); the answer column reaches the rewards. Token counts: `grpo_stats`."""
+    from datasets import Dataset
+
+    from .. import tiny
+
+    if d.dataset == "tiny":
+        rows = tiny.generate_arithmetic_prompts(d.num_examples or 2000, seed=d.seed)
+    else:
+        loaded = _load_rows(d)
+        missing = [f for f in (d.prompt_field, d.answer_field) if f not in loaded.column_names]
+        if missing:
+            raise RecipeError(f"data.dataset={d.dataset!r} has columns {loaded.column_names}; a grpo row needs "
+                              f"data.prompt_field and data.answer_field (now {d.prompt_field!r}, {d.answer_field!r}): "
+                              "set them to your column names")
+        rows = [{"prompt": r[d.prompt_field], "answer": str(r[d.answer_field])} for r in loaded]
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}] if chat and isinstance(r["prompt"], str)
+             else r["prompt"], "answer": r["answer"]} for r in rows]
+    return RecipeData(Dataset.from_list(rows), None, None, 0.0, 1.0, 0)
+
+
+def grpo_stats(data: RecipeData, prompt_lengths: list[int], max_completion: int) -> RecipeData:
+    """Tokens per completion row: its prompt (as TRL tokenizes it) + at most max_completion_length; the target is the
+    completion."""
+    mean = sum(prompt_lengths) / len(prompt_lengths)
+    return replace(data, mean_tokens=mean + max_completion, mean_targets=1.0, longest=max(prompt_lengths) + max_completion)
 
 
 def preference_stats(data: RecipeData, tokenized) -> RecipeData:

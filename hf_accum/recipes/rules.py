@@ -20,7 +20,7 @@ from .files import RecipeError
 from .values import decode, describe, fits, kind
 
 # model.task -> the peft task type of its LoRA. "dpo" trains a causal LM on preference pairs.
-TASKS = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS", "dpo": "CAUSAL_LM"}
+TASKS = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS", "dpo": "CAUSAL_LM", "grpo": "CAUSAL_LM"}
 # hf_accum.loss.NORMALIZATIONS (loss.py imports torch; a test keeps the two equal)
 LOSS_NORMALIZATIONS = ("tokens", "samples", "model")
 # model.dtype: the floating dtypes weights are loaded in (torch's names), "auto" (the checkpoint's) or null (float32)

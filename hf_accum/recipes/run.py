@@ -14,8 +14,9 @@ from typing import Any
 
 from . import preflight
 from .config import Recipe, RecipeError, _quiet_deprecations, load_recipe, write_recipe
-from .data import build_data, preference_stats, sft_stats
+from .data import build_data, grpo_stats, preference_stats, sft_stats
 from .model import add_lora, build_model, build_tokenizer, check_layers_requested
+from .rewards import REWARDS
 from .summary import describe, run_summary
 
 SUMMARY_FILE = "run_summary.json"
@@ -168,6 +169,15 @@ def build(recipe: Recipe, args, say: Callable[[str], None], callbacks: Sequence[
         + f"), LoRA r={model.peft_config['default'].r}: {trainable:,} trainable of {total:,} parameters"
     )
     trainer = _trainer(recipe, args, model, tokenizer, data, list(callbacks))
+    if recipe.model.task == "grpo":  # TRL tokenizes each prompt for generation: count that
+        from ..compat.trl_internals import grpo_prompt_lengths
+
+        lengths = grpo_prompt_lengths(trainer, list(trainer.train_dataset["prompt"]))
+        data = grpo_stats(data, lengths, args.max_completion_length)
+        say(f"data {recipe.data.dataset}: {len(data.dataset)} prompts, {sum(lengths) / len(lengths):.1f} tokens per "
+            f"prompt on average (longest {max(lengths)}); {args.num_generations} completions of at most "
+            f"{args.max_completion_length} tokens each, rewarded by {', '.join(f.__name__ for f in REWARDS)}")
+        return Built(recipe, args, tokenizer, data, model, trainer, trainable, total)
     if recipe.model.task == "dpo":  # TRL tokenized the rows: count what it will forward
         data = preference_stats(data, trainer.train_dataset)
     elif recipe.model.task == "causal_lm":
@@ -185,6 +195,11 @@ def _trainer(recipe: Recipe, args, model, tokenizer, data, callbacks):
     """The trainer of model.task: AccumSFTTrainer (TRL applies the chat template, tokenizes, masks the prompt and
     collates), AccumDPOTrainer (the same for pairs; the reference model is the base, i.e. the same model with the
     adapter disabled), or AccumTrainer with the recipe's collator (seq_cls)."""
+    if recipe.model.task == "grpo":
+        from ..trl import AccumGRPOTrainer
+
+        return AccumGRPOTrainer(model=model, args=args, train_dataset=data.dataset, processing_class=tokenizer,
+                                reward_funcs=list(REWARDS), callbacks=callbacks)
     if recipe.model.task in ("causal_lm", "dpo"):
         from ..trl import AccumDPOTrainer, AccumSFTTrainer
 
@@ -198,7 +213,7 @@ def _trainer(recipe: Recipe, args, model, tokenizer, data, callbacks):
 
 
 def _unit(recipe: Recipe) -> str:
-    return {"causal_lm": "target tokens", "dpo": "pairs"}.get(recipe.model.task, "labels")
+    return {"causal_lm": "target tokens", "dpo": "pairs", "grpo": "completions"}.get(recipe.model.task, "labels")
 
 
 def _example(recipe: Recipe) -> str:
@@ -329,6 +344,9 @@ def _run(recipe: Recipe, args, resume: str | None, say, callbacks, start: float,
         say(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} (first and last logged, every "
             f"{args.logging_steps} steps); {summary['steps_this_run']} steps in {summary['train_seconds']:.1f} s, "
             f"{summary['tokens_per_second']:,.0f} tokens/s")
+    if summary.get("rewards"):
+        say(f"mean reward {summary['first_rewards_mean']:.3f} -> {summary['last_rewards_mean']:.3f} (over the first and "
+            f"last {min(10, len(summary['rewards']))} logged steps)")
     say(f"saved the adapter and tokenizer to {args.output_dir}; summary: {os.path.join(args.output_dir, SUMMARY_FILE)} "
         f"(wall time {summary['wall_seconds']:.1f} s)")
     return RecipeRun(recipe, trainer, built.model, built.tokenizer, summary, args.output_dir)
@@ -367,7 +385,10 @@ def _say_plan(say, built: Built, plan: dict[str, Any]) -> None:
     """The plan line, unless the tuner just showed it (`probe_report.plan_line`, the same line), then tokens per step."""
     if built.trainer.probe_result is None and not built.args.tunes:
         say(f"hf_accum plan: {describe(plan)}")
-    _say_tokens(say, plan["target_batch_size"], built.data, _unit(built.recipe), built.args)
+    unit = _unit(built.recipe)
+    if built.recipe.model.task == "grpo" and built.args.loss_normalization == "tokens":
+        unit = "completions' tokens"
+    _say_tokens(say, plan["target_batch_size"], built.data, unit, built.args)
 
 
 def _train_start():

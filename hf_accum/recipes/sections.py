@@ -14,7 +14,8 @@ class ModelSection:
     """"tiny" (a small Llama built from config, offline), a hub id, or a local directory."""
     task: str = "causal_lm"
     """"causal_lm" (AutoModelForCausalLM, SFT), "dpo" (AutoModelForCausalLM, preference pairs through
-    `AccumDPOTrainer`) or "seq_cls" (AutoModelForSequenceClassification)."""
+    `AccumDPOTrainer`), "grpo" (AutoModelForCausalLM, prompts and their answers through `AccumGRPOTrainer`, rewarded by
+    `hf_accum.recipes.rewards`) or "seq_cls" (AutoModelForSequenceClassification)."""
     dtype: str | None = None
     """dtype of the weights that are not quantized: float32 (None), bfloat16, float16, or "auto" (the checkpoint's)."""
     num_labels: int | None = None
@@ -60,6 +61,9 @@ class DataSection:
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
     """dpo rows are {prompt_field, chosen_field, rejected_field}: strings, or chat messages (TRL's formats)."""
+    answer_field: str = "answer"
+    """grpo rows are {prompt_field, answer_field}: the prompt (a string, or chat messages) and the answer the reward
+    checks a completion against."""
     text_field: str = "text"
     label_field: str = "label"
     """seq_cls rows are {text_field, label_field}; string labels are mapped to ids in sorted order."""

@@ -24,6 +24,7 @@ def run_summary(built, result, plan: dict[str, Any], resume: str | None, cuda_pe
     probe = _probe_summary(trainer, plan["micro_batch_size"])
     train_seconds = result.metrics.get("train_runtime")
     losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h and "step" in h]
+    rewards = [(h["step"], h["reward"]) for h in trainer.state.log_history if "reward" in h and "step" in h]  # GRPO
     steps_this_run = trainer.state.global_step - started.step
     tokens = (getattr(trainer.state, "num_input_tokens_seen", 0) or 0) - started.tokens or None
     if tokens is None:  # include_num_input_tokens_seen is off: estimate from the data
@@ -54,11 +55,22 @@ def run_summary(built, result, plan: dict[str, Any], resume: str | None, cuda_pe
         "first_loss": losses[0][1] if losses else None,
         "last_loss": losses[-1][1] if losses else None,
         "losses": [{"step": s, "loss": v} for s, v in losses],
+        **_reward_summary(rewards),
         "wall_seconds": time.perf_counter() - start,
         "output_dir": os.path.abspath(args.output_dir),
         "config": recipe.to_dict(),
         "versions": _versions(),
     }
+
+def _reward_summary(rewards: list[tuple[int, float]]) -> dict[str, Any]:
+    """GRPO: the mean reward of each logged step, and its mean over the first and the last 10 of them."""
+    if not rewards:
+        return {}
+    values = [v for _, v in rewards]
+    return {"rewards": [{"step": s, "reward": v} for s, v in rewards],
+            "first_rewards_mean": sum(values[:10]) / len(values[:10]),
+            "last_rewards_mean": sum(values[-10:]) / len(values[-10:])}
+
 
 def _probe_summary(trainer, micro: int) -> dict[str, Any]:
     """What the probe measured (this run, or the run whose stored plan was reused), and the peak at ``micro``."""

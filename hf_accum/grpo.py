@@ -1,0 +1,246 @@
+"""GRPO (TRL's `GRPOTrainer`): exact accumulation over one generation batch, cut into forwards of whole completions.
+
+TRL 1.16's GRPO losses are each a sum over the generation batch divided by a count, so once the count is the
+window's own, any cut of the window into forwards is exact:
+
+    loss_type            TRL's normalization                                  the window's exact form (mode)
+    dapo, cispo, vespo   token sum / completion tokens of the generation      the same ("tokens")
+                         batch
+    grpo, sapo           per-completion token mean, mean over the micro-      per-completion mean / completions
+                         batch, / accumulation                                of the window ("samples")
+    luspo                per-completion token sum, same                       per-completion sum / completions
+    dr_grpo              token sum / (rows x max_completion_length),          token sum / (completions x
+                         / accumulation                                       max_completion_length) ("samples")
+    bnpo                 token mean of each micro-batch, / accumulation       depends on the cut: refused
+
+One optimizer step is one generation batch, as TRL does by default (`steps_per_generation` = accumulation): the
+target is completions per optimizer step (prompts x `num_generations`). At each window's start the mixin has TRL
+generate and score the whole generation batch (`window`: TRL's own `_prepare_inputs`, rewards and advantages over
+the whole batch), then cuts its slices into forwards of whole completion rows; each forward's `compute_loss` is
+TRL's, made to return the mean over the forward's own count (`chunk`), which the mixin scales to its exact share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Mapping
+
+import torch
+
+from .adapter import TrainerAdapter
+from .compat import trainer_internals, trl_internals
+from .loss import LabelSpec
+from .oom import guarded
+from .settings import Settings
+
+TOKEN_MEAN_LOSSES = frozenset({"dapo", "cispo", "vespo"})
+SEQUENCE_MEAN_LOSSES = frozenset({"grpo", "sapo", "luspo", "dr_grpo"})
+EXACT_LOSSES = TOKEN_MEAN_LOSSES | SEQUENCE_MEAN_LOSSES
+
+# A completion token counts where TRL's loss mask (`completion_mask`) is 1: counted as labels that are not 0.
+logger = logging.getLogger(__name__)
+
+COMPLETION_TOKENS = LabelSpec(key="completion_mask", ignore_index=0, shift=False)
+
+
+def normalization_for(loss_type: str) -> str:
+    """What TRL's GRPO loss ``loss_type`` is a mean over, as hf_accum's loss_normalization."""
+    return "tokens" if loss_type in TOKEN_MEAN_LOSSES else "samples"
+
+
+def grpo_refusal(args, normalization: str) -> str | None:
+    """Why a GRPO config cannot be accumulated exactly under ``normalization`` (None: it can). Run by
+    `AccumGRPOConfig` when it is built and, for a plain `GRPOConfig`, when a class mixing `AccumulationMixin` into
+    `GRPOTrainer` is constructed."""
+    if normalization == "model":
+        return None
+    loss = args.loss_type
+    if loss == "bnpo":
+        return ("loss_type='bnpo' divides each forward's token sum by that forward's own tokens, so its loss depends "
+                "on how the generation batch is cut into forwards. Use loss_type='dapo' (the token mean over the "
+                "whole generation batch), or loss_normalization='model' for TRL's own accumulation.")
+    if loss not in EXACT_LOSSES:
+        return (f"loss_type={loss!r} is not known to hf_accum, which cannot make its accumulation exact. Use one of "
+                f"{sorted(EXACT_LOSSES)}, or loss_normalization='model'.")
+    if normalization != normalization_for(loss):
+        return (f"loss_normalization={normalization!r} does not fit loss_type={loss!r}, a mean over "
+                f"{'completion tokens' if normalization_for(loss) == 'tokens' else 'completions'}. Set "
+                f"loss_normalization={normalization_for(loss)!r} (or leave it unset), or 'model' for TRL's own.")
+    if args.steps_per_generation != args.gradient_accumulation_steps:
+        return (f"steps_per_generation={args.steps_per_generation} differs from gradient_accumulation_steps="
+                f"{args.gradient_accumulation_steps}: hf_accum trains one generation batch per optimizer step. Leave "
+                "steps_per_generation and generation_batch_size unset, or set loss_normalization='model'.")
+    if args.num_iterations != 1:
+        return (f"num_iterations={args.num_iterations} reuses a generation batch over several optimizer steps, which "
+                "hf_accum's window does not do yet. Set num_iterations=1, or loss_normalization='model'.")
+    if args.top_entropy_quantile < 1.0:
+        return (f"top_entropy_quantile={args.top_entropy_quantile} masks tokens by an entropy quantile of each forward, "
+                "so the loss depends on the cut. Set top_entropy_quantile=1.0, or loss_normalization='model'.")
+    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        return ("the entropy bonus (entropy_coef, use_adaptive_entropy) is a token mean of each forward, so the loss "
+                "depends on the cut. Set entropy_coef=0.0 and use_adaptive_entropy=False, or "
+                "loss_normalization='model'.")
+    if Settings(args).micro_batching == "tokens":
+        return ("micro_batching='tokens' does not cut GRPO's generation batches yet. Set micro_batching='samples' "
+                "(forwards of whole completions; each is trimmed to its longest completion).")
+    return None
+
+
+def grpo_trainer_refusal(trainer) -> str | None:
+    problem = grpo_refusal(trainer.args, trainer._normalization)
+    if problem is None and trainer._normalization == "tokens" and trainer.tools:
+        # the loss mask is then completion_mask x tool_mask; hf_accum counts completion_mask
+        return ("tools mask the tool outputs out of a completion's loss, which hf_accum does not count yet. Use "
+                "loss_type='grpo' (a mean over completions), or loss_normalization='model'.")
+    return problem
+
+
+class GRPOAdapter(TrainerAdapter):
+    """The mixin's hooks over GRPOTrainer (see the module docstring)."""
+
+    exact_eval = False  # evaluation generates too: TRL's own eval loss (a mean over its eval batches)
+
+    def normalization(self, args) -> str:
+        return normalization_for(args.loss_type)
+
+    def label_spec(self, trainer) -> LabelSpec:
+        return COMPLETION_TOKENS
+
+    def window(self, trainer, batch_samples: list) -> list:
+        # TRL's sampler loads the same generation batch steps_per_generation (= accumulation) times per window
+        trainer.model.train()  # TRL's _prepare_inputs generates for training only in train mode
+        engine = trainer._engine
+        cut = engine.cut_units if engine is not None else trainer.planner.cut(trainer.plan)
+        with generation_in_chunks(trainer, cut or trainer.args.per_device_train_batch_size):
+            return trl_internals.grpo_generated_slices(trainer, batch_samples[0], cut)
+
+    def prepared(self, inputs) -> bool:
+        return isinstance(inputs, Mapping) and "completion_ids" in inputs and "advantages" in inputs
+
+    def chunk(self, trainer, inputs, local_count):
+        # TRL divides dapo's token sum by num_items_in_batch / world x accumulation / steps_per_generation, and the
+        # other losses' means by the accumulation: with the window length 1 and this count, every loss type returns
+        # the forward's own mean, which the mixin scales to its exact share of the window.
+        count = local_count * trainer.accelerator.num_processes * trainer.args.steps_per_generation
+        return {**trimmed(inputs), "num_items_in_batch": count}, trainer_internals.window_length_set(trainer, 1)
+
+    def before_train(self, trainer) -> None:
+        # The plan sets the micro-batch and accumulation; one generation batch per optimizer step follows from them.
+        args = trainer.args
+        args.steps_per_generation = args.gradient_accumulation_steps
+        args.generation_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+
+    def probe_batches(self, trainer):
+        """GRPO's training step at its worst case: every completion max_completion_length tokens after the longest
+        prompt of the training set (or probe_seq_len - max_completion_length prompt tokens), random tokens, the
+        reference's log-probabilities in the batch where beta > 0 (as generation leaves them: its forward runs
+        without gradients, at the plan's micro-batch, below the training step's peak)."""
+        args = trainer.args
+        completion = args.max_completion_length
+        prompt = args.probe_seq_len - completion if args.probe_seq_len else longest_prompt(trainer)
+        if prompt < 1:
+            raise ValueError(f"probe_seq_len={args.probe_seq_len} leaves no prompt token after max_completion_length="
+                             f"{completion}: set probe_seq_len to prompt + completion tokens.")
+        vocab = trainer.model.config.get_text_config().vocab_size
+        device = args.device
+
+        def make_batch(micro: int) -> dict:
+            g = torch.Generator().manual_seed(0)
+            batch = {"prompt_ids": torch.randint(0, vocab, (micro, prompt), generator=g),
+                     "prompt_mask": torch.ones(micro, prompt, dtype=torch.long),
+                     "completion_ids": torch.randint(0, vocab, (micro, completion), generator=g),
+                     "completion_mask": torch.ones(micro, completion, dtype=torch.long),
+                     "advantages": torch.tensor([(-1.0) ** i for i in range(micro)]),
+                     "num_items_in_batch": torch.tensor(micro * completion)}
+            if trainer.beta != 0.0:
+                batch["ref_per_token_logps"] = torch.zeros(micro, completion)
+            return {k: v.to(device) for k, v in batch.items()}
+
+        return make_batch, prompt + completion
+
+    def check_data(self, trainer) -> bool:
+        return False  # the rows are prompts: their completions do not exist yet
+
+
+def generate_in_chunks(generate: Callable[[list], tuple], prompts: list, rows: int) -> tuple[tuple, int]:
+    """``generate(prompts)`` -> (completion ids, log-probabilities or None), run over ``rows`` prompts at a time; an
+    out-of-memory error re-runs that chunk with half as many rows (memory freed first). Returns the concatenated
+    result and the rows that fitted (kept for the next generation batch)."""
+    ids, logps, start = [], [], 0
+    while start < len(prompts):
+        part = prompts[start:start + rows]
+        result, oom = guarded(functools.partial(generate, part))
+        if oom:
+            if rows == 1:
+                raise RuntimeError("hf_accum: out of memory generating one completion at a time; nothing smaller to "
+                                   "try. Lower max_completion_length, load the model in bfloat16, or free memory.")
+            rows = max(1, rows // 2)
+            logger.warning("hf_accum: out of memory in generation; generating %d prompts at a time", rows)
+            continue
+        ids.extend(result[0])
+        logps = None if result[1] is None else [*(logps or []), *result[1]]
+        start += len(part)
+    return (ids, logps), rows
+
+
+@contextlib.contextmanager
+def generation_in_chunks(trainer, rows: int):
+    """During one generation batch, TRL's transformers generation (not vLLM, not continuous batching, not images)
+    runs in chunks of at most ``rows`` prompts (the plan's rows per forward; fewer after an OOM in generation), so
+    the KV cache of the whole generation batch is never held at once. Not under DeepSpeed or FSDP, whose generation
+    gathers parameters with collectives: every rank must call it as often (TRL's one call is kept)."""
+    own = trainer.__dict__.get("_generate_single_turn")  # a patched generation (tests) is chunked too
+    original = own or trainer._generate_single_turn
+    plain = not (trainer.use_vllm or trainer.args.use_transformers_continuous_batching
+                 or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled)
+    rows = min(rows, trainer.__dict__.get("_hf_accum_generation_rows") or rows)
+
+    def chunked(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
+        if not plain or images is not None or multimodal_fields:
+            return original(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
+        result, fitted = generate_in_chunks(
+            lambda part: original(part, images, multimodal_fields, num_generations, *args, **kwargs), prompt_ids, rows)
+        trainer._hf_accum_generation_rows = fitted
+        return result
+
+    trainer._generate_single_turn = chunked
+    try:
+        yield
+    finally:
+        if own is not None:
+            trainer._generate_single_turn = own
+        else:
+            del trainer._generate_single_turn
+
+
+def trimmed(inputs: Mapping) -> dict:
+    """A forward's completions cut after its longest one: most completions end before max_completion_length, and
+    the padding after them is masked out of the loss and, the model being causal, changes no earlier position. Every
+    per-completion-token tensor (completion_ids, its masks, the stored log-probabilities) is cut alike; a loss that
+    divides by max_completion_length (dr_grpo) reads it from the config, not from the width."""
+    mask = inputs["completion_mask"]  # the loss mask is this (x tool_mask, which is 1 on padding)
+    width = mask.shape[1]
+    columns = mask.any(0).nonzero()
+    keep = int(columns.max()) + 1 if len(columns) else 1
+    if keep == width:
+        return dict(inputs)
+    return {k: v[:, :keep] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == width and k != "prompt_ids"
+            and k != "prompt_mask" else v for k, v in inputs.items()}
+
+
+def longest_prompt(trainer) -> int:
+    """Tokens of the training set's longest prompt, as TRL tokenizes it for generation."""
+    dataset = trainer.train_dataset
+    try:
+        prompts = dataset["prompt"]
+    except (TypeError, KeyError):
+        raise ValueError("The training set's prompts cannot be read ahead (an iterable dataset): set probe_seq_len to "
+                         "the longest prompt + max_completion_length tokens.") from None
+    return max(trl_internals.grpo_prompt_lengths(trainer, list(prompts)))
+
+
+GRPO = GRPOAdapter()
+
+__all__ = ["EXACT_LOSSES", "GRPO", "GRPOAdapter", "grpo_refusal", "normalization_for"]

@@ -1,0 +1,313 @@
+"""GRPO (hf_accum/grpo.py): `AccumGRPOTrainer` and a user's `class MyGRPO(AccumulationMixin, trl.GRPOTrainer)`.
+
+The exactness tests fix generation (TRL's sampler replaced by a deterministic function of the prompt, so the same
+completions reach every trainer), run one optimizer step with uneven cuts and an out-of-memory error injected
+mid-window, and compare the gradient with one pass over the whole generation batch whose loss is written out by hand
+in float64 (`reference_grad`: never through TRL's or hf_accum's loss code), and with GRPOTrainer's own step where
+TRL's cut is equal."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+from transformers.trainer_callback import PrinterCallback  # noqa: E402
+
+from hf_accum import tiny  # noqa: E402
+from hf_accum.trainer import AccumulationMixin  # noqa: E402
+from hf_accum.trl import AccumGRPOConfig, AccumGRPOTrainer  # noqa: E402
+
+from .exactness import StepRecorder, load_weights, recording, relative_error  # noqa: E402
+
+MAX_COMPLETION = 9
+GENERATIONS = 4
+COMMON = dict(max_steps=1, learning_rate=1e-2, max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
+              use_cpu=True, bf16=False, seed=0, disable_tqdm=True, num_generations=GENERATIONS,
+              max_completion_length=MAX_COMPLETION, gradient_checkpointing=False, epsilon=0.2)
+
+
+def fixed_completions(trainer):
+    """TRL's sampling replaced: completion ``j`` of each prompt is a function of the prompt's tokens and ``j``, of
+    1..MAX_COMPLETION tokens, some ended by EOS (as sampled completions are), so the masks differ row to row."""
+    eos, seen = trainer.processing_class.eos_token_id, {}
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations):
+        out = []
+        for ids in prompt_ids:
+            key = tuple(ids)
+            j = seen[key] = seen.get(key, -1) + 1
+            length = 1 + (sum(ids) * 7 + j * 5) % MAX_COMPLETION
+            tokens = [10 + (sum(ids) + 3 * j + 11 * t) % 60 for t in range(length)]
+            if (sum(ids) + j) % 3 == 0 and length < MAX_COMPLETION:
+                tokens.append(eos)
+            out.append(tokens)
+        return out, None
+
+    trainer._generate_single_turn = generate
+
+
+class _Float64LogProbs:
+    """TRL's fused LM head kernel (`trl.kernels.ChunkedLogProbFunction`) returns float32 log-probabilities whatever the
+    model's dtype (~1e-7 relative); these tests check the accumulation at 1e-10, so the kernel is replaced by the same
+    quantities from a plain log-softmax in the model's dtype (the loss code around it stays TRL's)."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, labels, temperature, chunk_size, softcapping, logit_scale, outputs):
+        assert softcapping is None
+        logits = torch.nn.functional.linear(hidden, weight, bias) * logit_scale / temperature
+        logp = torch.log_softmax(logits, -1)
+        picked = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(-1) if "entropy" in outputs else None
+        return picked, entropy, None, None, None
+
+
+@pytest.fixture(autouse=True)
+def float64_fused_head(monkeypatch):
+    import trl.trainer.utils
+
+    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", _Float64LogProbs)
+
+
+def reward_digits(completions, **kwargs):
+    return [float(sum(c.isdigit() for c in text)) for text in completions]
+
+
+def reward_length(completions, **kwargs):
+    return [len(text) / 10.0 for text in completions]
+
+
+def prompts(n: int) -> Dataset:
+    return Dataset.from_list([{"prompt": r["prompt"] + "\n"} for r in tiny.generate_instruction_data(n, seed=3)])
+
+
+def lora_config():
+    """A LoRA adapter that is not a no-op at its start (B random too), so the policy differs from TRL's reference,
+    the base model (adapters disabled), and the KL term has a gradient at the first step."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+
+
+def grpo_run(tmp_path, cls, config_cls, micro, accumulation, *, lora=False, oom_calls=(), **config):
+    """One optimizer step on micro x accumulation completions (groups of 4); returns the trainer (its generated
+    windows recorded), the recorder, the model as it was before the step and the rows of every training forward."""
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model("causal_lm", tokenizer=tok, dtype=torch.float64, hidden_size=32)
+    initial = copy.deepcopy(model)
+    torch.manual_seed(0)  # the adapter's initial weights
+    args = config_cls(output_dir=str(tmp_path), per_device_train_batch_size=micro,
+                      gradient_accumulation_steps=accumulation, **{**COMMON, **config})
+    recorder = StepRecorder()
+    generated_windows = issubclass(cls, AccumulationMixin) and config.get("loss_normalization") != "model"
+    cls = recording(cls) if generated_windows else cls  # TRL loads prompts: nothing to record before generating
+    trainer = cls(model=model, args=args, train_dataset=prompts(16), processing_class=tok,
+                  reward_funcs=[reward_digits, reward_length], callbacks=[recorder],
+                  peft_config=lora_config() if lora else None)
+    model = trainer.model
+    trainer.remove_callback(PrinterCallback)
+    fixed_completions(trainer)
+    seen, widths = [], []
+    trainer.widths = widths  # tokens per row of each training forward
+
+    def training_forward(module, args, kwargs):  # the forwards with gradients (not the reference's, under no_grad)
+        if torch.is_grad_enabled():
+            seen.append(kwargs["input_ids"].shape[0])
+            widths.append(kwargs["input_ids"].shape[1])
+            if len(seen) in oom_calls:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
+
+    model.register_forward_pre_hook(training_forward, with_kwargs=True)
+    trainer.train()
+    return trainer, recorder, initial, seen
+
+
+# --- the independent reference: one pass over the whole generation batch, the loss by hand --------------------
+def merged(window: list[dict]) -> dict:
+    return {k: torch.cat([b[k] for b in window]) for k in window[0] if window[0][k].dim() > 0}
+
+
+def advantages_by_hand(batch: dict, tok) -> torch.Tensor:
+    """Each completion's reward (the two reward functions on its decoded text) minus its prompt group's mean, over
+    the group's standard deviation (Bessel-corrected) + 1e-4."""
+    rewards, groups = [], {}
+    for row, (ids, mask) in enumerate(zip(batch["completion_ids"], batch["completion_mask"])):
+        text = tok.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+        rewards.append(reward_digits([text])[0] + reward_length([text])[0])
+        groups.setdefault(tuple(batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist()), []).append(row)
+    rewards = torch.tensor(rewards, dtype=torch.float64)
+    out = torch.empty_like(rewards)
+    for rows in groups.values():
+        assert len(rows) == GENERATIONS
+        r = rewards[rows]
+        out[rows] = (r - r.mean()) / (r.std(unbiased=True) + 1e-4)
+    return out
+
+
+def completion_logps(model, batch: dict) -> torch.Tensor:
+    """log p(completion token t | prompt, completion tokens before t), from the full logits, float64."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].shape[1]
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, -width - 1:-1]
+    return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def reference_grad(initial, weights: dict, window: list[dict], loss_type: str, beta: float, sequence_level: bool,
+                   tok) -> dict:
+    """The gradient of the step's GRPO loss over the whole generation batch, written out by hand: the clipped
+    surrogate (importance ratio exp(logp - logp.detach()) per token, or of its masked mean per completion at sequence
+    level), plus beta x the k3 KL estimate to the reference times the ratio (the base model: adapters disabled), normalized as
+    ``loss_type`` defines it over the whole batch."""
+    batch = merged(window)
+    model = copy.deepcopy(initial)
+    if any(name.startswith("base_model.") for name in weights):  # trained as a LoRA adapter
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config())
+    load_weights(model, weights)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    mask = batch["completion_mask"].double()
+    # TRL computes rewards and advantages in float32: the batch's values are the ones trained on, checked here
+    advantages = batch["advantages"].double()
+    assert torch.allclose(advantages_by_hand(batch, tok), advantages, rtol=0, atol=1e-5)
+    logps = completion_logps(model, batch)
+    log_ratio = logps - logps.detach()
+    if sequence_level:
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_ratio)
+    a = advantages.unsqueeze(1)
+    per_token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - 0.2, 1 + 0.2) * a)
+    if beta:
+        with torch.no_grad(), model.disable_adapter():
+            ref = completion_logps(model, batch)
+        delta = ref - logps
+        # GRPOConfig's use_bias_correction_kl (default True): the estimate weighted by the importance ratio
+        per_token = per_token + beta * (torch.exp(delta) - delta - 1) * ratio
+    per_token = per_token * mask
+    rows = mask.shape[0]
+    loss = {"dapo": per_token.sum() / mask.sum(),
+            "grpo": (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).mean(),
+            "dr_grpo": per_token.sum() / (rows * MAX_COMPLETION),
+            "luspo": per_token.sum(-1).mean()}[loss_type]
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+CASES = [(loss, beta) for loss in ("dapo", "grpo", "dr_grpo", "luspo") for beta in (0.0, 0.05)]
+
+
+@pytest.mark.parametrize(("loss_type", "beta"), CASES, ids=[f"{lt}-beta{b}" for lt, b in CASES])
+def test_one_step_with_uneven_cuts_and_an_oom_equals_one_pass_and_trls_equal_cut(tmp_path, caplog, loss_type, beta):
+    """20 completions (5 prompts x 4) as 4 slices of 5; the 2nd training forward runs out of memory, so the window is
+    re-run in forwards of 3 + 2 completions. beta > 0 on a LoRA model (TRL's reference: adapters disabled)."""
+    tok = tiny.build_tokenizer()
+    level = "sequence" if loss_type == "luspo" else "token"
+    config = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, lora=beta > 0)
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        ours, recorder, initial, seen = grpo_run(tmp_path / "ours", AccumGRPOTrainer, AccumGRPOConfig, 5, 4,
+                                                 oom_calls=(2,), auto_tune=False, target_batch_size=20, **config)
+    assert "out of memory at step 0" in caplog.text
+    assert seen[:2] == [5, 5] and sorted(set(seen[2:])) == [2, 3] and sum(seen[2:]) == 20  # uneven, whole rows
+    assert [sum(len(b["advantages"]) for b in w) for w in ours.windows] == [20]
+    # each forward ends at its own longest completion (the window's widest is prompt + max_completion_length)
+    full = max(b["prompt_ids"].shape[1] + b["completion_ids"].shape[1] for b in ours.windows[0])
+    assert max(ours.widths) <= full and min(ours.widths[2:]) < full
+    assert ours._normalization == ("tokens" if loss_type == "dapo" else "samples")
+    want = reference_grad(initial, recorder.weights[0], ours.windows[0], loss_type, beta, level == "sequence", tok)
+    assert relative_error(recorder.grads[0], want) <= 1e-10
+
+    theirs, trl_recorder, _, trl_seen = grpo_run(tmp_path / "trl", trl.GRPOTrainer, trl.GRPOConfig, 5, 4,
+                                                 **config)
+    assert trl_seen == [5, 5, 5, 5]
+    assert relative_error(trl_recorder.grads[0], recorder.grads[0]) <= 1e-10
+
+
+# --- refusals: before the first optimizer step, one line naming the fix ----------------------------------------
+def test_bnpo_is_refused_when_the_config_is_built_naming_dapo():
+    with pytest.raises(ValueError, match=r"^loss_type='bnpo' divides each forward's token sum by that forward's own "
+                                         r"tokens.*Use loss_type='dapo'"):
+        AccumGRPOConfig(output_dir="unused", loss_type="bnpo")
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    (dict(steps_per_generation=4), r"steps_per_generation=4 differs from gradient_accumulation_steps=2"),
+    (dict(num_iterations=2), r"num_iterations=2 reuses a generation batch"),
+    (dict(top_entropy_quantile=0.5), r"top_entropy_quantile=0.5 masks tokens"),
+    (dict(entropy_coef=0.01), r"the entropy bonus"),
+    (dict(loss_normalization="tokens", loss_type="grpo"), r"loss_normalization='tokens' does not fit loss_type='grpo'"),
+    (dict(micro_batching="tokens", max_tokens_per_forward=64), r"micro_batching=.tokens. does not cut GRPO"),
+])
+def test_what_cannot_be_exact_is_refused_by_the_config(config, words):
+    with pytest.raises(ValueError, match=words):
+        AccumGRPOConfig(output_dir="unused", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                        num_generations=2, use_cpu=True, **config)
+
+
+def test_the_target_counts_whole_groups_of_completions():
+    with pytest.raises(ValueError, match=r"target_batch_size=6 completions is not a multiple of num_generations=4"):
+        AccumGRPOConfig(output_dir="unused", per_device_train_batch_size=3, gradient_accumulation_steps=2,
+                        num_generations=4, use_cpu=True, target_batch_size=6, auto_tune=False)
+
+
+def test_model_normalization_is_trls_own_accumulation(tmp_path):
+    # loss_normalization='model': GRPOTrainer untouched (bnpo allowed); the step equals TRL's
+    ours, recorder, _, seen = grpo_run(tmp_path / "ours", AccumGRPOTrainer, AccumGRPOConfig, 4, 2, loss_type="bnpo",
+                                       loss_normalization="model", auto_tune=False)
+    theirs, trl_recorder, _, trl_seen = grpo_run(tmp_path / "trl", trl.GRPOTrainer, trl.GRPOConfig, 4, 2,
+                                                 loss_type="bnpo")
+    assert seen == trl_seen == [4, 4]
+    assert relative_error(trl_recorder.grads[0], recorder.grads[0]) <= 1e-12
+
+
+def test_auto_tune_plans_rows_per_forward_from_the_training_step_at_the_longest_prompt(tmp_path, caplog):
+    """A target of 16 completions and a small memory budget: the probe measures TRL's training step on batches at the
+    longest prompt + max_completion_length, plans micro x accumulation = 16; each rank loads the whole generation
+    batch (one window) and the forwards hold at most the planned rows."""
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        trainer, recorder, initial, seen = grpo_run(tmp_path, AccumGRPOTrainer, AccumGRPOConfig, 8, 1,
+                                                    target_batch_size=16, probe_max_micro_batch=5)
+    plan = trainer.plan
+    assert plan.micro_batch_size * plan.gradient_accumulation_steps == 16 and plan.micro_batch_size <= 5
+    assert trainer.args.steps_per_generation == 1 and trainer.args.generation_batch_size == 16
+    assert [sum(len(b["advantages"]) for b in w) for w in trainer.windows] == [16]  # one window: the whole batch
+    training = seen[-plan.gradient_accumulation_steps:]
+    assert training == [plan.micro_batch_size] * plan.gradient_accumulation_steps
+    assert 5 in seen[:-len(training)]  # the probe measured the training step up to the cap
+    assert f"hf_accum plan: micro {plan.micro_batch_size} × accumulation {plan.gradient_accumulation_steps}" in caplog.text
+
+
+def test_generation_runs_in_chunks_of_the_planned_rows_and_an_oom_there_re_runs_that_chunk_smaller(tmp_path, caplog):
+    """Generation (the patched sampler standing for transformers' generate) runs over at most the rows of one forward
+    at a time; an out-of-memory error in it re-generates that chunk in halves, the next generation batch starts from
+    the smaller size, and the optimizer step still sees the whole generation batch, exactly."""
+    calls = []
+
+    class Trainer(AccumGRPOTrainer):
+        def train(self, *args, **kwargs):
+            sample = self._generate_single_turn  # fixed_completions' sampler, set by grpo_run
+
+            def generate(prompt_ids, *rest):
+                calls.append(len(prompt_ids))
+                if len(calls) == 2:  # the second chunk of the first generation batch
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+                return sample(prompt_ids, *rest)
+
+            self._generate_single_turn = generate
+            return super().train(*args, **kwargs)
+
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        trainer, recorder, initial, _ = grpo_run(tmp_path, Trainer, AccumGRPOConfig, 5, 4, auto_tune=False,
+                                                 target_batch_size=20, loss_type="grpo", max_steps=2)
+    assert "out of memory in generation; generating 2 prompts at a time" in caplog.text
+    # per_device 5 x accumulation 4: 20 prompt rows per generation batch, at most 5 per call, then 2
+    # 20 prompt rows per generation batch, 5 per call (the rows of one forward); the 2nd call fails: the 15 rows left
+    # go 2 at a time, and so does the next generation batch
+    assert calls == [5, 5] + [2] * 7 + [1] + [2] * 10
+    assert [sum(len(b["advantages"]) for b in w) for w in trainer.windows] == [20, 20]
+    want = reference_grad(initial, recorder.weights[0], trainer.windows[0], "grpo", 0.0, False, tiny.build_tokenizer())
+    assert relative_error(recorder.grads[0], want) <= 1e-10
