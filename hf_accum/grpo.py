@@ -33,6 +33,7 @@ from .adapter import TrainerAdapter
 from .compat import trainer_internals, trl_internals
 from .loss import LabelSpec
 from .oom import guarded
+from .planning.rows import rows_per_device
 from .settings import Settings
 
 TOKEN_MEAN_LOSSES = frozenset({"dapo", "cispo", "vespo"})
@@ -114,7 +115,8 @@ class GRPOAdapter(TrainerAdapter):
         engine = trainer._engine
         cut = engine.cut_units if engine is not None else trainer.planner.cut(trainer.plan)
         with generation_in_chunks(trainer, cut or trainer.args.per_device_train_batch_size):
-            return trl_internals.grpo_generated_slices(trainer, batch_samples[0], cut)
+            rows = functools.partial(rows_per_device, trainer.args, cut)
+            return trl_internals.grpo_generated_slices(trainer, batch_samples[0], rows)
 
     def prepared(self, inputs) -> bool:
         return isinstance(inputs, Mapping) and "completion_ids" in inputs and "advantages" in inputs

@@ -38,7 +38,7 @@ from . import router_aux
 from .args import AccumTrainingArguments
 from .compat import trl_internals
 from .grpo import grpo_refusal, normalization_for
-from .planning.planner import rows_per_device
+from .planning.rows import rows_per_device
 from .trainer import AccumulationMixin
 from .trl_support import (  # noqa: F401 (public here)
     PER_PAIR_DPO_LOSSES,

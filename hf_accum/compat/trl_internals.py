@@ -52,7 +52,7 @@ def trl_fuses_lm_head() -> bool:
     return hasattr(utils, "add_fused_lm_head")
 
 
-def grpo_generated_slices(trainer, loaded, forward_rows: int | None = None) -> list[dict]:
+def grpo_generated_slices(trainer, loaded, rows_per_forward=contextlib.nullcontext) -> list[dict]:
     """One generation batch of TRL's GRPOTrainer, generated and scored now, as its `steps_per_generation` slices.
 
     `GRPOTrainer._prepare_inputs` generates when its step counter starts a generation cycle or when its buffer
@@ -60,12 +60,10 @@ def grpo_generated_slices(trainer, loaded, forward_rows: int | None = None) -> l
     slices there, and returns one. hf_accum needs the whole generation batch at the start of each optimizer step,
     so it empties the buffer (as a resume does) and takes every slice. TRL runs the no-gradient forwards of
     generation (the reference's log-probabilities, where beta > 0) in chunks of per_device_train_batch_size rows:
-    ``forward_rows`` sets that for the call (the plan's rows per forward, where each rank loads its whole window).
-    Pinned by tests/test_compat.py."""
-    from ..planning.planner import rows_per_device
-
+    ``rows_per_forward()`` is the context that sets it to the plan's rows per forward (the planner's, given by the
+    caller: compat/ does not reach into planning/). Pinned by tests/test_compat.py."""
     trainer._buffered_inputs = None
-    with rows_per_device(trainer.args, forward_rows):
+    with rows_per_forward():
         trainer._prepare_inputs(loaded)
     return list(trainer._buffered_inputs)
 

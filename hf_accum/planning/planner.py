@@ -14,7 +14,6 @@ training step through the DeepSpeed engine, one prediction step) is handed in as
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import weakref
@@ -348,20 +347,6 @@ class Planner:
             self.plan = dataclasses.replace(self.plan, eval_batch_size=choice.batch_size)
             if args.should_save and Settings(args).target_batch_size and not self.plan_given:
                 self.save(args.output_dir)
-
-
-@contextlib.contextmanager
-def rows_per_device(args, rows: int | None):
-    """``rows`` as per_device_train_batch_size on ``args`` for the block, the value before restored after (None: as
-    is). Where TRL itself reads it as a number of rows: GRPOTrainer's no-gradient forwards during generation (the
-    plan's rows per forward, while each rank loads its whole window) and GRPOConfig's derivation of the generation
-    batch before a plan exists (trl.AccumGRPOConfig). Here, with every other write of the plan's fields."""
-    saved = args.per_device_train_batch_size
-    args.per_device_train_batch_size = rows or saved
-    try:
-        yield
-    finally:
-        args.per_device_train_batch_size = saved
 
 
 def set_train_batch_size(trainer, micro: int) -> None:
