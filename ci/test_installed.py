@@ -57,7 +57,7 @@ def test_the_wheel_holds_every_module_the_recipes_and_the_license():
     (wheel,) = DIST.glob("hf_accum-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = source_modules() | source_recipes() | {"hf_accum/py.typed"}
-    assert len(source_recipes()) == 4 and expected <= names, sorted(expected - names)
+    assert len(source_recipes()) == 5 and expected <= names, sorted(expected - names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     installed = {str(f) for f in importlib.metadata.files("hf-accum")}  # what pip put in site-packages
     assert expected <= installed, sorted(expected - installed)

@@ -50,7 +50,7 @@ def test_the_recipes_and_py_typed_are_package_data():
     assert "py.typed" in config["package-data"]["hf_accum"]
     assert (SOURCE / "py.typed").is_file()
     assert len(recipe_files()) == 4  # lora_sft, qlora_sft, lora_classification, lora_dpo
-    # the package folder is recipes/ itself (a symlink), so a checkout finds the same four files through it
+    # the package folder is recipes/ itself (a symlink), so a checkout finds the same files through it
     assert sorted(p.name for p in (SOURCE / "recipes_data").glob("*.yaml")) == sorted(
         p.name for p in (ROOT / "recipes").glob("*.yaml"))
 
