@@ -1689,7 +1689,7 @@ def parse_sections(text: str) -> list[int]:
     try:
         chosen = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise SystemExit(f"--sections={text!r}: give section numbers 1-8 separated by commas, e.g. 2,5") from None
+        raise SystemExit(f"--sections={text!r}: give section numbers 1-{len(SECTIONS)} separated by commas, e.g. 2,5") from None
     bad = [n for n in chosen if n not in SECTIONS]
     if bad or not chosen:
         names = ", ".join(f"{k} {v}" for k, v in SECTION_NAMES.items())
@@ -1718,7 +1718,7 @@ def run(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU, a tiny Llama: every section in well under a minute")
-    parser.add_argument("--sections", default="1,2,3,4,5,6,7,8", help="which sections, e.g. 2,5 (default: all)")
+    parser.add_argument("--sections", default=",".join(map(str, SECTIONS)), help="which sections, e.g. 2,5 (default: all)")
     parser.add_argument("--minutes", type=float, default=None,
                         help="stop cleanly after this many minutes, writing what was measured (GPU default 8)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",

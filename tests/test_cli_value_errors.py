@@ -50,8 +50,8 @@ CASES = [
     (["loss_normalization=mean"], "training.loss_normalization='mean' is not one of ['tokens', 'samples', 'model']"),
     (["save_strategy=sometimes"], "training.save_strategy takes one of 'no', 'steps', 'epoch', 'best'"),
     (["lora.r=0"], "lora.r=0 must be a positive integer"),
-    (["beta=0.1"], "unknown key 'beta'. beta is a training key of the DPO recipes (model.task=dpo: lora_dpo), not "
-                   "of this causal_lm recipe's trainer config"),
+    (["beta=0.1"], "unknown key 'beta'. beta is a training key of the DPO and GRPO recipes (model.task=dpo/grpo: "
+                   "lora_dpo, lora_grpo), not of this causal_lm recipe's trainer config"),
     (["model=./no_such_model"], "model.name='./no_such_model' is a path, but there is no such directory"),
     (["save_steps=-5"], "training.save_steps=-5 is negative: give a number of optimizer steps"),
     (["save_total_limit=-1"], "training.save_total_limit=-1 is negative: give how many checkpoints to keep"),

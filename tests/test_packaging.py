@@ -49,7 +49,7 @@ def test_the_recipes_and_py_typed_are_package_data():
     assert config["package-data"]["hf_accum.recipes_data"] == ["*.yaml"]
     assert "py.typed" in config["package-data"]["hf_accum"]
     assert (SOURCE / "py.typed").is_file()
-    assert len(recipe_files()) == 4  # lora_sft, qlora_sft, lora_classification, lora_dpo
+    assert len(recipe_files()) == 5  # lora_sft, qlora_sft, lora_classification, lora_dpo, lora_grpo
     # the package folder is recipes/ itself (a symlink), so a checkout finds the same files through it
     assert sorted(p.name for p in (SOURCE / "recipes_data").glob("*.yaml")) == sorted(
         p.name for p in (ROOT / "recipes").glob("*.yaml"))

@@ -193,6 +193,8 @@ def apply(model, record: dict[str, Any], args) -> None:
 
 
 def describe(record: dict[str, Any]) -> str:
+    if not (record["full"] or record["selective"] or record.get("pinned")):
+        return "no checkpointing"  # the plan line stays short; the record and figures keep the layer count
     return (f"checkpointing {record['full']} full + {record['selective']} selective of {record['of']} layers"
             + (" (as set)" if record.get("pinned") else ""))
 

@@ -206,7 +206,8 @@ class Plan:
         if self.levers:
             from ..levers import get_lever  # lazily: the levers import torch, the plan's arithmetic does not
 
-            on += "".join(f"; {get_lever(name).describe(record)}" for name, record in self.levers.items())
+            # by name: the same line whatever order the records were added or the plan file kept them in
+            on += "".join(f"; {get_lever(name).describe(record)}" for name, record in sorted(self.levers.items()))
         on += f"; eval batch {self.eval_batch_size}" if self.eval_batch_size else ""
         if self.token_budget is not None:
             return (f"window {self.micro_batch_size} × world {self.world_size} = {self.target_batch_size}, "

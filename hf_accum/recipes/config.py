@@ -167,8 +167,9 @@ def _unknown_key(key: str, keys: dict[str, list[str]], extra: str = "") -> Recip
 
 
 # The shipped recipes of each model.task, for "this key belongs to the DPO recipes".
-TASK_RECIPES = {"causal_lm": "lora_sft or qlora_sft", "seq_cls": "lora_classification", "dpo": "lora_dpo"}
-_TASK_NAMES = {"causal_lm": "causal-LM (SFT)", "seq_cls": "classification", "dpo": "DPO"}
+TASK_RECIPES = {"causal_lm": "lora_sft or qlora_sft", "seq_cls": "lora_classification", "dpo": "lora_dpo",
+                "grpo": "lora_grpo"}
+_TASK_NAMES = {"causal_lm": "causal-LM (SFT)", "seq_cls": "classification", "dpo": "DPO", "grpo": "GRPO"}
 
 
 def _other_task_key(key: str, keys: dict[str, list[str]]) -> str | None:

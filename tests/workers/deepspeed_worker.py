@@ -298,7 +298,7 @@ def defaults_mode(out, rank):
     trainer = trainer_for(os.path.join(out, "plain"), stage=2, max_steps=2)
     trainer.train()
     result["steps"] = trainer.state.global_step
-    result["limit"] = trainer.args.max_nonfinite_steps
+    result["limit"] = trainer._nonfinite_limit  # the resolved limit (trainer.args keeps "auto")
     result["lines"] = [r for r in records if "max_nonfinite_steps" in r]
     try:
         trainer_for(os.path.join(out, "explicit"), stage=2, max_nonfinite_steps=3)
