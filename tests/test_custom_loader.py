@@ -9,7 +9,7 @@ import torch
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
 
-from .exactness import lm_examples, pad_collate, tiny_llama
+from .exactness import lm_examples, pad_collate, sum_over_items_loss, tiny_llama
 
 
 class MultiLoader:  # as transformers' tests/trainer/test_trainer.py: no .dataset, no .collate_fn
@@ -80,3 +80,27 @@ def test_a_loader_that_cannot_be_read_ahead_is_skipped_with_one_line(tmp_path, c
         preflight.check_training_data(trainer)
     lines = [r.getMessage() for r in caplog.records if r.name == preflight.__name__]
     assert len(lines) == 1 and "Endless" in lines[0] and "not checked" in lines[0]
+
+
+class EvalTwiceTrainer(AccumTrainer):
+    def get_eval_dataloader(self, eval_dataset=None):
+        return MultiLoader([super().get_eval_dataloader(eval_dataset)] * 2)
+
+
+@pytest.mark.parametrize("target", [None, 8])
+def test_an_eval_loader_without_dataset_keeps_the_eval_batch_and_the_exact_eval_loss(tmp_path, caplog, target):
+    """The eval batch is not planned on a loader without `.dataset` (one line says why); eval_loss stays the exact
+    token mean over what the loader yields (the eval set twice: the same mean), target or not."""
+    from .test_evaluation import eval_data, eval_model, reference
+
+    model = eval_model()
+    args = AccumTrainingArguments(output_dir=str(tmp_path), target_batch_size=target, per_device_eval_batch_size=3,
+                                  use_cpu=True, report_to=[], disable_tqdm=True, remove_unused_columns=False)
+    trainer = EvalTwiceTrainer(model=model, args=args, train_dataset=lm_examples(8, seed=1), eval_dataset=eval_data(),
+                               data_collator=pad_collate, compute_loss_func=sum_over_items_loss)
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        got = trainer.evaluate()["eval_loss"]
+    assert abs(got - reference(model, eval_data())) <= 1e-12
+    assert trainer.args.per_device_eval_batch_size == 3
+    skipped = "get_eval_dataloader() returned a MultiLoader without .dataset" in caplog.text
+    assert skipped == (target is not None) and "eval batch 3" not in caplog.text

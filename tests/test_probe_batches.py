@@ -253,6 +253,62 @@ def test_dpo_iterable_dataset_is_planned_at_max_length(tmp_path, caplog):
     assert "AccumDPOTrainer with max_length=48 (DPOTrainer truncates to it)" in caplog.text
 
 
+class RegressionRows(torch.utils.data.IterableDataset):
+    """transformers' tests' SampleIterableDataset: rows of one number each, no length."""
+
+    def __init__(self, n=32):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+        self.rows = [{"input_x": x[i], "labels": 2 * x[i] + 3} for i in range(n)]
+
+    def __iter__(self):
+        yield from self.rows
+
+
+def test_an_iterable_dataset_of_examples_without_sequences_is_planned_from_its_first(tmp_path, caplog):
+    """No sequence, no bound needed: every example is one size. The steps are those of transformers' Trainer on
+    the full batch of 8 (micro 4 x accumulation 2 here)."""
+    from transformers import Trainer, TrainingArguments
+
+    kw = {**COMMON, "max_steps": 4, "learning_rate": 0.1}
+    args = AccumTrainingArguments(output_dir=str(tmp_path), loss_normalization="samples", **kw)
+    trainer = AccumTrainer(model=Regression(), args=args, train_dataset=RegressionRows())
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        trainer.train()
+    assert trainer.state.global_step == 4 and trainer.probe_result is not None
+    assert trainer.plan.micro_batch_size == 4 and trainer.plan.gradient_accumulation_steps == 2
+    assert caplog.text.count("an iterable dataset of examples with no sequence (each one the same size); the plan is "
+                             "measured on its first example.") == 1
+    del kw["target_batch_size"], kw["probe_max_micro_batch"]
+    plain = Trainer(model=Regression(), args=TrainingArguments(output_dir=str(tmp_path / "plain"),
+                                                               per_device_train_batch_size=8, **kw),
+                    train_dataset=RegressionRows())
+    plain.train()
+    for ours, theirs in zip(trainer.model.parameters(), plain.model.parameters()):
+        assert torch.allclose(ours, theirs, rtol=1e-6, atol=0)
+
+
+def test_an_iterable_dataset_of_sequences_for_a_model_that_is_no_causal_lm_is_refused_with_a_fix_that_works(tmp_path):
+    """probe_seq_len is for causal LMs only: the refusal names what works for this model, and that fix trains."""
+    datasets = pytest.importorskip("datasets")
+    from .exactness import pad_collate
+
+    def trainer_for(**kw):
+        data = datasets.Dataset.from_list(cls_examples(32, seed=2)).to_iterable_dataset()
+        args = AccumTrainingArguments(output_dir=str(tmp_path), remove_unused_columns=False,
+                                      **{**COMMON, "max_steps": 2, **kw})
+        return AccumTrainer(model=tiny_llama_cls(), args=args, train_dataset=data, data_collator=pad_collate)
+
+    with pytest.raises(ValueError) as err:
+        trainer_for().train()
+    assert str(err.value) == (
+        "The training set is an iterable dataset, so its longest example is unknown; give a sized train_dataset (a "
+        "datasets.Dataset, or any dataset with __len__: the probe reads its longest example), or set auto_tune=False "
+        "with per_device_train_batch_size x gradient_accumulation_steps x world size = target_batch_size.")
+    trainer = trainer_for(auto_tune=False, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
 def test_tensor_rows_of_one_length_with_the_trainers_default_collator(tmp_path):
     """transformers' tests' RepeatDataset (one 128-token tensor per row, no collator given): the probe once made
     the second copy 127 tokens and `default_data_collator` could not stack them."""

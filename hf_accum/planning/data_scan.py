@@ -93,20 +93,27 @@ def _checked_length(trainer, batch) -> int:
 
 def _bounded_batches(trainer, dataset, collate):
     """An iterable training set: its longest example is unknown, but a trainer that truncates (TRL's, to
-    max_length) bounds it. The probe measures one real example stretched to that bound; no bound: refused."""
+    max_length) bounds it. The probe measures one real example stretched to that bound. Examples with no sequence
+    at all (numbers, 0-d tensors: every one the same size) are measured from the first. Sequences with no bound:
+    refused, with a fix that works for the model."""
     from ..trl_support import length_bound
 
     bound = length_bound(trainer)
-    if bound is None:
-        raise ValueError(
-            "The training set is an iterable dataset, so its longest example is unknown; set probe_seq_len to the "
-            "longest sequence length training will see."
-        )
-    n, why = bound
     with torch.random.fork_rng(devices=[]):  # reading it draws no random number training would
         example = next(iter(dataset), None)
     if example is None:
         raise ValueError("train_dataset is empty: nothing to probe or train on.")
+    if bound is None and sequence_length(example) == 0:
+        logger.warning("hf_accum: the training set is an iterable dataset of examples with no sequence (each one "
+                       "the same size); the plan is measured on its first example.")
+        return _collated(trainer, probe_rows(example, False), collate, "the first training example")
+    if bound is None:
+        fix = ("set probe_seq_len to the longest sequence length training will see" if loss_shifts_labels(trainer.model)
+               else "give a sized train_dataset (a datasets.Dataset, or any dataset with __len__: the probe reads its "
+               "longest example), or set auto_tune=False with per_device_train_batch_size x "
+               "gradient_accumulation_steps x world size = target_batch_size")
+        raise ValueError(f"The training set is an iterable dataset, so its longest example is unknown; {fix}.")
+    n, why = bound
     logger.warning("hf_accum: the training set is an iterable dataset, so its longest example is unknown; the plan "
                    "is for examples of %d tokens, the longest %s lets through.", n, why)
     example = stretched(example, n) if isinstance(example, dict) else example

@@ -108,7 +108,8 @@ def plan_eval_batch(trainer, dataset, *, budget: int | None, run) -> EvalBatchCh
     """Measure and choose for ``trainer`` on ``dataset`` (None: its eval_dataset; a name: that one of them; a dict:
     its first); every rank
     measures and all take the smallest choice. ``run(model, batch, loss_only)`` is the Trainer's prediction_step.
-    None (logged) when there is nothing to measure or not even one example fits."""
+    None (logged) when there is nothing to measure, the eval loader has no ``.dataset`` or not even one example
+    fits."""
     args = trainer.args
     dataset = trainer.eval_dataset if dataset is None else trainer.eval_dataset[dataset] if isinstance(dataset, str) \
         else dataset
@@ -117,6 +118,11 @@ def plan_eval_batch(trainer, dataset, *, budget: int | None, run) -> EvalBatchCh
     if dataset is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
         return None
     loader = trainer.get_eval_dataloader(dataset)
+    if not hasattr(loader, "dataset"):  # a trainer's own loader: its batches are its own, whatever size is chosen
+        logger.warning("hf_accum: get_eval_dataloader() returned a %s without .dataset, so its examples and batch "
+                       "size are its own; the eval batch is not planned (per_device_eval_batch_size stays %d)",
+                       type(loader).__name__, args.per_device_eval_batch_size)
+        return None
     base = loader.dataset
     example = base[longest_index([example_length(base[i]) for i in range(len(base))])]
     collate = loader.collate_fn
