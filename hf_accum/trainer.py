@@ -142,15 +142,24 @@ class AccumulationMixin:
             plan = planner.given_plan()
         folder = os.path.join(args.output_dir, f"checkpoint-{self.state.global_step}")
         if plan is not None and args.should_save and os.path.isdir(folder):
-            planner.save(folder, probe=False, plan=plan)
+            planner.save(folder, probe=False, plan=plan, figures=self._first_entry_figures())
+
+    def _first_entry_figures(self) -> dict[str, float]:
+        """What this run's first log entry carries: a resumed run's, the stored ones of the run that wrote its
+        checkpoint (its history may hold no entry yet: the uninterrupted run's first entry had those, not the
+        resumed run's plan_reused, budget or check); a fresh run's, the plan's and `check_accumulation`'s."""
+        if self._planner.resumed_figures is not None:
+            return self._planner.resumed_figures
+        return {**(self._planner.figures or {}), **self._check_figures}
 
     def log(self, logs, *args, **kwargs):
         """The plan's figures (`hf_accum/...`) go with the first entry a run logs, whatever it is (a training loss,
         an evaluation, the run's summary): no entry of their own, so `log_history[i]` and the `on_log` events are
-        the Trainer's. A resumed run's history is its checkpoint's, which holds them already; its plan is in
-        `trainer.plan` and the plan file. Recorded for `report_to`, not printed (the plan line said them).
-        `check_accumulation`'s figure goes with them (its line said it)."""
-        figures = {**(self._planner.figures or {}), **self._check_figures}
+        the Trainer's. A resumed run's history is its checkpoint's, which holds them already, or is empty (saved
+        before the first entry): then the stored figures of the run that wrote it go with it
+        (`_first_entry_figures`); its own plan is in `trainer.plan` and the plan file. Recorded for `report_to`,
+        not printed (the plan line said them). `check_accumulation`'s figure goes with them (its line said it)."""
+        figures = self._first_entry_figures()
         if self._figures_logged or not figures or not self.is_in_train:
             return super().log(logs, *args, **kwargs)
         self._figures_logged = True

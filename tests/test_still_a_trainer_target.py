@@ -5,6 +5,7 @@ on the first one), a resumed run's history equals the uninterrupted run's, and t
 what was given (transformers' `test_default_callbacks_are_present`, `test_event_flow`, `test_can_resume_training`,
 `test_training_arguments_are_left_untouched` failed with a target set)."""
 
+import json
 import math
 import os
 
@@ -91,6 +92,27 @@ def test_a_resumed_run_has_the_uninterrupted_runs_log_history(tmp_path):
     for g, w in zip(got, want):
         assert g.keys() == w.keys()
         assert all(math.isclose(g[k], w[k], rel_tol=1e-9) for k in g), (g, w)
+
+
+def test_a_run_resumed_from_a_checkpoint_saved_before_any_log_entry_has_the_uninterrupted_runs_log_history(tmp_path):
+    # logging_steps's default (500): checkpoint-3's history is empty, so the resumed run's one entry carries the
+    # figures of the run that wrote the checkpoint (plan_reused 0, its check), not its own (plan_reused 1)
+    data = lm_examples(24)
+    kw = dict(max_steps=6, save_strategy="steps", save_steps=3, check_accumulation=True)
+    whole = AccumTrainer(model=tiny_llama(), args=ours_args(tmp_path / "a", **kw), train_dataset=data,
+                         data_collator=pad_collate)
+    whole.train()
+    checkpoint = tmp_path / "a" / "checkpoint-3"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["log_history"] == []
+    resumed = AccumTrainer(model=tiny_llama(), args=ours_args(tmp_path / "a", **kw), train_dataset=data,
+                           data_collator=pad_collate)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.planner.figures["hf_accum/plan_reused"] == 1  # its own plan was the stored one
+
+    got = [{k: v for k, v in h.items() if k not in TIMES} for h in resumed.state.log_history]
+    want = [{k: v for k, v in h.items() if k not in TIMES} for h in whole.state.log_history]
+    assert len(want) == 1 and want[0]["hf_accum/plan_reused"] == 0 and "accumulation_check_relative_error" in want[0]
+    assert got == want
 
 
 def test_the_arguments_after_training_equal_the_arguments_given(tmp_path):

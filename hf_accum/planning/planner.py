@@ -30,7 +30,7 @@ from .engine_probe import probe_through_engine
 from .eval_batch import plan_eval_batch
 from .plan import Plan
 from .policy import InForce, OomPolicy, as_plan
-from .store import save_plan
+from .store import save_plan, stored_figures
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ class Planner:
         self.budget_bytes: int | None = None  # the memory budget tune() resolved (the eval batch is measured in it)
         self.pending_probe: tuning.Prepared | None = None  # probed through the engine (DeepSpeed), in the loop
         self.figures: dict[str, float] | None = None  # the plan's figures, for the run's first log entry
+        # a resumed run's: the first entry's figures of the run that wrote its checkpoint (None: a fresh run, or a
+        # checkpoint that kept none); logged in place of its own while its history holds none yet
+        self.resumed_figures: dict[str, float] | None = None
         self.probing = False  # left set when the probe stops the run: the stop message says so
         self.stores_plan = True  # `hf-accum probe RECIPE` saves the plan itself, where it is kept
         self.eval_planned = False  # auto_eval_batch_size: measured (or taken from a stored plan)
@@ -128,16 +131,19 @@ class Planner:
         if in_training_loop and args.should_save:  # tune() saved the plan it applies, with its probe
             self.save(args.output_dir, probe=False)
 
-    def save(self, folder: str, *, probe: bool = True, plan: Plan | None = None) -> str:
-        """The plan file in ``folder`` (with what the probe measured unless ``probe`` is False). Returns its path."""
+    def save(self, folder: str, *, probe: bool = True, plan: Plan | None = None,
+             figures: dict[str, float] | None = None) -> str:
+        """The plan file in ``folder`` (with what the probe measured unless ``probe`` is False; a checkpoint's with
+        its run's first-entry ``figures``). Returns its path."""
         record = None if not probe else self.probe_result.to_dict() if self.probe_result is not None \
             else self.reused_probe
-        return save_plan(folder, self.key or {}, plan or self.plan, record)
+        return save_plan(folder, self.key or {}, plan or self.plan, record, figures)
 
     # --- at start ---------------------------------------------------------------------------------------------
     def start(self, stored: Plan | None, resuming) -> None:
         """The plan train() runs with: probed (or reused from the plan file), given, or the checkpoint's."""
         trainer, args = self._trainer, self._trainer.args
+        self.resumed_figures = stored_figures(resuming) if resuming else None
         if self.plan_given:  # recorded by an earlier train(): the arguments may have changed since
             self.plan, self.plan_given = None, False
         tunes = Settings(args).tunes

@@ -167,6 +167,18 @@ def stored_probe(folder: str) -> dict[str, Any] | None:
         return None
 
 
+def stored_figures(checkpoint: str) -> dict[str, float] | None:
+    """The figures the first log entry of the run that wrote ``checkpoint`` carries (or will carry: a checkpoint
+    saved before any log entry has an empty history, and its resumed run logs these, not its own, so its
+    `log_history` is the uninterrupted run's); None when its plan file has none (written before they were kept)."""
+    try:
+        with open(os.path.join(checkpoint, PLAN_FILE)) as f:
+            figures = json.load(f).get("figures")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return dict(figures) if isinstance(figures, dict) else None
+
+
 def load_stored_plan(folder: str) -> Plan | None:
     """The plan stored in ``folder`` (an output_dir or a checkpoint), whatever its key; None when absent.
     Raises PlanFileError when a plan file is there but corrupt or invalid: never silently ignored."""
@@ -214,11 +226,15 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def save_plan(output_dir: str, key: dict[str, Any], plan: Plan, probe: dict[str, Any] | None) -> str:
+def save_plan(output_dir: str, key: dict[str, Any], plan: Plan, probe: dict[str, Any] | None,
+              figures: dict[str, float] | None = None) -> str:
+    """``figures``: in a checkpoint's plan file, those its run's first log entry carries (`stored_figures`)."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, PLAN_FILE)
     tmp = path + ".tmp"
     record = {"plan": plan.to_dict(), "key": canonical(key), "probe": canonical(probe)}
+    if figures is not None:
+        record["figures"] = canonical(figures)
     with open(tmp, "w") as f:
         json.dump(record, f, indent=2, sort_keys=True)
         f.flush()
