@@ -195,10 +195,9 @@ def probe_model(
         try:
             result = _search(step_fn, meter, budget, cap, per_rank, optimize=optimize, log=log, lever=lever,
                              seed=seed)
-            result.extra["seq_len"] = seq_len
-            result.extra["levers_on"] = levers_on(model)  # before the plan: "nothing fits" suggests only what is off
-            if estimated is not None:
-                result.extra["estimate"] = estimated
+            # the levers in use before the plan is made: "nothing fits" suggests only those that are off
+            result.extra.update(seq_len=seq_len, levers_on=levers_on(model), **({} if estimated is None else
+                                                                                {"estimate": estimated}))
             plan = _with_level(plan_from_result(result, target_batch_size, world_size), result)
             plan = _with_kernel(plan, result, model, step_fn, meter, budget, lever, autocast_dtype is not None, log)
         finally:
