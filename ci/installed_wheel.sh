@@ -2,7 +2,7 @@
 # What users install, tested where users run it (issue 39): build the sdist and the wheel (`python -m build`, the
 # wheel made from the sdist), install the wheel non-editable into a fresh venv (torch first: this machine's pip finds
 # the CPU wheel locally), then from a folder outside the repository: ci/test_installed.py (not the source tree; every
-# module imports; the wheel, the sdist and the install hold every module, the four recipes and LICENSE; the version),
+# module imports; the wheel, the sdist and the install hold every module, the five recipes and LICENSE; the version),
 # the main job `hf-accum train lora_sft`, `hf-accum probe` and `hf-accum probe --estimate`.
 # Run alone: `bash ci/installed_wheel.sh` (PYTHON picks the interpreter for the fresh venv; KEEP_WORK=1 keeps the
 # work folder). .ci/run calls it after the README's test command.
