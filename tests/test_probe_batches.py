@@ -28,6 +28,7 @@ from .exactness import (
     tiny_llama,
     tiny_llama_cls,
 )
+from .test_custom_loader import MultiLoader  # transformers' tests' loader of loaders: no .dataset
 from .test_padding_free import reference_grads
 
 
@@ -149,20 +150,6 @@ def test_examples_of_0_d_tensors_are_scanned(tmp_path):
     trainer = AccumTrainer(model=Regression(), args=args, train_dataset=data)
     trainer.train()
     assert trainer.probe_result is not None and trainer.state.global_step == 4
-
-
-class MultiLoader:
-    """transformers' tests' loader of loaders: no `.dataset`, no `.collate_fn`."""
-
-    def __init__(self, loaders):
-        self.loaders = loaders
-
-    def __len__(self):
-        return sum(len(loader) for loader in self.loaders)
-
-    def __iter__(self):
-        for loader in self.loaders:
-            yield from loader
 
 
 class TwoLoaders(AccumTrainer):
