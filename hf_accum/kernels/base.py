@@ -86,6 +86,13 @@ def package_missing(package: str, module: str) -> str | None:
     return None
 
 
+def triton_package_missing(package: str, module: str, device_type: str) -> str | None:
+    """The refusal for a CUDA-only (Triton) kernel library: not installed, or not on CUDA (None: it runs)."""
+    if device_type != "cuda" and not package_missing(package, module):
+        return f"its Triton kernels run on CUDA only (not {device_type})"
+    return package_missing(package, module)
+
+
 def unavailable(name: str, device_type: str, dtype: torch.dtype, autocast: bool = False) -> str | None:
     """Why kernel ``name`` cannot run on ``device_type`` with ``dtype`` weights (None: it can)."""
     return get(name).unavailable(device_type, dtype, autocast)

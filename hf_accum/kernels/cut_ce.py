@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Memory, package_missing
+from .base import Memory, triton_package_missing
 
 NAME = "cut_ce"
 COUNTED_BY_OPS = False
@@ -16,12 +16,7 @@ SETTINGS = ()
 
 
 def unavailable(device_type: str, dtype: torch.dtype, autocast: bool = False) -> str | None:
-    missing = package_missing(PACKAGE, "cut_cross_entropy")
-    if missing:
-        return missing
-    if device_type != "cuda":
-        return f"its Triton kernels run on CUDA only (not {device_type})"
-    return None
+    return triton_package_missing(PACKAGE, "cut_cross_entropy", device_type)
 
 
 def loss_sum(hidden, weight, bias, targets, *, label_smoothing: float = 0.0):

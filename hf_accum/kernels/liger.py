@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Memory, package_missing
+from .base import Memory, package_missing, triton_package_missing
 
 NAME = "liger"
 COUNTED_BY_OPS = False
@@ -16,12 +16,7 @@ SETTINGS = ("label_smoothing",)
 
 
 def unavailable(device_type: str, dtype: torch.dtype, autocast: bool = False) -> str | None:
-    missing = package_missing(PACKAGE, "liger_kernel")
-    if missing:
-        return missing
-    if device_type != "cuda":
-        return f"its Triton kernels run on CUDA only (not {device_type})"
-    return None
+    return triton_package_missing(PACKAGE, "liger_kernel", device_type)
 
 
 def refuse_missing_package() -> None:
