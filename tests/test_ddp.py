@@ -12,6 +12,10 @@ import torch
 
 from .exactness import CASES, StepRecorder, max_step_error, reference_run
 
+# Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
+# two-rank runs at once on 2 cores were seen to hang.
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = ["causal_lm:1", "causal_lm:0", "no_loss_kwargs_class:1", "explicit_args_wrapper:0"]
 

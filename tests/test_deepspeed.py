@@ -19,6 +19,10 @@ from hf_accum.deepspeed_batch import batch_contradiction, plan_fields, zero_stag
 
 from .test_ddp import ROOT, _free_port, _torchrun, child_env, run_two_ranks
 
+# Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
+# two-rank runs at once on 2 cores were seen to hang.
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="DeepSpeed is not installed (pip install 'hf-accum[deepspeed]')")
 

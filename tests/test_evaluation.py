@@ -18,6 +18,10 @@ from hf_accum import AccumTrainer, AccumTrainingArguments
 from .exactness import lm_examples, pad_collate, sum_over_items_loss, tiny_gpt2, tiny_llama
 from .test_oom_recovery import OOMAt
 
+# Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
+# two-rank runs at once on 2 cores were seen to hang.
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 N_EVAL = 21  # 21 = 2 x 8 + 5 = 7 x 3: short last batches, and on two ranks rows accelerate repeats
 
 

@@ -14,6 +14,10 @@ from packaging import version
 from .exactness import tiny_llama
 from .test_ddp import _torchrun
 
+# Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
+# two-rank runs at once on 2 cores were seen to hang.
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 needs_load_time_fsdp2 = pytest.mark.skipif(
     version.parse(transformers.__version__) < version.parse("5.18"),
     reason="load-time FSDP2 (DistributedConfig fsdp_size) needs transformers newer than 5.17")

@@ -19,6 +19,10 @@ from hf_accum.preemption import EXIT_PREEMPTED
 
 from .test_ddp import ROOT, _free_port, child_env, run_two_ranks
 
+# Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
+# two-rank runs at once on 2 cores were seen to hang.
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 WORKER = os.path.join(ROOT, "tests", "workers", "preempt_worker.py")
 ENV = child_env()
 

@@ -29,6 +29,10 @@ from .exactness import StepRecorder, lm_examples, max_relative_error, pad_collat
 from .test_oom_recovery import OOMAt
 from .test_padding_free import reference_grads as flat_reference
 
+# Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
+# two-rank runs at once on 2 cores were seen to hang.
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 
 # --- the partition rule -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lengths, budget, groups", [
