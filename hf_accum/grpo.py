@@ -73,9 +73,6 @@ def grpo_refusal(args, normalization: str) -> str | None:
         return (f"steps_per_generation={args.steps_per_generation} differs from gradient_accumulation_steps="
                 f"{args.gradient_accumulation_steps}: hf_accum trains one generation batch per optimizer step. Leave "
                 "steps_per_generation and generation_batch_size unset, or set loss_normalization='model'.")
-    if args.num_iterations != 1:
-        return (f"num_iterations={args.num_iterations} reuses a generation batch over several optimizer steps, which "
-                "hf_accum's window does not do yet. Set num_iterations=1, or loss_normalization='model'.")
     if args.top_entropy_quantile < 1.0:
         return (f"top_entropy_quantile={args.top_entropy_quantile} masks tokens by an entropy quantile of each forward, "
                 "so the loss depends on the cut. Set top_entropy_quantile=1.0, or loss_normalization='model'.")
@@ -110,7 +107,11 @@ class GRPOAdapter(TrainerAdapter):
         return COMPLETION_TOKENS
 
     def window(self, trainer, batch_samples: list) -> list:
-        # TRL's sampler loads the same generation batch steps_per_generation (= accumulation) times per window
+        # TRL's sampler loads the same generation batch steps_per_generation (= accumulation) times per window, and
+        # num_iterations windows in a row; each window is the whole generation batch (one optimizer step)
+        reused = trl_internals.grpo_reused_slices(trainer)
+        if reused is not None:
+            return reused
         trainer.model.train()  # TRL's _prepare_inputs generates for training only in train mode
         engine = trainer._engine
         cut = engine.cut_units if engine is not None else trainer.planner.cut(trainer.plan)

@@ -552,6 +552,12 @@ def test_grpo_generates_into_its_buffer_when_it_is_empty():
     prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
     assert "or self._buffered_inputs is None" in prepare
     assert "self._buffered_inputs = [" in prepare and "split_tensor_dict(generation_batch, self.args.steps_per_generation)" in prepare
+    # num_iterations: one generation every steps_per_generation x num_iterations micro-steps, the buffer reused
+    # between (trl_internals.grpo_reused_slices); the generating policy's log-probs kept for the later steps
+    assert "generate_every = self.args.steps_per_generation * self.num_iterations" in prepare
+    generated = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "if self.args.gradient_accumulation_steps % generate_every != 0" in generated
+    assert 'output["old_per_token_logps"] = old_per_token_logps' in generated
     loss = inspect.getsource(GRPOTrainer._compute_loss)
     assert 'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes' in loss
     assert "normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation" in loss

@@ -157,11 +157,12 @@ def completion_logps(model, batch: dict) -> torch.Tensor:
 
 
 def reference_grad(initial, weights: dict, window: list[dict], loss_type: str, beta: float, sequence_level: bool,
-                   tok) -> dict:
+                   tok, generating: dict | None = None) -> dict:
     """The gradient of the step's GRPO loss over the whole generation batch, written out by hand: the clipped
     surrogate (importance ratio exp(logp - logp.detach()) per token, or of its masked mean per completion at sequence
     level), plus beta x the k3 KL estimate to the reference times the ratio (the base model: adapters disabled), normalized as
-    ``loss_type`` defines it over the whole batch."""
+    ``loss_type`` defines it over the whole batch. ``generating``: the weights that generated the batch when they
+    are not ``weights`` (num_iterations > 1), whose log-probabilities the ratio is then taken against."""
     batch = merged(window)
     model = copy.deepcopy(initial)
     if any(name.startswith("base_model.") for name in weights):  # trained as a LoRA adapter
@@ -176,7 +177,13 @@ def reference_grad(initial, weights: dict, window: list[dict], loss_type: str, b
     advantages = batch["advantages"].double()
     assert torch.allclose(advantages_by_hand(batch, tok), advantages, rtol=0, atol=1e-5)
     logps = completion_logps(model, batch)
-    log_ratio = logps - logps.detach()
+    old = logps.detach()
+    if generating is not None:
+        policy = copy.deepcopy(model)
+        load_weights(policy, generating)
+        with torch.no_grad():
+            old = completion_logps(policy, batch)
+    log_ratio = logps - old
     if sequence_level:
         log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)
@@ -227,6 +234,35 @@ def test_one_step_with_uneven_cuts_and_an_oom_equals_one_pass_and_trls_equal_cut
     assert relative_error(trl_recorder.grads[0], recorder.grads[0]) <= 1e-10
 
 
+def test_num_iterations_trains_each_generation_batch_that_many_steps_exactly(tmp_path):
+    """num_iterations=2: steps 1 and 2 train on one generation batch (step 2 against the log-probabilities of the
+    policy that generated it, its importance ratios no longer 1), step 3 generates anew. Each step is one window of
+    the whole generation batch, exact through uneven cuts after an OOM in step 2, and equal to GRPOTrainer's own."""
+    tok = tiny.build_tokenizer()
+    config = dict(loss_type="grpo", beta=0.05, lora=True, num_iterations=2, max_steps=3)
+    ours, recorder, initial, seen = grpo_run(tmp_path / "ours", AccumGRPOTrainer, AccumGRPOConfig, 5, 4,
+                                             oom_calls=(6,), auto_tune=False, target_batch_size=20, **config)
+    assert len(ours.windows) == 3 and [sum(len(b["advantages"]) for b in w) for w in ours.windows] == [20] * 3
+    first, again, fresh = (merged(w) for w in ours.windows)
+    assert all(torch.equal(first[k], again[k]) for k in first)  # the same completions, advantages, old log-probs
+    assert "old_per_token_logps" in first and not torch.equal(first["prompt_ids"], fresh["prompt_ids"])
+    # step 2's 2nd forward ran out of memory: its window re-run (and step 3's) in forwards of at most 3 rows
+    assert seen[:6] == [5] * 6 and max(seen[6:]) <= 3 and sum(seen[6:]) == 40
+    generating = [recorder.weights[0], recorder.weights[0], recorder.weights[2]]
+    for step in range(3):
+        want = reference_grad(initial, recorder.weights[step], ours.windows[step], "grpo", 0.05, False, tok,
+                              generating=generating[step])
+        assert relative_error(recorder.grads[step], want) <= 1e-10, step
+    # the ratios of step 2 are not all 1: the reference without the generating policy's log-probs differs
+    stale = reference_grad(initial, recorder.weights[1], ours.windows[1], "grpo", 0.05, False, tok)
+    assert relative_error(recorder.grads[1], stale) > 1e-6
+
+    _, trl_recorder, _, trl_seen = grpo_run(tmp_path / "trl", trl.GRPOTrainer, trl.GRPOConfig, 5, 4, **config)
+    assert trl_seen == [5] * 12
+    for step in range(3):
+        assert relative_error(trl_recorder.grads[step], recorder.grads[step]) <= 1e-10, step
+
+
 # --- refusals: before the first optimizer step, one line naming the fix ----------------------------------------
 def test_bnpo_is_refused_when_the_config_is_built_naming_dapo():
     with pytest.raises(ValueError, match=r"^loss_type='bnpo' divides each forward's token sum by that forward's own "
@@ -236,7 +272,6 @@ def test_bnpo_is_refused_when_the_config_is_built_naming_dapo():
 
 @pytest.mark.parametrize(("config", "words"), [
     (dict(steps_per_generation=4), r"steps_per_generation=4 differs from gradient_accumulation_steps=2"),
-    (dict(num_iterations=2), r"num_iterations=2 reuses a generation batch"),
     (dict(top_entropy_quantile=0.5), r"top_entropy_quantile=0.5 masks tokens"),
     (dict(entropy_coef=0.01), r"the entropy bonus"),
     (dict(loss_normalization="tokens", loss_type="grpo"), r"loss_normalization='tokens' does not fit loss_type='grpo'"),

@@ -68,6 +68,20 @@ def grpo_generated_slices(trainer, loaded, rows_per_forward=contextlib.nullconte
     return list(trainer._buffered_inputs)
 
 
+def grpo_reused_slices(trainer) -> list[dict] | None:
+    """The slices of the last generation batch when this optimizer step trains on it again (None: generate).
+
+    With `num_iterations` > 1, `GRPOTrainer._prepare_inputs` generates once every `steps_per_generation x
+    num_iterations` of its micro-steps and otherwise returns the buffered slices again; with `steps_per_generation`
+    = accumulation (hf_accum's layout) that is one generation every `num_iterations` optimizer steps. The batch
+    then holds `old_per_token_logps` (TRL computes them at generation when the accumulation is not a multiple of
+    that period), so the later steps' importance ratios are against the generating policy, as TRL's. An empty
+    buffer (a resumed run) generates, as TRL does. Pinned by tests/test_compat.py."""
+    if trainer._buffered_inputs is None or trainer.state.global_step % trainer.num_iterations == 0:
+        return None
+    return list(trainer._buffered_inputs)
+
+
 def grpo_prompt_lengths(trainer, prompts: list) -> list[int]:
     """Tokens of each prompt as GRPOTrainer generates from it (`_tokenize_prompts`: its chat template, tools)."""
     prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
