@@ -76,9 +76,9 @@ def grpo_refusal(args, normalization: str) -> str | None:
     if args.top_entropy_quantile < 1.0:
         return (f"top_entropy_quantile={args.top_entropy_quantile} masks tokens by an entropy quantile of each forward, "
                 "so the loss depends on the cut. Set top_entropy_quantile=1.0, or loss_normalization='model'.")
-    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        return ("the entropy bonus (entropy_coef, use_adaptive_entropy) is a token mean of each forward, so the loss "
-                "depends on the cut. Set entropy_coef=0.0 and use_adaptive_entropy=False, or "
+    if args.use_adaptive_entropy:
+        return ("use_adaptive_entropy=True changes entropy_coef inside the window's last forward, which hf_accum does "
+                "not rescale yet. Set use_adaptive_entropy=False (a static entropy_coef is exact), or "
                 "loss_normalization='model'.")
     if Settings(args).micro_batching == "tokens":
         return ("micro_batching='tokens' does not cut GRPO's generation batches yet. Set micro_batching='samples' "
@@ -109,15 +109,19 @@ class GRPOAdapter(TrainerAdapter):
     def window(self, trainer, batch_samples: list) -> list:
         # TRL's sampler loads the same generation batch steps_per_generation (= accumulation) times per window, and
         # num_iterations windows in a row; each window is the whole generation batch (one optimizer step)
-        reused = trl_internals.grpo_reused_slices(trainer)
-        if reused is not None:
-            return reused
-        trainer.model.train()  # TRL's _prepare_inputs generates for training only in train mode
-        engine = trainer._engine
-        cut = engine.cut_units if engine is not None else trainer.planner.cut(trainer.plan)
-        with generation_in_chunks(trainer, cut or trainer.args.per_device_train_batch_size):
-            rows = functools.partial(rows_per_device, trainer.args, cut)
-            return trl_internals.grpo_generated_slices(trainer, batch_samples[0], rows)
+        slices = trl_internals.grpo_reused_slices(trainer)
+        if slices is None:
+            trainer.model.train()  # TRL's _prepare_inputs generates for training only in train mode
+            engine = trainer._engine
+            cut = engine.cut_units if engine is not None else trainer.planner.cut(trainer.plan)
+            with generation_in_chunks(trainer, cut or trainer.args.per_device_train_batch_size):
+                rows = functools.partial(rows_per_device, trainer.args, cut)
+                slices = trl_internals.grpo_generated_slices(trainer, batch_samples[0], rows)
+        if trl_internals.grpo_entropy_bonus(trainer):
+            # the bonus is a token mean over the window: its count, over every rank
+            tokens = sum(loss_mask(s).sum() for s in slices)
+            trainer._hf_accum_entropy_tokens = trainer.accelerator.reduce(tokens, reduction="sum")
+        return slices
 
     def prepared(self, inputs) -> bool:
         return isinstance(inputs, Mapping) and "completion_ids" in inputs and "advantages" in inputs
@@ -127,7 +131,11 @@ class GRPOAdapter(TrainerAdapter):
         # other losses' means by the accumulation: with the window length 1 and this count, every loss type returns
         # the forward's own mean, which the mixin scales to its exact share of the window.
         count = local_count * trainer.accelerator.num_processes * trainer.args.steps_per_generation
-        return {**trimmed(inputs), "num_items_in_batch": count}, trainer_internals.window_length_set(trainer, 1)
+        factor = None
+        if trl_internals.grpo_entropy_bonus(trainer):
+            factor = entropy_bonus_factor(loss_mask(inputs).sum(), trainer._hf_accum_entropy_tokens,
+                                          trainer._engine.share(local_count), trainer.accelerator.num_processes)
+        return {**trimmed(inputs), "num_items_in_batch": count}, forward_context(trainer, factor)
 
     def before_train(self, trainer) -> None:
         # The plan sets the micro-batch and accumulation; one generation batch per optimizer step follows from them.
@@ -165,6 +173,34 @@ class GRPOAdapter(TrainerAdapter):
 
     def check_data(self, trainer) -> bool:
         return False  # the rows are prompts: their completions do not exist yet
+
+
+@contextlib.contextmanager
+def forward_context(trainer, entropy_factor: float | None):
+    """One forward: the window length 1 (see `GRPOAdapter.chunk`), the entropy coefficient scaled by
+    ``entropy_factor`` (None: no entropy bonus)."""
+    with trainer_internals.window_length_set(trainer, 1):
+        if entropy_factor is None:
+            yield
+            return
+        with trl_internals.grpo_entropy_coef_scaled(trainer, entropy_factor):
+            yield
+
+
+def loss_mask(batch: Mapping) -> torch.Tensor:
+    """TRL's loss mask of a GRPO batch: completion tokens, less tool outputs where tools ran."""
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+
+
+def entropy_bonus_factor(forward_tokens, window_tokens, share, world: int) -> float:
+    """What one forward's entropy coefficient is multiplied by so that the bonus is a token mean over the window.
+
+    TRL subtracts coef x (the forward's entropy sum / its ``forward_tokens``); the mixin scales the forward's loss
+    by ``share`` (its count over the window's, x ``world``: DDP averages over ranks). The window's bonus is coef x
+    entropy sum / ``window_tokens`` (every rank's), so each forward's coefficient is multiplied by
+    forward_tokens x world / (window_tokens x share): 1 when the loss is itself a token mean (dapo)."""
+    return float(forward_tokens * world / (window_tokens * share))
 
 
 def generate_in_chunks(generate: Callable[[list], tuple], prompts: list, rows: int) -> tuple[tuple, int]:

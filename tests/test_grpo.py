@@ -147,22 +147,27 @@ def advantages_by_hand(batch: dict, tok) -> torch.Tensor:
     return out
 
 
-def completion_logps(model, batch: dict) -> torch.Tensor:
-    """log p(completion token t | prompt, completion tokens before t), from the full logits, float64."""
+def completion_logps(model, batch: dict, entropies: bool = False):
+    """log p(completion token t | prompt, completion tokens before t), from the full logits, float64 (and, with
+    ``entropies``, the entropy of each of those distributions)."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     width = batch["completion_ids"].shape[1]
     logits = model(input_ids=ids, attention_mask=attention).logits[:, -width - 1:-1]
-    return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    logp = torch.log_softmax(logits, -1)
+    picked = logp.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    return (picked, -(logp.exp() * logp).sum(-1)) if entropies else picked
 
 
 def reference_grad(initial, weights: dict, window: list[dict], loss_type: str, beta: float, sequence_level: bool,
-                   tok, generating: dict | None = None) -> dict:
+                   tok, generating: dict | None = None, entropy_coef: float = 0.0) -> dict:
     """The gradient of the step's GRPO loss over the whole generation batch, written out by hand: the clipped
     surrogate (importance ratio exp(logp - logp.detach()) per token, or of its masked mean per completion at sequence
     level), plus beta x the k3 KL estimate to the reference times the ratio (the base model: adapters disabled), normalized as
     ``loss_type`` defines it over the whole batch. ``generating``: the weights that generated the batch when they
-    are not ``weights`` (num_iterations > 1), whose log-probabilities the ratio is then taken against."""
+    are not ``weights`` (num_iterations > 1), whose log-probabilities the ratio is then taken against.
+    ``entropy_coef``: minus that times the token mean over the whole batch of each completion token's entropy (TRL's
+    static entropy bonus)."""
     batch = merged(window)
     model = copy.deepcopy(initial)
     if any(name.startswith("base_model.") for name in weights):  # trained as a LoRA adapter
@@ -176,7 +181,7 @@ def reference_grad(initial, weights: dict, window: list[dict], loss_type: str, b
     # TRL computes rewards and advantages in float32: the batch's values are the ones trained on, checked here
     advantages = batch["advantages"].double()
     assert torch.allclose(advantages_by_hand(batch, tok), advantages, rtol=0, atol=1e-5)
-    logps = completion_logps(model, batch)
+    logps, entropy = completion_logps(model, batch, entropies=True)
     old = logps.detach()
     if generating is not None:
         policy = copy.deepcopy(model)
@@ -201,6 +206,7 @@ def reference_grad(initial, weights: dict, window: list[dict], loss_type: str, b
             "grpo": (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).mean(),
             "dr_grpo": per_token.sum() / (rows * MAX_COMPLETION),
             "luspo": per_token.sum(-1).mean()}[loss_type]
+    loss = loss - entropy_coef * (entropy * mask).sum() / mask.sum()
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -263,6 +269,27 @@ def test_num_iterations_trains_each_generation_batch_that_many_steps_exactly(tmp
         assert relative_error(trl_recorder.grads[step], recorder.grads[step]) <= 1e-10, step
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_the_static_entropy_bonus_is_a_token_mean_over_the_generation_batch(tmp_path, loss_type):
+    """entropy_coef > 0 (TRL's static entropy bonus: coef x the token mean of the completion tokens' entropies):
+    through uneven cuts and an OOM, the bonus is the token mean over the whole generation batch (its count the
+    window's tokens, also under grpo's per-completion normalization), as in GRPOTrainer's step over one micro-batch
+    of the whole batch; TRL's 4 micro-batches average 4 token means instead."""
+    tok = tiny.build_tokenizer()
+    config = dict(loss_type=loss_type, entropy_coef=0.1, max_steps=1)
+    ours, recorder, initial, seen = grpo_run(tmp_path / "ours", AccumGRPOTrainer, AccumGRPOConfig, 5, 4,
+                                             oom_calls=(2,), auto_tune=False, target_batch_size=20, **config)
+    assert seen[:2] == [5, 5] and sorted(set(seen[2:])) == [2, 3]
+    want = reference_grad(initial, recorder.weights[0], ours.windows[0], loss_type, 0.0, False, tok, entropy_coef=0.1)
+    assert relative_error(recorder.grads[0], want) <= 1e-10
+    without = reference_grad(initial, recorder.weights[0], ours.windows[0], loss_type, 0.0, False, tok)
+    assert relative_error(recorder.grads[0], without) > 1e-4  # the bonus moves the gradient
+    assert ours.state.log_history[0]["entropy_coef"] == pytest.approx(0.1, rel=1e-12)  # the user's, not scaled
+
+    _, whole, _, _ = grpo_run(tmp_path / "trl", trl.GRPOTrainer, trl.GRPOConfig, 20, 1, **config)
+    assert relative_error(whole.grads[0], recorder.grads[0]) <= 1e-10
+
+
 # --- refusals: before the first optimizer step, one line naming the fix ----------------------------------------
 def test_bnpo_is_refused_when_the_config_is_built_naming_dapo():
     with pytest.raises(ValueError, match=r"^loss_type='bnpo' divides each forward's token sum by that forward's own "
@@ -273,7 +300,7 @@ def test_bnpo_is_refused_when_the_config_is_built_naming_dapo():
 @pytest.mark.parametrize(("config", "words"), [
     (dict(steps_per_generation=4), r"steps_per_generation=4 differs from gradient_accumulation_steps=2"),
     (dict(top_entropy_quantile=0.5), r"top_entropy_quantile=0.5 masks tokens"),
-    (dict(entropy_coef=0.01), r"the entropy bonus"),
+    (dict(use_adaptive_entropy=True), r"use_adaptive_entropy=True changes entropy_coef"),
     (dict(loss_normalization="tokens", loss_type="grpo"), r"loss_normalization='tokens' does not fit loss_type='grpo'"),
     (dict(micro_batching="tokens", max_tokens_per_forward=64), r"micro_batching=.tokens. does not cut GRPO"),
 ])

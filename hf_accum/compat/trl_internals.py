@@ -82,6 +82,28 @@ def grpo_reused_slices(trainer) -> list[dict] | None:
     return list(trainer._buffered_inputs)
 
 
+def grpo_entropy_bonus(trainer) -> bool:
+    """Whether GRPOTrainer's `_compute_loss` subtracts the entropy bonus (`entropy_coef` x the token mean of the
+    forward's entropies over its loss mask, divided by the accumulation)."""
+    return trainer._entropy_bonus_enabled
+
+
+@contextlib.contextmanager
+def grpo_entropy_coef_scaled(trainer, factor: float):
+    """GRPOTrainer's static `entropy_coef` times ``factor`` for one forward (`_compute_loss` reads it as the
+    bonus's coefficient and logs it as the ``entropy_coef`` metric at the window's last forward: the metric keeps
+    the user's value). Pinned by tests/test_compat.py."""
+    coef = trainer.entropy_coef
+    logged = trainer._metrics["train"]["entropy_coef"]
+    before = len(logged)
+    trainer.entropy_coef = coef * factor
+    try:
+        yield
+    finally:
+        trainer.entropy_coef = coef
+        logged[before:] = [coef] * (len(logged) - before)
+
+
 def grpo_prompt_lengths(trainer, prompts: list) -> list[int]:
     """Tokens of each prompt as GRPOTrainer generates from it (`_tokenize_prompts`: its chat template, tools)."""
     prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
