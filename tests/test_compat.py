@@ -558,12 +558,12 @@ def test_grpo_generates_into_its_buffer_when_it_is_empty():
     generated = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     assert "if self.args.gradient_accumulation_steps % generate_every != 0" in generated
     assert 'output["old_per_token_logps"] = old_per_token_logps' in generated
+    loss = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes' in loss
+    assert "normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation" in loss
+    assert loss.count("normalizer = self.current_gradient_accumulation_steps if mode == \"train\" else 1.0") >= 3
     # the static entropy bonus: entropy_coef read per forward, over the forward's token mean of the loss mask, and
     # logged as a metric (trl_internals.grpo_entropy_coef_scaled)
     assert "if self._entropy_bonus_enabled:" in loss and "apply_coef = self.entropy_coef" in loss
     assert "(entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_factor" in loss
     assert 'self._metrics[mode]["entropy_coef"].append(self.entropy_coef)' in loss
-    loss = inspect.getsource(GRPOTrainer._compute_loss)
-    assert 'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes' in loss
-    assert "normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation" in loss
-    assert loss.count("normalizer = self.current_gradient_accumulation_steps if mode == \"train\" else 1.0") >= 3
