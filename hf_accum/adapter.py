@@ -41,9 +41,14 @@ class TrainerAdapter:
     def before_train(self, trainer) -> None:
         """Once the plan is in force, before `Trainer.train` builds the dataloader."""
 
-    def probe_batches(self, trainer):
-        """``(make_batch, seq_len)`` for the probe: its training batches of ``micro`` units at the worst-case length
-        (None: the longest training example, collated; planning/data_scan.py)."""
+    def cutter(self, cutter):
+        """The window engine's `units.Cutter` (a subclass where the trainer's rows measure their length otherwise)."""
+        return cutter
+
+    def probe_batches(self, trainer, shortest: int | None = None):
+        """``(make_batch, seq_len)`` for the probe: its training batches of ``micro`` units at the worst-case length,
+        or (``shortest``) at the shortest length of at least that many tokens, for the token budget's second probe
+        (None: the training examples, collated; planning/data_scan.py)."""
         return None
 
     def check_data(self, trainer) -> bool:

@@ -33,8 +33,9 @@ from .adapter import TrainerAdapter
 from .compat import trainer_internals, trl_internals
 from .loss import LabelSpec
 from .oom import guarded
+from .planning.planner import token_budget
 from .planning.rows import rows_per_device
-from .settings import Settings
+from .units import Cutter
 
 TOKEN_MEAN_LOSSES = frozenset({"dapo", "cispo", "vespo"})
 SEQUENCE_MEAN_LOSSES = frozenset({"grpo", "sapo", "luspo", "dr_grpo"})
@@ -80,9 +81,6 @@ def grpo_refusal(args, normalization: str) -> str | None:
         return ("use_adaptive_entropy=True changes entropy_coef inside the window's last forward, which hf_accum does "
                 "not rescale yet. Set use_adaptive_entropy=False (a static entropy_coef is exact), or "
                 "loss_normalization='model'.")
-    if Settings(args).micro_batching == "tokens":
-        return ("micro_batching='tokens' does not cut GRPO's generation batches yet. Set micro_batching='samples' "
-                "(forwards of whole completions; each is trimmed to its longest completion).")
     return None
 
 
@@ -112,8 +110,7 @@ class GRPOAdapter(TrainerAdapter):
         slices = trl_internals.grpo_reused_slices(trainer)
         if slices is None:
             trainer.model.train()  # TRL's _prepare_inputs generates for training only in train mode
-            engine = trainer._engine
-            cut = engine.cut_units if engine is not None else trainer.planner.cut(trainer.plan)
+            cut = forward_rows(trainer, batch_samples[0])
             with generation_in_chunks(trainer, cut or trainer.args.per_device_train_batch_size):
                 rows = functools.partial(rows_per_device, trainer.args, cut)
                 slices = trl_internals.grpo_generated_slices(trainer, batch_samples[0], rows)
@@ -137,23 +134,29 @@ class GRPOAdapter(TrainerAdapter):
                                           trainer._engine.share(local_count), trainer.accelerator.num_processes)
         return {**trimmed(inputs), "num_items_in_batch": count}, forward_context(trainer, factor)
 
+    def cutter(self, cutter: Cutter) -> Cutter:
+        return CompletionRows(cutter.unit, cutter.labels)
+
     def before_train(self, trainer) -> None:
         # The plan sets the micro-batch and accumulation; one generation batch per optimizer step follows from them.
         args = trainer.args
         args.steps_per_generation = args.gradient_accumulation_steps
         args.generation_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
-    def probe_batches(self, trainer):
+    def probe_batches(self, trainer, shortest: int | None = None):
         """GRPO's training step at its worst case: every completion max_completion_length tokens after the longest
         prompt of the training set (or probe_seq_len - max_completion_length prompt tokens), random tokens, the
         reference's log-probabilities in the batch where beta > 0 (as generation leaves them: its forward runs
-        without gradients, at the plan's micro-batch, below the training step's peak)."""
+        without gradients, at the plan's micro-batch, below the training step's peak). ``shortest`` (the token
+        budget's shorter probes): completions of shortest - prompt tokens (at least 1), the prompt as long."""
         args = trainer.args
         completion = args.max_completion_length
         prompt = args.probe_seq_len - completion if args.probe_seq_len else longest_prompt(trainer)
         if prompt < 1:
             raise ValueError(f"probe_seq_len={args.probe_seq_len} leaves no prompt token after max_completion_length="
                              f"{completion}: set probe_seq_len to prompt + completion tokens.")
+        if shortest is not None:
+            completion = min(completion, max(1, shortest - prompt))
         vocab = trainer.model.config.get_text_config().vocab_size
         device = args.device
 
@@ -185,6 +188,35 @@ def forward_context(trainer, entropy_factor: float | None):
             return
         with trl_internals.grpo_entropy_coef_scaled(trainer, entropy_factor):
             yield
+
+
+class CompletionRows(Cutter):
+    """Rows of a generated batch: a row needs its prompt (the batch's width: left-padded) and its completion up to
+    its last token in the loss mask (`completion_mask`; most completions end before max_completion_length), so a
+    token budget (micro_batching="tokens") packs more short completions per forward. Each forward is then trimmed
+    to its own longest completion (`trimmed`). The window's count does not depend on the cut: exact for every
+    accepted loss type."""
+
+    def lengths(self, batch: Mapping) -> list[int]:
+        mask = batch["completion_mask"].bool()
+        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+        last = (positions * mask).amax(1).clamp(min=1)  # a forward keeps at least one completion column
+        return (last + batch["prompt_ids"].shape[1]).tolist()
+
+
+def forward_rows(trainer, loaded: list) -> int | None:
+    """Rows per no-gradient forward and per generation chunk of this generation batch: the plan's rows per forward,
+    or under a token budget the rows it holds at the longest prompt loaded + max_completion_length (None: as
+    loaded)."""
+    engine = trainer._engine
+    if engine is not None:
+        cut, budget = engine.cut_units, engine.token_budget
+    else:
+        cut, budget = trainer.planner.cut(trainer.plan), token_budget(trainer.plan)
+    if budget is None:
+        return cut
+    prompt = max(trl_internals.grpo_prompt_lengths(trainer, [example["prompt"] for example in loaded]))
+    return max(1, budget.rows(prompt + trainer.args.max_completion_length))
 
 
 def loss_mask(batch: Mapping) -> torch.Tensor:

@@ -268,7 +268,7 @@ class AccumulationMixin:
         return self._engine
 
     def _build_engine(self, batch, world: int) -> WindowEngine:
-        cutter = make_cutter(self.batch_unit or detect_unit(batch), self._label_spec())
+        cutter = self._adapter.cutter(make_cutter(self.batch_unit or detect_unit(batch), self._label_spec()))
         collective = TorchDistributed(world, self.args.device) if world > 1 else Local()
         policy = self.engine.window_policy(self.collectives_in_compute_loss)
         engine = WindowEngine(cutter, self._normalization, WindowProtocol(collective, policy),

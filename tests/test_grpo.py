@@ -160,7 +160,8 @@ def completion_logps(model, batch: dict, entropies: bool = False):
 
 
 def reference_grad(initial, weights: dict, window: list[dict], loss_type: str, beta: float, sequence_level: bool,
-                   tok, generating: dict | None = None, entropy_coef: float = 0.0) -> dict:
+                   tok, generating: dict | None = None, entropy_coef: float = 0.0,
+                   max_completion: int = MAX_COMPLETION) -> dict:
     """The gradient of the step's GRPO loss over the whole generation batch, written out by hand: the clipped
     surrogate (importance ratio exp(logp - logp.detach()) per token, or of its masked mean per completion at sequence
     level), plus beta x the k3 KL estimate to the reference times the ratio (the base model: adapters disabled), normalized as
@@ -204,7 +205,7 @@ def reference_grad(initial, weights: dict, window: list[dict], loss_type: str, b
     rows = mask.shape[0]
     loss = {"dapo": per_token.sum() / mask.sum(),
             "grpo": (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).mean(),
-            "dr_grpo": per_token.sum() / (rows * MAX_COMPLETION),
+            "dr_grpo": per_token.sum() / (rows * max_completion),
             "luspo": per_token.sum(-1).mean()}[loss_type]
     loss = loss - entropy_coef * (entropy * mask).sum() / mask.sum()
     loss.backward()
@@ -290,6 +291,78 @@ def test_the_static_entropy_bonus_is_a_token_mean_over_the_generation_batch(tmp_
     assert relative_error(whole.grads[0], recorder.grads[0]) <= 1e-10
 
 
+# --- micro_batching="tokens": forwards cut by the completions' real lengths -------------------------------------
+LONG = 64  # max_completion_length; the sampled completions have at most MAX_COMPLETION (9) tokens + EOS
+LONGEST_PROMPT = 22  # tokens of prompts(16)'s longest prompt
+BUDGET = 5 * (LONGEST_PROMPT + LONG)  # 5 rows at the worst case: "samples" mode's rows per forward at this memory
+
+
+def forwards_under_budget(trainer, seen):
+    """(rows, width) of each training forward, checked against the budget: each forward holds whole completions
+    and ends at its own longest one (never at LONG)."""
+    forwards = list(zip(seen, trainer.widths))
+    assert all(rows * width <= BUDGET for rows, width in forwards), forwards
+    assert max(width for _, width in forwards) <= LONGEST_PROMPT + MAX_COMPLETION + 1
+    return forwards
+
+
+TOKEN_CASES = [("dapo", 0.0), ("grpo", 0.05), ("dr_grpo", 0.0), ("luspo", 0.0)]
+
+
+@pytest.mark.parametrize(("loss_type", "beta"), TOKEN_CASES, ids=[f"{lt}-beta{b}" for lt, b in TOKEN_CASES])
+def test_a_token_budget_cuts_by_the_real_completion_lengths_exactly(tmp_path, caplog, loss_type, beta):
+    """micro_batching="tokens", 430 tokens per forward (5 rows of prompt + max_completion_length=64): the sampled
+    completions are 1-10 tokens, so the window of 20 completions is cut by their real lengths into forwards of
+    uneven row counts; the 1st forward runs out of memory and the window is re-cut under a smaller budget. The step
+    equals one pass over the generation batch, the loss by hand, for every loss type (the count is the window's)."""
+    tok = tiny.build_tokenizer()
+    level = "sequence" if loss_type == "luspo" else "token"
+    config = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, lora=beta > 0,
+                  max_completion_length=LONG)
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        ours, recorder, initial, seen = grpo_run(tmp_path, AccumGRPOTrainer, AccumGRPOConfig, 5, 4, oom_calls=(1,),
+                                                 auto_tune=False, target_batch_size=20, micro_batching="tokens",
+                                                 max_tokens_per_forward=BUDGET, **config)
+    assert "out of memory at step 0" in caplog.text
+    assert ours.args.gradient_accumulation_steps == 1 and ours.args.per_device_train_batch_size == 20
+    forwards = forwards_under_budget(ours, seen)
+    after = forwards[1:]  # the re-run window, whole completions
+    assert sum(rows for rows, _ in after) == 20 and len({rows for rows, _ in after}) > 1  # uneven cuts
+    assert [sum(len(b["advantages"]) for b in w) for w in ours.windows] == [20]
+    want = reference_grad(initial, recorder.weights[0], ours.windows[0], loss_type, beta, level == "sequence", tok,
+                          max_completion=LONG)
+    assert relative_error(recorder.grads[0], want) <= 1e-10
+
+
+def test_a_token_budget_runs_fewer_forwards_than_samples_mode_on_short_completions(tmp_path):
+    """At the memory of 5 worst-case rows per forward ("samples" mode: 4 forwards of 5 for 20 completions), the
+    short completions' real lengths fit 20 rows in fewer forwards; the generation and its no-gradient forwards run
+    in chunks of the 5 rows the budget holds at the worst case."""
+    chunks = []
+
+    class Trainer(AccumGRPOTrainer):
+        def train(self, *args, **kwargs):
+            sample = self._generate_single_turn
+
+            def generate(prompt_ids, *rest):
+                chunks.append(len(prompt_ids))
+                return sample(prompt_ids, *rest)
+
+            self._generate_single_turn = generate
+            return super().train(*args, **kwargs)
+
+    tokens, _, _, token_seen = grpo_run(tmp_path / "tokens", Trainer, AccumGRPOConfig, 5, 4, auto_tune=False,
+                                        target_batch_size=20, micro_batching="tokens", max_tokens_per_forward=BUDGET,
+                                        loss_type="grpo", max_completion_length=LONG)
+    samples, _, _, sample_seen = grpo_run(tmp_path / "samples", AccumGRPOTrainer, AccumGRPOConfig, 5, 4,
+                                          auto_tune=False, target_batch_size=20, loss_type="grpo",
+                                          max_completion_length=LONG)
+    assert sample_seen == [5, 5, 5, 5]
+    forwards = forwards_under_budget(tokens, token_seen)
+    assert sum(rows for rows, _ in forwards) == 20 and len(forwards) < len(sample_seen)
+    assert chunks and max(chunks) <= 5  # BUDGET // (longest prompt + LONG) prompts per generation chunk
+
+
 # --- refusals: before the first optimizer step, one line naming the fix ----------------------------------------
 def test_bnpo_is_refused_when_the_config_is_built_naming_dapo():
     with pytest.raises(ValueError, match=r"^loss_type='bnpo' divides each forward's token sum by that forward's own "
@@ -302,7 +375,6 @@ def test_bnpo_is_refused_when_the_config_is_built_naming_dapo():
     (dict(top_entropy_quantile=0.5), r"top_entropy_quantile=0.5 masks tokens"),
     (dict(use_adaptive_entropy=True), r"use_adaptive_entropy=True changes entropy_coef"),
     (dict(loss_normalization="tokens", loss_type="grpo"), r"loss_normalization='tokens' does not fit loss_type='grpo'"),
-    (dict(micro_batching="tokens", max_tokens_per_forward=64), r"micro_batching=.tokens. does not cut GRPO"),
 ])
 def test_what_cannot_be_exact_is_refused_by_the_config(config, words):
     with pytest.raises(ValueError, match=words):

@@ -27,12 +27,15 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
     # A forward never holds more rows than the window, so below at_longest / per_rank tokens per row the chunks
     # are whole windows whose peak grows with their length: the short end that matters is the shortest example
     # at or above that length.
-    make_short, short_len = probe_batches(trainer, shortest=-(-at_longest // per_rank), lengths=lengths)
+    def batches(shortest):  # GRPO's: its own training batches (adapter.probe_batches)
+        return trainer._adapter.probe_batches(trainer, shortest) or probe_batches(trainer, shortest, lengths)
+
+    make_short, short_len = batches(-(-at_longest // per_rank))
     measured = {seq_len: result}
     if short_len < seq_len:
         measured[short_len], _ = probe(make_short, short_len)
         # a third length between them pins a row's cost that does not grow with its length (cost_model)
-        make_mid, mid_len = probe_batches(trainer, shortest=round(math.sqrt(short_len * seq_len)), lengths=lengths)
+        make_mid, mid_len = batches(round(math.sqrt(short_len * seq_len)))
         if short_len < mid_len < seq_len:
             measured[mid_len], _ = probe(make_mid, mid_len)
     rows_at = {length: r.max_micro_batch_size for length, r in measured.items()}
