@@ -74,9 +74,6 @@ def grpo_refusal(args, normalization: str) -> str | None:
         return (f"steps_per_generation={args.steps_per_generation} differs from gradient_accumulation_steps="
                 f"{args.gradient_accumulation_steps}: hf_accum trains one generation batch per optimizer step. Leave "
                 "steps_per_generation and generation_batch_size unset, or set loss_normalization='model'.")
-    if args.top_entropy_quantile < 1.0:
-        return (f"top_entropy_quantile={args.top_entropy_quantile} masks tokens by an entropy quantile of each forward, "
-                "so the loss depends on the cut. Set top_entropy_quantile=1.0, or loss_normalization='model'.")
     if args.use_adaptive_entropy:
         return ("use_adaptive_entropy=True changes entropy_coef inside the window's last forward, which hf_accum does "
                 "not rescale yet. Set use_adaptive_entropy=False (a static entropy_coef is exact), or "
@@ -108,15 +105,17 @@ class GRPOAdapter(TrainerAdapter):
         # TRL's sampler loads the same generation batch steps_per_generation (= accumulation) times per window, and
         # num_iterations windows in a row; each window is the whole generation batch (one optimizer step)
         slices = trl_internals.grpo_reused_slices(trainer)
+        cut = forward_rows(trainer, batch_samples[0])
         if slices is None:
             trainer.model.train()  # TRL's _prepare_inputs generates for training only in train mode
-            cut = forward_rows(trainer, batch_samples[0])
             with generation_in_chunks(trainer, cut or trainer.args.per_device_train_batch_size):
                 rows = functools.partial(rows_per_device, trainer.args, cut)
                 slices = trl_internals.grpo_generated_slices(trainer, batch_samples[0], rows)
+        if trainer.args.top_entropy_quantile < 1.0:
+            slices = with_entropy_masks(trainer, slices, cut)
         if trl_internals.grpo_entropy_bonus(trainer):
             # the bonus is a token mean over the window: its count, over every rank
-            tokens = sum(loss_mask(s).sum() for s in slices)
+            tokens = sum(bonus_mask(s).sum() for s in slices)
             trainer._hf_accum_entropy_tokens = trainer.accelerator.reduce(tokens, reduction="sum")
         return slices
 
@@ -128,11 +127,13 @@ class GRPOAdapter(TrainerAdapter):
         # other losses' means by the accumulation: with the window length 1 and this count, every loss type returns
         # the forward's own mean, which the mixin scales to its exact share of the window.
         count = local_count * trainer.accelerator.num_processes * trainer.args.steps_per_generation
+        inputs = trimmed(inputs)
         factor = None
         if trl_internals.grpo_entropy_bonus(trainer):
-            factor = entropy_bonus_factor(loss_mask(inputs).sum(), trainer._hf_accum_entropy_tokens,
+            factor = entropy_bonus_factor(bonus_mask(inputs).sum(), trainer._hf_accum_entropy_tokens,
                                           trainer._engine.share(local_count), trainer.accelerator.num_processes)
-        return {**trimmed(inputs), "num_items_in_batch": count}, forward_context(trainer, factor)
+        keep = inputs.pop(ENTROPY_MASK, None)
+        return {**inputs, "num_items_in_batch": count}, forward_context(trainer, factor, keep)
 
     def cutter(self, cutter: Cutter) -> Cutter:
         return CompletionRows(cutter.unit, cutter.labels)
@@ -179,15 +180,47 @@ class GRPOAdapter(TrainerAdapter):
 
 
 @contextlib.contextmanager
-def forward_context(trainer, entropy_factor: float | None):
+def forward_context(trainer, entropy_factor: float | None, keep: torch.Tensor | None):
     """One forward: the window length 1 (see `GRPOAdapter.chunk`), the entropy coefficient scaled by
-    ``entropy_factor`` (None: no entropy bonus)."""
-    with trainer_internals.window_length_set(trainer, 1):
-        if entropy_factor is None:
-            yield
-            return
-        with trl_internals.grpo_entropy_coef_scaled(trainer, entropy_factor):
-            yield
+    ``entropy_factor`` (None: no entropy bonus), the entropy filter's mask ``keep`` (None: no filter)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(trainer_internals.window_length_set(trainer, 1))
+        if entropy_factor is not None:
+            stack.enter_context(trl_internals.grpo_entropy_coef_scaled(trainer, entropy_factor))
+        if keep is not None:
+            stack.enter_context(trl_internals.grpo_entropy_mask_fixed(trainer, keep))
+        yield
+
+
+ENTROPY_MASK = "hf_accum_entropy_mask"  # the window's entropy filter, per completion token (with_entropy_masks)
+
+
+def with_entropy_masks(trainer, slices: list[dict], rows: int | None) -> list[dict]:
+    """top_entropy_quantile < 1: TRL trains only on the completion tokens whose entropy is at least a quantile of
+    the entropies of its forward (over every rank), so its loss depends on the cut. hf_accum takes the quantile
+    over the whole generation batch once per optimizer step: a no-gradient forward over the window (``rows`` per
+    chunk) at the step's weights, TRL's own `get_high_entropy_mask` on all of its tokens, and each slice carries its
+    rows of the mask to the forwards that train on them. Exact under any cut (the mask does not depend on it); the
+    cost is one more no-gradient forward per step."""
+    if any("pixel_values" in s for s in slices):
+        raise ValueError("top_entropy_quantile < 1 with images: hf_accum's window-wide entropy filter does not forward "
+                         "images. Set top_entropy_quantile=1.0, or loss_normalization='model'.")
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask")
+    batch = {k: torch.cat([s[k] for s in slices]) for k in keys if k in slices[0]}
+    entropies = trl_internals.grpo_entropies(trainer, batch, rows or len(batch["completion_ids"]))
+    keep = trainer.get_high_entropy_mask(entropies, loss_mask(batch), 1 - trainer.args.top_entropy_quantile)
+    out, start = [], 0
+    for s in slices:
+        n = len(s["completion_ids"])
+        out.append({**s, ENTROPY_MASK: keep[start:start + n]})
+        start += n
+    return out
+
+
+def bonus_mask(batch: Mapping) -> torch.Tensor:
+    """The tokens TRL's entropy bonus averages over: the loss mask, less the entropy filter's tokens."""
+    mask = loss_mask(batch)
+    return mask * batch[ENTROPY_MASK] if ENTROPY_MASK in batch else mask
 
 
 class CompletionRows(Cutter):

@@ -567,3 +567,8 @@ def test_grpo_generates_into_its_buffer_when_it_is_empty():
     assert "if self._entropy_bonus_enabled:" in loss and "apply_coef = self.entropy_coef" in loss
     assert "(entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_factor" in loss
     assert 'self._metrics[mode]["entropy_coef"].append(self.entropy_coef)' in loss
+    # the entropy filter: its mask from the method hf_accum replaces per forward (trl_internals.grpo_entropy_mask_fixed)
+    assert "entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)" in loss
+    params = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
+    assert list(params)[1:5] == ["model", "input_ids", "attention_mask", "logits_to_keep"]
+    assert "batch_size" in params and "compute_entropy" in params

@@ -161,14 +161,16 @@ def completion_logps(model, batch: dict, entropies: bool = False):
 
 def reference_grad(initial, weights: dict, window: list[dict], loss_type: str, beta: float, sequence_level: bool,
                    tok, generating: dict | None = None, entropy_coef: float = 0.0,
-                   max_completion: int = MAX_COMPLETION) -> dict:
+                   max_completion: int = MAX_COMPLETION, top_entropy_quantile: float = 1.0) -> dict:
     """The gradient of the step's GRPO loss over the whole generation batch, written out by hand: the clipped
     surrogate (importance ratio exp(logp - logp.detach()) per token, or of its masked mean per completion at sequence
     level), plus beta x the k3 KL estimate to the reference times the ratio (the base model: adapters disabled), normalized as
     ``loss_type`` defines it over the whole batch. ``generating``: the weights that generated the batch when they
     are not ``weights`` (num_iterations > 1), whose log-probabilities the ratio is then taken against.
     ``entropy_coef``: minus that times the token mean over the whole batch of each completion token's entropy (TRL's
-    static entropy bonus)."""
+    static entropy bonus). ``top_entropy_quantile`` < 1: the surrogate (and the bonus) only on the completion tokens
+    whose entropy is at least the (1 - quantile) quantile of all the batch's completion tokens' entropies (taken in
+    float32, as TRL does)."""
     batch = merged(window)
     model = copy.deepcopy(initial)
     if any(name.startswith("base_model.") for name in weights):  # trained as a LoRA adapter
@@ -195,6 +197,12 @@ def reference_grad(initial, weights: dict, window: list[dict], loss_type: str, b
     ratio = torch.exp(log_ratio)
     a = advantages.unsqueeze(1)
     per_token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - 0.2, 1 + 0.2) * a)
+    bonus = mask
+    if top_entropy_quantile < 1.0:
+        threshold = torch.quantile(entropy.detach()[mask.bool()].float(), 1 - top_entropy_quantile)
+        high = ((entropy.detach() * mask >= threshold) & mask.bool()).double()
+        assert 0 < high.sum() < mask.sum()
+        per_token, bonus = per_token * high, mask * high
     if beta:
         with torch.no_grad(), model.disable_adapter():
             ref = completion_logps(model, batch)
@@ -207,7 +215,7 @@ def reference_grad(initial, weights: dict, window: list[dict], loss_type: str, b
             "grpo": (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).mean(),
             "dr_grpo": per_token.sum() / (rows * max_completion),
             "luspo": per_token.sum(-1).mean()}[loss_type]
-    loss = loss - entropy_coef * (entropy * mask).sum() / mask.sum()
+    loss = loss - entropy_coef * (entropy * bonus).sum() / bonus.sum()
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -291,6 +299,31 @@ def test_the_static_entropy_bonus_is_a_token_mean_over_the_generation_batch(tmp_
     assert relative_error(whole.grads[0], recorder.grads[0]) <= 1e-10
 
 
+@pytest.mark.parametrize(("loss_type", "entropy_coef"), [("dapo", 0.0), ("grpo", 0.1)])
+def test_the_entropy_filter_takes_its_quantile_over_the_generation_batch(tmp_path, loss_type, entropy_coef):
+    """top_entropy_quantile=0.2 (TRL trains on the 20% highest-entropy completion tokens of each forward): hf_accum's
+    quantile is over the whole generation batch, so through uneven cuts and an OOM the step equals one pass over
+    the batch with the filter written by hand, and GRPOTrainer's step over one micro-batch of the whole batch (with
+    the static entropy bonus over the same tokens, for grpo); TRL's 4 micro-batches take 4 quantiles instead."""
+    tok = tiny.build_tokenizer()
+    config = dict(loss_type=loss_type, top_entropy_quantile=0.2, entropy_coef=entropy_coef)
+    ours, recorder, initial, seen = grpo_run(tmp_path / "ours", AccumGRPOTrainer, AccumGRPOConfig, 5, 4,
+                                             oom_calls=(2,), auto_tune=False, target_batch_size=20, **config)
+    assert seen[:2] == [5, 5] and sorted(set(seen[2:])) == [2, 3]
+    window = ours.windows[0]
+    want = reference_grad(initial, recorder.weights[0], window, loss_type, 0.0, False, tok,
+                          entropy_coef=entropy_coef, top_entropy_quantile=0.2)
+    assert relative_error(recorder.grads[0], want) <= 1e-10
+    unfiltered = reference_grad(initial, recorder.weights[0], window, loss_type, 0.0, False, tok,
+                                entropy_coef=entropy_coef)
+    assert relative_error(recorder.grads[0], unfiltered) > 1e-3
+
+    _, whole, _, _ = grpo_run(tmp_path / "whole", trl.GRPOTrainer, trl.GRPOConfig, 20, 1, **config)
+    assert relative_error(whole.grads[0], recorder.grads[0]) <= 1e-10
+    _, four, _, _ = grpo_run(tmp_path / "four", trl.GRPOTrainer, trl.GRPOConfig, 5, 4, **config)
+    assert relative_error(four.grads[0], recorder.grads[0]) > 1e-3  # TRL's per-forward quantiles: cut-dependent
+
+
 # --- micro_batching="tokens": forwards cut by the completions' real lengths -------------------------------------
 LONG = 64  # max_completion_length; the sampled completions have at most MAX_COMPLETION (9) tokens + EOS
 LONGEST_PROMPT = 22  # tokens of prompts(16)'s longest prompt
@@ -363,6 +396,21 @@ def test_a_token_budget_runs_fewer_forwards_than_samples_mode_on_short_completio
     assert chunks and max(chunks) <= 5  # BUDGET // (longest prompt + LONG) prompts per generation chunk
 
 
+def test_auto_tune_with_a_token_budget_probes_grpo_batches_at_shorter_completions(tmp_path):
+    """micro_batching="tokens" with auto_tune: the probe measures GRPO's training step at the worst case (longest
+    prompt + max_completion_length) and, for the budget's short end, at shorter completions after the same prompt
+    (not the prompts collated as training examples); the plan loads the whole generation batch (accumulation 1)."""
+    trainer, _, _, seen = grpo_run(tmp_path, AccumGRPOTrainer, AccumGRPOConfig, 8, 1, target_batch_size=20,
+                                   micro_batching="tokens", probe_max_micro_batch=5, loss_type="grpo",
+                                   max_completion_length=LONG)
+    plan = trainer.plan
+    assert plan.token_budget is not None and (plan.micro_batch_size, plan.gradient_accumulation_steps) == (20, 1)
+    probed = set(trainer.widths[:-1])  # the last forward is the training step's
+    assert max(probed) == LONGEST_PROMPT + LONG and min(probed) < LONGEST_PROMPT + LONG
+    assert min(probed) > LONGEST_PROMPT  # a prompt and at least one completion token
+    assert sum(seen[-1:]) == 20 and trainer.widths[-1] <= LONGEST_PROMPT + MAX_COMPLETION + 1
+
+
 # --- refusals: before the first optimizer step, one line naming the fix ----------------------------------------
 def test_bnpo_is_refused_when_the_config_is_built_naming_dapo():
     with pytest.raises(ValueError, match=r"^loss_type='bnpo' divides each forward's token sum by that forward's own "
@@ -372,7 +420,6 @@ def test_bnpo_is_refused_when_the_config_is_built_naming_dapo():
 
 @pytest.mark.parametrize(("config", "words"), [
     (dict(steps_per_generation=4), r"steps_per_generation=4 differs from gradient_accumulation_steps=2"),
-    (dict(top_entropy_quantile=0.5), r"top_entropy_quantile=0.5 masks tokens"),
     (dict(use_adaptive_entropy=True), r"use_adaptive_entropy=True changes entropy_coef"),
     (dict(loss_normalization="tokens", loss_type="grpo"), r"loss_normalization='tokens' does not fit loss_type='grpo'"),
 ])

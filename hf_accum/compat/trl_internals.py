@@ -104,6 +104,33 @@ def grpo_entropy_coef_scaled(trainer, factor: float):
         logged[before:] = [coef] * (len(logged) - before)
 
 
+def grpo_entropies(trainer, batch: dict, rows: int):
+    """Per completion token entropies of the policy as it is now, as GRPOTrainer's training forward computes them
+    (`_get_per_token_logps_and_entropies`, in chunks of ``rows``), without gradients (TRL's own no-gradient
+    forwards: gradient checkpointing off)."""
+    import torch
+    from trl.models.utils import disable_gradient_checkpointing
+
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+        _, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, attention, batch["completion_ids"].shape[1], batch_size=rows, compute_entropy=True)
+    return entropies
+
+
+@contextlib.contextmanager
+def grpo_entropy_mask_fixed(trainer, keep):
+    """GRPOTrainer's `get_high_entropy_mask` (`_compute_loss`'s token filter, top_entropy_quantile < 1) returns
+    ``keep`` (this forward's rows of a mask computed over the whole window) for one forward. Pinned by
+    tests/test_compat.py."""
+    trainer.get_high_entropy_mask = lambda entropies, mask, threshold: keep.to(mask.device) & mask.bool()
+    try:
+        yield
+    finally:
+        del trainer.get_high_entropy_mask
+
+
 def grpo_prompt_lengths(trainer, prompts: list) -> list[int]:
     """Tokens of each prompt as GRPOTrainer generates from it (`_tokenize_prompts`: its chat template, tools)."""
     prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
