@@ -18,6 +18,9 @@ target is completions per optimizer step (prompts x `num_generations`). At each 
 generate and score the whole generation batch (`window`: TRL's own `_prepare_inputs`, rewards and advantages over
 the whole batch), then cuts its slices into forwards of whole completion rows; each forward's `compute_loss` is
 TRL's, made to return the mean over the forward's own count (`chunk`), which the mixin scales to its exact share.
+With `num_iterations` > 1 the next windows train on the same generation batch again (TRL's buffer). The entropy
+filter and bonus are defined over the whole generation batch (grpo_entropy.py). Under a token budget
+(micro_batching="tokens") a row's length is its prompt plus its completion's real length (`CompletionRows`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 from .adapter import TrainerAdapter
 from .compat import trainer_internals, trl_internals
+from .grpo_entropy import ENTROPY_MASK, bonus_mask, entropy_bonus_factor, with_entropy_masks
 from .loss import LabelSpec
 from .oom import guarded
 from .planning.planner import token_budget
@@ -192,37 +196,6 @@ def forward_context(trainer, entropy_factor: float | None, keep: torch.Tensor | 
         yield
 
 
-ENTROPY_MASK = "hf_accum_entropy_mask"  # the window's entropy filter, per completion token (with_entropy_masks)
-
-
-def with_entropy_masks(trainer, slices: list[dict], rows: int | None) -> list[dict]:
-    """top_entropy_quantile < 1: TRL trains only on the completion tokens whose entropy is at least a quantile of
-    the entropies of its forward (over every rank), so its loss depends on the cut. hf_accum takes the quantile
-    over the whole generation batch once per optimizer step: a no-gradient forward over the window (``rows`` per
-    chunk) at the step's weights, TRL's own `get_high_entropy_mask` on all of its tokens, and each slice carries its
-    rows of the mask to the forwards that train on them. Exact under any cut (the mask does not depend on it); the
-    cost is one more no-gradient forward per step."""
-    if any("pixel_values" in s for s in slices):
-        raise ValueError("top_entropy_quantile < 1 with images: hf_accum's window-wide entropy filter does not forward "
-                         "images. Set top_entropy_quantile=1.0, or loss_normalization='model'.")
-    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask")
-    batch = {k: torch.cat([s[k] for s in slices]) for k in keys if k in slices[0]}
-    entropies = trl_internals.grpo_entropies(trainer, batch, rows or len(batch["completion_ids"]))
-    keep = trainer.get_high_entropy_mask(entropies, loss_mask(batch), 1 - trainer.args.top_entropy_quantile)
-    out, start = [], 0
-    for s in slices:
-        n = len(s["completion_ids"])
-        out.append({**s, ENTROPY_MASK: keep[start:start + n]})
-        start += n
-    return out
-
-
-def bonus_mask(batch: Mapping) -> torch.Tensor:
-    """The tokens TRL's entropy bonus averages over: the loss mask, less the entropy filter's tokens."""
-    mask = loss_mask(batch)
-    return mask * batch[ENTROPY_MASK] if ENTROPY_MASK in batch else mask
-
-
 class CompletionRows(Cutter):
     """Rows of a generated batch: a row needs its prompt (the batch's width: left-padded) and its completion up to
     its last token in the loss mask (`completion_mask`; most completions end before max_completion_length), so a
@@ -250,22 +223,6 @@ def forward_rows(trainer, loaded: list) -> int | None:
         return cut
     prompt = max(trl_internals.grpo_prompt_lengths(trainer, [example["prompt"] for example in loaded]))
     return max(1, budget.rows(prompt + trainer.args.max_completion_length))
-
-
-def loss_mask(batch: Mapping) -> torch.Tensor:
-    """TRL's loss mask of a GRPO batch: completion tokens, less tool outputs where tools ran."""
-    mask = batch["completion_mask"]
-    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
-
-
-def entropy_bonus_factor(forward_tokens, window_tokens, share, world: int) -> float:
-    """What one forward's entropy coefficient is multiplied by so that the bonus is a token mean over the window.
-
-    TRL subtracts coef x (the forward's entropy sum / its ``forward_tokens``); the mixin scales the forward's loss
-    by ``share`` (its count over the window's, x ``world``: DDP averages over ranks). The window's bonus is coef x
-    entropy sum / ``window_tokens`` (every rank's), so each forward's coefficient is multiplied by
-    forward_tokens x world / (window_tokens x share): 1 when the loss is itself a token mean (dapo)."""
-    return float(forward_tokens * world / (window_tokens * share))
 
 
 def generate_in_chunks(generate: Callable[[list], tuple], prompts: list, rows: int) -> tuple[tuple, int]:
