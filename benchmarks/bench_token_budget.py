@@ -126,7 +126,7 @@ def part3():
 
     from benchmarks.bench_probe import small_llama
     from hf_accum import AccumTrainer, AccumTrainingArguments
-    from hf_accum.meters import CpuMeter, live_tensor_bytes
+    from hf_accum.probing.meters import CpuMeter, live_tensor_bytes
     from hf_accum.token_budget import TokenBudget
     from tests.exactness import pad_collate
 

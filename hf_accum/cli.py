@@ -149,12 +149,12 @@ def _run_probe(args: argparse.Namespace) -> int:
     _import_bitsandbytes_only_if(args, args.load_in_4bit or args.load_in_8bit)
     import torch
 
-    from .estimating.seed import probe_with_estimate
-    from .probe_loop import NothingFitsError
-    from .probe_report import table
+    from .probing.loop import NothingFitsError
+    from .probing.report import table
+    from .probing.seed import probe_with_estimate
 
     model = _bare_model(args)
-    from .probe import seq_len_problem
+    from .probing.probe import seq_len_problem
 
     too_long = seq_len_problem(model, args.seq_len, "--seq-len")  # the probe's own check names probe_seq_len
     if too_long:
@@ -226,7 +226,7 @@ def _bare_model(args: argparse.Namespace):
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .estimating import command
+    from .probing import paper as command
 
     why = command.refusal(args)
     try:
@@ -265,8 +265,8 @@ def _probe_recipe(args: argparse.Namespace) -> int:
         from .recipes.preflight import check_writable
 
         check_writable(str(recipe.training["output_dir"]))
-    from .probe_loop import NothingFitsError
-    from .probe_report import table
+    from .probing.loop import NothingFitsError
+    from .probing.report import table
     from .recipes.run import probe_recipe
 
     try:
@@ -312,7 +312,7 @@ def _checkpoint_lever(args: argparse.Namespace, model):
 
 def _report_probe(args: argparse.Namespace, result, plan, seq_len: int, *, budget_source: str | None = None,
                   model: str | None = None) -> None:
-    from .probe_report import summary, table, write_json, write_plot
+    from .probing.report import summary, table, write_json, write_plot
 
     print()
     print(table(result, seq_len))

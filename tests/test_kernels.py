@@ -288,9 +288,9 @@ def test_the_estimate_of_the_fused_loss_matches_the_probe(lora):
     embeddings (the head's gradient meets the embedding's) and with LoRA (the head frozen)."""
     from transformers import AutoModelForCausalLM
 
-    from hf_accum.estimating.command import with_fused_loss, with_lora
-    from hf_accum.estimating.estimate import estimate_model
-    from hf_accum.probe import probe_model
+    from hf_accum.probing.estimate import estimate_model
+    from hf_accum.probing.paper import with_fused_loss, with_lora
+    from hf_accum.probing.probe import probe_model
 
     config = _qwen2_tied()
     build = lambda: AutoModelForCausalLM.from_config(config)  # noqa: E731

@@ -312,7 +312,7 @@ def test_check_accumulation_in_tokens_mode_runs_one_forward_not_the_window(tmp_p
 
 def test_a_forwards_cost_in_tokens_is_read_from_the_probes_step_times():
     from hf_accum.planning.tokens import _forward_tokens
-    from hf_accum.probe_loop import Trial
+    from hf_accum.probing.loop import Trial
 
     def trial(rows, length, overhead):
         return Trial(rows, 1, None, overhead + 1e-5 * rows * length, True, "fits"), length

@@ -14,7 +14,7 @@ import torch
 
 from ..compat import trainer_internals
 from ..loss import loss_shifts_labels
-from ..probe import random_token_batch
+from ..probing.probe import random_token_batch
 from .probe_rows import collate_pads, collator_name, known_to_pad, probe_rows, sequence_length, stretched
 
 logger = logging.getLogger(__name__)

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ..meters import CpuMeter, format_bytes, live_tensor_bytes
 from ..oom import guarded
 from ..preserve import modes_and_rng_preserved
-from ..probe import resolve_budget
+from ..probing.meters import CpuMeter, format_bytes, live_tensor_bytes
+from ..probing.probe import resolve_budget
 from ..protocol import Local, TorchDistributed
 from ..settings import Settings
 from . import tuning

@@ -22,11 +22,11 @@ from collections.abc import Callable
 from ..fit_hints import fit_hints, levers_on
 from ..growback import GrowBack
 from ..levers import get_lever
+from ..probing.engine import probe_through_engine
 from ..protocol import Collective, StopTraining
 from ..settings import Settings
 from ..token_budget import TokenBudget
 from . import tuning
-from .engine_probe import probe_through_engine
 from .eval_batch import plan_eval_batch
 from .plan import Plan
 from .policy import InForce, OomPolicy, as_plan

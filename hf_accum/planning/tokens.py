@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ..probe_loop import ProbeResult
+from ..probing.loop import ProbeResult
 from ..token_budget import TokenBudget, cost_model, predicted_peak
 from .data_scan import probe_batches
 from .plan import Plan

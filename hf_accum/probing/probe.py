@@ -1,6 +1,6 @@
 """Probe a model and plan its target batch: `probe_model`, for the trainer and the CLI, builds the step of a model,
-an optimizer and a batch factory (`make_step_fn`), runs the probe loop (`probe_loop.py`) or, with a lever, the
-level search (`level_probe.py`) inside `preserve.preserved` (save -> try -> restore), and returns what was
+an optimizer and a batch factory (`make_step_fn`), runs the probe loop (`loop.py`) or, with a lever, the
+level search (`levels.py`) inside `preserve.preserved` (save -> try -> restore), and returns what was
 measured and the exact plan.
 """
 
@@ -13,20 +13,19 @@ from typing import Any
 
 import torch
 
-from .compat import bitsandbytes_cpu
-from .fit_hints import levers_on
-from .kernels.timing import measure_kernels
-from .level_probe import probe_levels
-from .meters import CpuMeter, CudaMeter, Meter, format_bytes, live_tensor_bytes
-from .planning.plan import (
+from ..compat import bitsandbytes_cpu
+from ..fit_hints import levers_on
+from ..kernels.timing import measure_kernels
+from ..planning.plan import (
     Plan,
     forward_breakpoints,
     indivisible_target,
     plan_batch,
     plan_for_micro,
 )
-from .preserve import fresh_optimizer_like, preserved
-from .probe_loop import (
+from ..preserve import fresh_optimizer_like, preserved
+from .levels import probe_levels
+from .loop import (
     DEFAULT_BUDGET_FRACTION,
     Log,
     MakeBatch,
@@ -37,6 +36,7 @@ from .probe_loop import (
     agree_max_micro_batch,
     probe_micro_batches,
 )
+from .meters import CpuMeter, CudaMeter, Meter, format_bytes, live_tensor_bytes
 
 Seeder = Callable[[int, Meter], tuple[int | None, dict[str, Any] | None]]  # (budget, meter) -> (seed, record)
 
@@ -171,7 +171,7 @@ def probe_model(
     ``lever`` (`levers.base.Levels` of a registered lever: ``count``, ``anchors``, ``at(position)``, ``record``): also
     choose its level (:func:`probe_levels`); the plan then records it, and the caller applies it.
     ``seeder(budget_bytes, meter)``: ``(seed, record)``, an estimate of the largest fit to start the search from and
-    what to record of it in ``result.extra["estimate"]`` (`estimating.seed`; not with a lever).
+    what to record of it in ``result.extra["estimate"]`` (`seed.py`; not with a lever).
 
     The probe steps a fresh optimizer (``optimizer_cls(trainable params, **optimizer_kwargs)``, or one
     like ``optimizer`` if given, whose own state is never touched) and leaves the model, its gradients

@@ -13,11 +13,10 @@ from typing import Any
 
 import torch
 
-from .meters import Meter
-from .oom import guarded
-from .planning.levels import CheckpointChooser, Choice, Level, fit_time_line, scale_line
-from .planning.search import MicroBatchSearch
-from .probe_loop import (
+from ..oom import guarded
+from ..planning.levels import CheckpointChooser, Choice, Level, fit_time_line, scale_line
+from ..planning.search import MicroBatchSearch
+from .loop import (
     Log,
     ProbeResult,
     StepFn,
@@ -28,6 +27,7 @@ from .probe_loop import (
     agree_max_micro_batch,
     probe_micro_batches,
 )
+from .meters import Meter
 
 MAX_VERIFY_STEPS = 3  # verifying steps before the chooser falls back to a measured point
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from ..meters import Meter
-from ..probe import Seeder, probe_model
-from ..probe_loop import NothingFitsError, ProbeResult
 from .estimate import estimate_model
+from .loop import NothingFitsError, ProbeResult
+from .meters import Meter
+from .probe import Seeder, probe_model
 
 
 def probe_with_estimate(model: torch.nn.Module, **kwargs: Any):

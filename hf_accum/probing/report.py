@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..planning.plan import Plan
+from .loop import ProbeResult
 from .meters import MiB, format_bytes
-from .planning.plan import Plan
-from .probe_loop import ProbeResult
 
 
 def _mib(n: float | None) -> str:  # a table cell under a "MiB" header
@@ -136,7 +136,7 @@ def plot(result: ProbeResult, plan: Plan, *, seq_len: int | None = None, model: 
     return fig
 
 
-# --- the estimate beside the measurement (a probe started from the estimate: `estimating.seed`) ----------------------
+# --- the estimate beside the measurement (a probe started from the estimate: `seed.py`) ----------------------
 def predicted_vs_measured(result: ProbeResult) -> list[tuple[int, float, int, str]]:
     """``(micro, predicted bytes, measured peak bytes, how predicted)`` for every size the probe measured, when the
     probe recorded an estimate (``result.extra["estimate"]``): the estimate's own peak at that size ("ran"), else its
@@ -196,7 +196,7 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
             if model:
                 figures[f"hf_accum/cost_{name}"] = model[name]
     if plan.levers:
-        from .levers import get_lever  # lazily: the report is imported without torch's models
+        from ..levers import get_lever  # lazily: the report is imported without torch's models
 
         for name, record in plan.levers.items():
             figures.update(get_lever(name).figures(record))

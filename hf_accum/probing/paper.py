@@ -1,11 +1,15 @@
-"""`hf-accum probe --estimate`: the probe's flags, the model from its config alone, the probe's report."""
+"""The model on paper: `estimate` (the public function) and `hf-accum probe --estimate` (the probe's flags, the model
+from its config alone, the probe's report). The search itself is the probe's (`estimate.estimate_model`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+from collections.abc import Callable
 from typing import Any
+
+from .estimate import CUDA_ASSUMPTIONS, Estimate, estimate_model
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -105,7 +109,7 @@ def machine_memory(device: str, flag: str) -> int:
             raise ValueError(f"an estimate for cuda on a machine without a GPU needs {flag}, the card's memory "
                              "(e.g. 80GiB)")
         return torch.cuda.get_device_properties(0).total_memory
-    from ..meters import CpuMeter
+    from .meters import CpuMeter
 
     return CpuMeter().capacity_bytes()
 
@@ -128,8 +132,8 @@ def refusal(args: Any) -> str | None:
 
 
 def run(args: Any, say=print) -> int:
-    from ..probe_report import summary, table
     from .estimate import estimate_model
+    from .report import summary, table
 
     device = args.device or machine_device()
     memory = parse_size(args.device_memory) if args.device_memory else machine_memory(device, "--device-memory")
@@ -159,3 +163,28 @@ def run(args: Any, say=print) -> int:
             json.dump(est.to_json(), f, indent=2, default=str)
         say(f"wrote {args.json}")
     return 0
+
+
+def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size: int, device: str | None = None,
+             device_memory: int | str | None = None, lora_r: int | None = None, lora_target_modules: str | None = None,
+             fused_loss: bool | None = None, **kwargs: Any) -> Estimate:
+    """The plan for ``model`` (a folder holding config.json, a hub id, or a callable building the model; nothing is
+    loaded) on ``device`` (default: this machine's) with ``device_memory`` (bytes or "80GiB"; default: this
+    machine's, and required for cuda on a machine without a GPU: no card size is assumed); ``lora_r``: train LoRA
+    adapters of that rank. ``fused_loss``: as the trainer's (None: the fused loss where the model allows it, its
+    kernel's memory model). Other keywords as `estimate_model` (world_size, budget_bytes, budget_fraction, bf16,
+    max_micro_batch, log)."""
+    device = device or machine_device()
+    if device_memory is None:
+        device_memory = machine_memory(device, "device_memory")
+
+    build = config_builder(load_config(model)) if isinstance(model, str) else model
+    if lora_r is not None:
+        build = with_lora(build, lora_r, lora_target_modules)
+    build = with_fused_loss(build, fused_loss)
+    memory = parse_size(device_memory) if isinstance(device_memory, str) else int(device_memory)
+    return estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size, device_memory=memory,
+                          device=device, **kwargs)
+
+
+__all__ = ["CUDA_ASSUMPTIONS", "Estimate", "estimate", "estimate_model"]

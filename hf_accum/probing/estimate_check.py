@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..probe import probe_model
 from .estimate import Estimate, estimate_model
+from .probe import probe_model
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 operator creates is recorded with its size and a weak reference whose callback subtracts it again when Python frees
 it, so the running total follows what a real allocator would hold, through autograd's saved tensors, the freed
 activations of backward and the optimizer's temporaries.  :class:`PaperMeter` reads that total the way
-:class:`~hf_accum.meters.CpuMeter` reads the profiler: the peak reached during the step relative to its start, plus
+:class:`~hf_accum.probing.meters.CpuMeter` reads the profiler: the peak reached during the step relative to its start, plus
 what the model and the optimizer hold (``baseline``).  Reading a value (``.item()``) is answered with 1: a fake
 tensor has none, and the values read in a training step (AdamW's step count) do not change what it allocates.
 """
@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..meters import Measurement, Meter
+from .meters import Measurement, Meter
 
 
 def _rounded(nbytes: int, granule: int) -> int:

@@ -16,9 +16,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..planning.plan import Plan
-from ..probe import make_step_fn, probe_model
-from ..probe_loop import MakeBatch, ProbeResult
+from .loop import MakeBatch, ProbeResult
 from .paper_meter import PaperMeter, StorageCounter
+from .probe import make_step_fn, probe_model
 
 DEVICES = ("cpu", "cuda")
 CUDA_GRANULE = 512  # the CUDA caching allocator's smallest block: every allocation is a multiple of it
@@ -48,7 +48,7 @@ class Estimate:
     loss: str = ""  # the loss the estimate assumed: the model's own (full logits) or the fused loss's kernel
 
     def to_json(self) -> dict[str, Any]:
-        from ..probe_report import to_json
+        from .report import to_json
 
         return {**to_json(self.result, self.plan, self.seq_len), "estimated": True, "estimate_device": self.device,
                 "peaks": {str(k): v for k, v in sorted(self.peaks.items())}, "assumptions": list(self.assumptions),
