@@ -128,6 +128,7 @@ def estimate_model(
     optimizer: dict[str, Any] | None = None,
     quantization: str | None = None,
     pairs: str | None = None,
+    precompute_ref_log_probs: bool = False,
 ) -> Estimate:
     """Estimate the plan of ``build()`` (a callable returning the model, run under fake tensors so no weights exist).
 
@@ -139,7 +140,8 @@ def estimate_model(
     ``quantization``: "nf4" or "int8", the base's linear layers as bitsandbytes stores and runs them
     (`paper_quantized.py`; a LoRA model's adapters become peft's bitsandbytes LoRA layers).
     ``pairs``: "dpo" or "reward", the step of TRL's DPO / reward trainer on preference pairs (`paper_pairs.py`):
-    a micro-batch of m pairs is 2m rows of ``seq_len``."""
+    a micro-batch of m pairs is 2m rows of ``seq_len``; ``precompute_ref_log_probs`` as DPOConfig's (the
+    reference log-probs read from the batch, no reference forward)."""
     if device not in DEVICES:
         raise ValueError(f"device={device!r}: give one of {', '.join(DEVICES)}")
     if device_memory <= 0:
@@ -149,11 +151,14 @@ def estimate_model(
     autocast = torch.bfloat16 if bf16 else None
     with torch.device("meta"):
         model = quantized_model(build(), quantization)
-    pair_step = paper_pairs.step_for(pairs, model, seq_len)
+        pair_step = paper_pairs.step_for(pairs, model, seq_len, precompute_ref_log_probs=precompute_ref_log_probs,
+                                         reference=lambda: quantized_model(build(), quantization))
     loss_line = on_paper(model, device, autocast is not None) if pair_step is None else pair_step.loss_line
     with fake_session(CUDA_GRANULE if device == "cuda" else 1) as counter:
         to_fake(model)
-        meter = PaperMeter(counter, model, device_memory, device)
+        if pair_step is not None and pair_step.reference is not None:
+            to_fake(pair_step.reference)
+        meter = PaperMeter(counter, model, device_memory, device, also_held=paper_pairs.reference_tensors(pair_step))
         try:
             result, plan = probe_model(
                 model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
