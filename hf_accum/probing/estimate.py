@@ -16,8 +16,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..planning.plan import Plan
-from .loop import MakeBatch, ProbeResult
 from . import paper_pairs
+from .loop import MakeBatch, ProbeResult
 from .paper_meter import PaperMeter, StorageCounter
 from .paper_quantized import quantized_model
 from .probe import make_step_fn, probe_model
@@ -129,6 +129,7 @@ def estimate_model(
     quantization: str | None = None,
     pairs: str | None = None,
     precompute_ref_log_probs: bool = False,
+    quantization_options: dict[str, Any] | None = None,
 ) -> Estimate:
     """Estimate the plan of ``build()`` (a callable returning the model, run under fake tensors so no weights exist).
 
@@ -138,7 +139,9 @@ def estimate_model(
     ``all_peaks=False``: ``peaks`` holds only the sizes the search ran (no further steps: the seed of a real probe).
     ``optimizer``: AdamW's keywords where they differ from the device's default (e.g. ``{"foreach": True}``).
     ``quantization``: "nf4" or "int8", the base's linear layers as bitsandbytes stores and runs them
-    (`paper_quantized.py`; a LoRA model's adapters become peft's bitsandbytes LoRA layers).
+    (`paper_quantized.py`; a LoRA model's adapters become peft's bitsandbytes LoRA layers); NF4 computes in
+    bfloat16 with double quantization (the QLoRA recipe's) unless ``quantization_options`` says otherwise
+    (``compute_dtype``, ``double_quant``; `paper_quantized.quantize`).
     ``pairs``: "dpo" or "reward", the step of TRL's DPO / reward trainer on preference pairs (`paper_pairs.py`):
     a micro-batch of m pairs is 2m rows of ``seq_len``; ``precompute_ref_log_probs`` as DPOConfig's (the
     reference log-probs read from the batch, no reference forward)."""
@@ -150,9 +153,10 @@ def estimate_model(
         budget_bytes = int((0.9 if budget_fraction is None else budget_fraction) * device_memory)
     autocast = torch.bfloat16 if bf16 else None
     with torch.device("meta"):
-        model = quantized_model(build(), quantization)
+        model = quantized_model(build(), quantization, **(quantization_options or {}))
         pair_step = paper_pairs.step_for(pairs, model, seq_len, precompute_ref_log_probs=precompute_ref_log_probs,
-                                         reference=lambda: quantized_model(build(), quantization))
+                                         reference=lambda: quantized_model(build(), quantization,
+                                                                           **(quantization_options or {})))
     loss_line = on_paper(model, device, autocast is not None) if pair_step is None else pair_step.loss_line
     with fake_session(CUDA_GRANULE if device == "cuda" else 1) as counter:
         to_fake(model)

@@ -189,7 +189,7 @@ def quantize(model: torch.nn.Module, quantization: str | None, *, compute_dtype:
 
 
 
-def quantized_model(model: torch.nn.Module, quantization: str | None) -> torch.nn.Module:
+def quantized_model(model: torch.nn.Module, quantization: str | None, **options: Any) -> torch.nn.Module:
     """``model`` (just built on the meta device, LoRA or not) with its base quantized on paper. A peft model is
     unwrapped, its base quantized and wrapped again with the same config, so that peft dispatches the bitsandbytes
     LoRA layers it would put on a loaded quantized base."""
@@ -198,13 +198,13 @@ def quantized_model(model: torch.nn.Module, quantization: str | None) -> torch.n
     from peft import PeftModel, get_peft_model
 
     if not isinstance(model, PeftModel):
-        return quantize(model, quantization)
+        return quantize(model, quantization, **options)
     from ..compat.gradient_checkpointing import peft_reads_quietly
 
     configs = dict(model.peft_config)
     if len(configs) != 1:
         raise ValueError(f"quantization on paper: a peft model with one adapter, not {len(configs)}")
     (name, config), = configs.items()
-    base = quantize(model.unload(), quantization)
+    base = quantize(model.unload(), quantization, **options)
     with peft_reads_quietly():
         return get_peft_model(base, config, adapter_name=name)
