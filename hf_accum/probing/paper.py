@@ -189,7 +189,10 @@ def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size:
     build = config_builder(load_config(model)) if isinstance(model, str) else model
     if lora_r is not None:
         build = with_lora(build, lora_r, lora_target_modules)
-    build = with_fused_loss(build, fused_loss)
+    if kwargs.get("pairs") is not None and fused_loss:
+        raise ValueError(f"fused_loss=True with pairs={kwargs['pairs']!r}: the pairs' step has its own loss (TRL's); "
+                         "leave fused_loss unset")
+    build = with_fused_loss(build, False if kwargs.get("pairs") is not None else fused_loss)
     memory = parse_size(device_memory) if isinstance(device_memory, str) else int(device_memory)
     return estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size, device_memory=memory,
                           device=device, **kwargs)

@@ -167,7 +167,9 @@ def quantize(model: torch.nn.Module, quantization: str | None, *, compute_dtype:
     from transformers.pytorch_utils import Conv1D
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    keep = get_keys_to_not_convert(model)
+    from transformers import PreTrainedModel
+
+    keep = get_keys_to_not_convert(model) if isinstance(model, PreTrainedModel) else []  # a bare module: every layer
     for name, module in list(model.named_modules()):
         if not name or not should_convert_module(name, keep):
             continue
