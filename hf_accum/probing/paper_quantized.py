@@ -163,11 +163,10 @@ def quantize(model: torch.nn.Module, quantization: str | None, *, compute_dtype:
         return model
     settings(quantization)  # the one-line refusal of anything else
     classes = _layers()
+    from transformers import PreTrainedModel
     from transformers.integrations.bitsandbytes import should_convert_module
     from transformers.pytorch_utils import Conv1D
     from transformers.quantizers.base import get_keys_to_not_convert
-
-    from transformers import PreTrainedModel
 
     keep = get_keys_to_not_convert(model) if isinstance(model, PreTrainedModel) else []  # a bare module: every layer
     for name, module in list(model.named_modules()):
