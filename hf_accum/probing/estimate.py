@@ -16,8 +16,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..planning.plan import Plan
+from . import paper_pairs
 from .loop import MakeBatch, ProbeResult
 from .paper_meter import PaperMeter, StorageCounter
+from .paper_quantized import quantized_model
 from .probe import make_step_fn, probe_model
 
 DEVICES = ("cpu", "cuda")
@@ -55,6 +57,15 @@ class Estimate:
                 "loss": self.loss}
 
 
+def batches(model: torch.nn.Module, seq_len: int, pair_step) -> MakeBatch:
+    """The batches of the step: the probe's causal-LM batch, or the pairs' (`paper_pairs.py`)."""
+    return estimate_batch(model, seq_len) if pair_step is None else pair_step.make_batch
+
+
+def forward_of(pair_step):
+    return None if pair_step is None else pair_step.forward
+
+
 def estimate_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
     """The probe's batch (`probe.random_token_batch`) with one change: a single row has no padding, and the real step
     then drops its all-ones mask (transformers' SDPA skip), which it cannot tell on a fake mask, so none is given."""
@@ -82,6 +93,7 @@ def to_fake(model: torch.nn.Module, device: str = "cpu") -> None:
             if p is not None:
                 if id(p) not in made:
                     made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+                    made[id(p)].__dict__.update(p.__dict__)  # what a stand-in notes on its weight (paper_quantized)
                 module._parameters[name] = made[id(p)]
         for name, b in module._buffers.items():
             if b is not None:
@@ -114,6 +126,10 @@ def estimate_model(
     also: tuple[int, ...] = (),
     all_peaks: bool = True,
     optimizer: dict[str, Any] | None = None,
+    quantization: str | None = None,
+    pairs: str | None = None,
+    precompute_ref_log_probs: bool = False,
+    quantization_options: dict[str, Any] | None = None,
 ) -> Estimate:
     """Estimate the plan of ``build()`` (a callable returning the model, run under fake tensors so no weights exist).
 
@@ -121,7 +137,14 @@ def estimate_model(
     ``device_memory``: the card's memory in bytes; the budget is ``budget_bytes`` or a fraction of it (0.9).
     ``also``: further micro-batch sizes to predict (a comparison with sizes a real probe measured).
     ``all_peaks=False``: ``peaks`` holds only the sizes the search ran (no further steps: the seed of a real probe).
-    ``optimizer``: AdamW's keywords where they differ from the device's default (e.g. ``{"foreach": True}``)."""
+    ``optimizer``: AdamW's keywords where they differ from the device's default (e.g. ``{"foreach": True}``).
+    ``quantization``: "nf4" or "int8", the base's linear layers as bitsandbytes stores and runs them
+    (`paper_quantized.py`; a LoRA model's adapters become peft's bitsandbytes LoRA layers); NF4 computes in
+    bfloat16 with double quantization (the QLoRA recipe's) unless ``quantization_options`` says otherwise
+    (``compute_dtype``, ``double_quant``; `paper_quantized.quantize`).
+    ``pairs``: "dpo" or "reward", the step of TRL's DPO / reward trainer on preference pairs (`paper_pairs.py`):
+    a micro-batch of m pairs is 2m rows of ``seq_len``; ``precompute_ref_log_probs`` as DPOConfig's (the
+    reference log-probs read from the batch, no reference forward)."""
     if device not in DEVICES:
         raise ValueError(f"device={device!r}: give one of {', '.join(DEVICES)}")
     if device_memory <= 0:
@@ -130,18 +153,24 @@ def estimate_model(
         budget_bytes = int((0.9 if budget_fraction is None else budget_fraction) * device_memory)
     autocast = torch.bfloat16 if bf16 else None
     with torch.device("meta"):
-        model = build()
-    loss_line = on_paper(model, device, autocast is not None)
+        model = quantized_model(build(), quantization, **(quantization_options or {}))
+        pair_step = paper_pairs.step_for(pairs, model, seq_len, precompute_ref_log_probs=precompute_ref_log_probs,
+                                         reference=lambda: quantized_model(build(), quantization,
+                                                                           **(quantization_options or {})))
+    loss_line = on_paper(model, device, autocast is not None) if pair_step is None else pair_step.loss_line
     with fake_session(CUDA_GRANULE if device == "cuda" else 1) as counter:
         to_fake(model)
-        meter = PaperMeter(counter, model, device_memory, device)
+        if pair_step is not None and pair_step.reference is not None:
+            to_fake(pair_step.reference)
+        meter = PaperMeter(counter, model, device_memory, device, also_held=paper_pairs.reference_tensors(pair_step))
         try:
             result, plan = probe_model(
                 model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
-                budget_bytes=budget_bytes, make_batch=estimate_batch(model, seq_len), autocast_dtype=autocast,
-                max_micro_batch=max_micro_batch, meter=meter, log=log,
+                budget_bytes=budget_bytes, make_batch=batches(model, seq_len, pair_step), autocast_dtype=autocast,
+                max_micro_batch=max_micro_batch, meter=meter, log=log, forward=forward_of(pair_step),
                 optimizer_kwargs={**optimizer_kwargs(device), **(optimizer or {})})
-            peaks = (every_peak(model, meter, seq_len, result.max_micro_batch_size, autocast, also, device)
+            peaks = (every_peak(model, meter, seq_len, result.max_micro_batch_size, autocast, also, device,
+                                pair_step)
                      if all_peaks else dict(sorted(meter.peaks.items())))
         finally:
             meter.close()
@@ -199,7 +228,8 @@ MEASURE_EVERY_UP_TO = 16  # above this many sizes, the sizes between measured on
 
 
 def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest: int,
-               autocast: torch.dtype | None, also: tuple[int, ...] = (), device: str = "cpu") -> dict[int, int]:
+               autocast: torch.dtype | None, also: tuple[int, ...] = (), device: str = "cpu",
+               pair_step=None) -> dict[int, int]:
     """The predicted peak at every micro-batch 1 .. largest + 1 (the probe measured only the sizes its search
     proposed). Up to `MEASURE_EVERY_UP_TO` sizes each is run; beyond, 1, 2, the probe's sizes and the last two are
     run and those between are interpolated: a step's memory grows linearly with its rows between the sizes measured
@@ -212,7 +242,8 @@ def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest:
     if missing:
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, **optimizer_kwargs(device))
-        step = make_step_fn(model, opt, estimate_batch(model, seq_len), autocast_dtype=autocast)
+        step = make_step_fn(model, opt, batches(model, seq_len, pair_step), autocast_dtype=autocast,
+                            forward=forward_of(pair_step))
         step(1)  # creates the optimizer state, as the probe's warm-up does
         for micro in missing:
             known[micro] = meter.measure(lambda m=micro: step(m)).peak_bytes

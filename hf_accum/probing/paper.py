@@ -118,8 +118,6 @@ def refusal(args: Any) -> str | None:
     """The one line refusing what the estimate does not model, None when it can run."""
     if args.recipe is not None:
         return "--estimate works on a bare model (--model); recipes are not estimated yet"
-    if args.load_in_4bit or args.load_in_8bit:
-        return "--estimate does not model quantized (4-bit/8-bit) bases yet; estimate without --load-in-4bit/8bit"
     if args.gradient_checkpointing or args.checkpoint_layers is not None:
         return ("--estimate does not model checkpointing yet; drop --gradient-checkpointing and "
                 "--checkpoint-layers")
@@ -132,6 +130,8 @@ def refusal(args: Any) -> str | None:
 
 
 def run(args: Any, say=print) -> int:
+    import torch
+
     from .estimate import estimate_model
     from .report import summary, table
 
@@ -139,15 +139,21 @@ def run(args: Any, say=print) -> int:
     memory = parse_size(args.device_memory) if args.device_memory else machine_memory(device, "--device-memory")
     config = load_config(args.model)
     build = config_builder(config)
-    if args.lora:
+    if args.lora or args.load_in_4bit or args.load_in_8bit:  # a quantized base trains LoRA, as the probe's
         build = with_lora(build, args.lora_r, args.lora_target_modules)
     build = with_fused_loss(build, args.fused_loss)
+    base = (" (linear layers NF4, bitsandbytes' storage)" if args.load_in_4bit else
+            " (linear layers int8, bitsandbytes' storage)" if args.load_in_8bit else "")
     say(f"estimating {args.model} for {device} with {memory / 2**30:.1f} GiB (fake tensors: nothing loaded; "
-        f"weights {weights_dtype(config)}) ...")
+        f"weights {weights_dtype(config)}{base}) ...")
+    quantization = "nf4" if args.load_in_4bit else "int8" if args.load_in_8bit else None
     est = estimate_model(build, seq_len=args.seq_len, target_batch_size=args.target_batch, device_memory=memory,
                          device=device, world_size=args.world_size, budget_bytes=args.budget_bytes,
                          budget_fraction=args.budget, bf16=args.bf16, max_micro_batch=args.max_micro_batch,
-                         log=lambda msg: say(f"  {msg}"))
+                         log=lambda msg: say(f"  {msg}"), quantization=quantization,
+                         # the probe's --load-in-4bit: NF4 without double quantization, computing in the autocast dtype
+                         quantization_options={"compute_dtype": torch.bfloat16 if args.bf16 else torch.float32,
+                                               "double_quant": False})
     say("")
     say(table(est.result, args.seq_len))
     say("")
@@ -171,7 +177,9 @@ def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size:
     """The plan for ``model`` (a folder holding config.json, a hub id, or a callable building the model; nothing is
     loaded) on ``device`` (default: this machine's) with ``device_memory`` (bytes or "80GiB"; default: this
     machine's, and required for cuda on a machine without a GPU: no card size is assumed); ``lora_r``: train LoRA
-    adapters of that rank. ``fused_loss``: as the trainer's (None: the fused loss where the model allows it, its
+    adapters of that rank. ``quantization`` ("nf4", "int8": bitsandbytes' storage and dequantization,
+    `paper_quantized.py`) and ``pairs`` ("dpo", "reward": TRL's pair step, `paper_pairs.py`) pass to
+    `estimate_model`. ``fused_loss``: as the trainer's (None: the fused loss where the model allows it, its
     kernel's memory model). Other keywords as `estimate_model` (world_size, budget_bytes, budget_fraction, bf16,
     max_micro_batch, log)."""
     device = device or machine_device()
@@ -181,7 +189,10 @@ def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size:
     build = config_builder(load_config(model)) if isinstance(model, str) else model
     if lora_r is not None:
         build = with_lora(build, lora_r, lora_target_modules)
-    build = with_fused_loss(build, fused_loss)
+    if kwargs.get("pairs") is not None and fused_loss:
+        raise ValueError(f"fused_loss=True with pairs={kwargs['pairs']!r}: the pairs' step has its own loss (TRL's); "
+                         "leave fused_loss unset")
+    build = with_fused_loss(build, False if kwargs.get("pairs") is not None else fused_loss)
     memory = parse_size(device_memory) if isinstance(device_memory, str) else int(device_memory)
     return estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size, device_memory=memory,
                           device=device, **kwargs)

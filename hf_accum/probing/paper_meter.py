@@ -115,8 +115,10 @@ class PaperMeter(Meter):
     catches_oom = True
     times_steps = False
 
-    def __init__(self, counter: StorageCounter, model: torch.nn.Module, capacity_bytes: int, device: str) -> None:
+    def __init__(self, counter: StorageCounter, model: torch.nn.Module, capacity_bytes: int, device: str,
+                 also_held: list[torch.Tensor] | None = None) -> None:
         self.counter = counter
+        self.also_held = list(also_held or [])  # held outside the model and optimizer (DPO's frozen reference)
         self.model = model
         self._capacity = int(capacity_bytes)
         self.device = device
@@ -131,7 +133,7 @@ class PaperMeter(Meter):
         self._hook.remove()
 
     def measure(self, fn: Callable[[], Any], *, micro_batch_size: int | None = None) -> Measurement:
-        held = resident_tensors(self.model, self.optimizer)
+        held = resident_tensors(self.model, self.optimizer) + self.also_held
         for t in held:  # known before the step, so an in-place result on it is not a new allocation
             self.counter.track(t)
         baseline = self.counter.held_bytes(held)
