@@ -9,6 +9,7 @@ happens rather than by formula.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,13 +47,19 @@ class Estimate:
     peaks: dict[int, int] = field(default_factory=dict)
     assumptions: tuple[str, ...] = ()
     loss: str = ""  # the loss the estimate assumed: the model's own (full logits) or the fused loss's kernel
+    #: checkpointed layers -> {micro-batch -> predicted peak}: every level the estimate ran (``checkpoint_layers``
+    #: "auto": the level search's anchors and its choice; a pinned level: that one; None: the model as built)
+    level_peaks: dict[int, dict[int, int]] = field(default_factory=dict)
+    checkpointed_layers: int | None = None  # the level ``peaks`` and the plan are at (None: as built)
 
     def to_json(self) -> dict[str, Any]:
         from .report import to_json
 
         return {**to_json(self.result, self.plan, self.seq_len), "estimated": True, "estimate_device": self.device,
                 "peaks": {str(k): v for k, v in sorted(self.peaks.items())}, "assumptions": list(self.assumptions),
-                "loss": self.loss}
+                "loss": self.loss, "checkpointed_layers": self.checkpointed_layers,
+                "level_peaks": {str(k): {str(m): v for m, v in sorted(p.items())}
+                                for k, p in sorted(self.level_peaks.items())}}
 
 
 def estimate_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
@@ -114,6 +121,8 @@ def estimate_model(
     also: tuple[int, ...] = (),
     all_peaks: bool = True,
     optimizer: dict[str, Any] | None = None,
+    checkpoint_layers: str | int | None = None,
+    levels: Any = None,
 ) -> Estimate:
     """Estimate the plan of ``build()`` (a callable returning the model, run under fake tensors so no weights exist).
 
@@ -121,16 +130,25 @@ def estimate_model(
     ``device_memory``: the card's memory in bytes; the budget is ``budget_bytes`` or a fraction of it (0.9).
     ``also``: further micro-batch sizes to predict (a comparison with sizes a real probe measured).
     ``all_peaks=False``: ``peaks`` holds only the sizes the search ran (no further steps: the seed of a real probe).
-    ``optimizer``: AdamW's keywords where they differ from the device's default (e.g. ``{"foreach": True}``)."""
+    ``optimizer``: AdamW's keywords where they differ from the device's default (e.g. ``{"foreach": True}``).
+    ``checkpoint_layers``: as `AccumTrainingArguments.checkpoint_layers`: None (the model as built: no
+    checkpointing unless ``build`` sets it), "all" (every decoder layer recomputes), an int k (the first k), or
+    "auto": the probe's level search (`levels.probe_levels`) on paper; with no step times there, its chooser takes
+    the fewest forwards per optimizer step (the largest micro-batch), then the fewest checkpointed layers reaching
+    it. ``level_peaks`` holds each level's peaks (non-reentrant checkpointing, as the trainer and the CLI set it).
+    ``levels``: instead, the level search of another model's lever levels (a `levers.base.Levels` dataclass with a
+    ``model`` field: the ones a trainer's probe searches, e.g. the selective chain), run on the paper model."""
     if device not in DEVICES:
         raise ValueError(f"device={device!r}: give one of {', '.join(DEVICES)}")
     if device_memory <= 0:
         raise ValueError(f"device_memory={device_memory} must be positive, e.g. 80GiB")
     if budget_bytes is None:
         budget_bytes = int((0.9 if budget_fraction is None else budget_fraction) * device_memory)
+    checkpoint_setting(checkpoint_layers)
     autocast = torch.bfloat16 if bf16 else None
     with torch.device("meta"):
         model = build()
+    lever = checkpoint_lever(model, checkpoint_layers) if levels is None else dataclasses.replace(levels, model=model)
     loss_line = on_paper(model, device, autocast is not None)
     with fake_session(CUDA_GRANULE if device == "cuda" else 1) as counter:
         to_fake(model)
@@ -139,10 +157,16 @@ def estimate_model(
             result, plan = probe_model(
                 model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
                 budget_bytes=budget_bytes, make_batch=estimate_batch(model, seq_len), autocast_dtype=autocast,
-                max_micro_batch=max_micro_batch, meter=meter, log=log,
+                max_micro_batch=max_micro_batch, meter=meter, log=log, lever=lever,
                 optimizer_kwargs={**optimizer_kwargs(device), **(optimizer or {})})
-            peaks = (every_peak(model, meter, seq_len, result.max_micro_batch_size, autocast, also, device)
-                     if all_peaks else dict(sorted(meter.peaks.items())))
+            chosen = None if lever is None else result.extra["checkpointing"]["chosen_k"]
+            level_peaks = _level_peaks(result, lever, chosen)
+            if all_peaks:
+                level_peaks = {k: _at(lever, k, lambda k=k, known=known: every_peak(
+                    model, meter, seq_len, _largest(result, k, chosen), autocast,
+                    also if k == chosen or lever is None else (), device, known))
+                    for k, known in level_peaks.items()}
+            peaks = dict(sorted(level_peaks.get(chosen, {}).items()))
         finally:
             meter.close()
     for trial in result.trials:  # a step on fake tensors takes no device time: its seconds would mislead
@@ -151,7 +175,74 @@ def estimate_model(
     result.extra.update({"estimated": True, "peaks": peaks})
     assumptions = CUDA_ASSUMPTIONS if device == "cuda" else ()
     result.extra["loss"] = loss_line
-    return Estimate(result, plan, seq_len, device, peaks, assumptions, loss_line)
+    level = chosen if lever is not None else checkpointed_now(model)
+    if lever is None:
+        level_peaks = {level: peaks}
+    level_peaks = {k: dict(sorted(p.items())) for k, p in sorted(level_peaks.items())}
+    return Estimate(result, plan, seq_len, device, peaks, assumptions, loss_line, level_peaks, level)
+
+
+CHECKPOINT_KWARGS = {"use_reentrant": False}  # what the trainer's "auto" and the CLI set: the LoRA-safe kind
+
+
+def checkpoint_setting(value: str | int | None) -> None:
+    """ValueError naming ``checkpoint_layers`` and its forms unless ``value`` is one."""
+    if value is None or value in ("auto", "all") or (isinstance(value, int) and not isinstance(value, bool)
+                                                     and value >= 0):
+        return
+    raise ValueError(f"checkpoint_layers={value!r}: give None (no checkpointing), 'auto' (the level search), 'all' "
+                     "or an integer k >= 0 (the first k decoder layers)")
+
+
+def checkpoint_lever(model: torch.nn.Module, value: str | int | None):
+    """The levels the estimate searches ("auto"; None when the model cannot checkpoint), after setting a pinned
+    level ("all", k) on ``model`` as the trainer does; None for no search."""
+    from ..compat import gradient_checkpointing as gc
+    from ..levers.checkpointing import Levels
+
+    if value is None:
+        return None
+    levels = gc.checkpoint_levels(model)
+    if levels == 0:
+        if value in ("auto", 0):
+            return None
+        raise ValueError(f"checkpoint_layers={value!r}, but {type(model).__name__} cannot checkpoint activations: "
+                         "give None")
+    if value == "auto":
+        return Levels(model, levels, CHECKPOINT_KWARGS)
+    k = levels if value == "all" else value
+    if k > levels:
+        raise ValueError(f"checkpoint_layers={value}, but {type(model).__name__} has {levels} checkpointable "
+                         f"layers: give 0..{levels}, 'all' or 'auto'")
+    gc.set_checkpointed_layers(model, k, CHECKPOINT_KWARGS)
+    return None
+
+
+def checkpointed_now(model: torch.nn.Module) -> int:
+    from ..compat import gradient_checkpointing as gc
+
+    return gc.checkpointed_count(model) if gc.checkpoint_levels(model) else 0
+
+
+def _level_peaks(result: ProbeResult, lever, chosen: int | None) -> dict[int, dict[int, int]]:
+    """The peaks the search measured, per level (without a lever: one level, the model's own)."""
+    out: dict[int, dict[int, int]] = {} if lever is None else {chosen: {}}
+    for t in result.trials:
+        if t.peak_bytes is not None:
+            out.setdefault(t.checkpointed_layers if lever is not None else None, {})[t.micro_batch_size] = t.peak_bytes
+    return out if out else {None: {}}
+
+
+def _largest(result: ProbeResult, k: int | None, chosen: int | None) -> int:
+    """The largest micro-batch measured to fit at level ``k`` (the plan's at the chosen one)."""
+    if k == chosen:
+        return result.max_micro_batch_size
+    return max((t.micro_batch_size for t in result.trials if t.fits and t.checkpointed_layers == k), default=0)
+
+
+def _at(lever, k: int | None, fn):
+    with contextlib.nullcontext() if lever is None else lever.at(k):
+        return fn()
 
 
 def on_paper(model: torch.nn.Module, device: str, autocast: bool) -> str:
@@ -199,13 +290,14 @@ MEASURE_EVERY_UP_TO = 16  # above this many sizes, the sizes between measured on
 
 
 def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest: int,
-               autocast: torch.dtype | None, also: tuple[int, ...] = (), device: str = "cpu") -> dict[int, int]:
+               autocast: torch.dtype | None, also: tuple[int, ...] = (), device: str = "cpu",
+               known: dict[int, int] | None = None) -> dict[int, int]:
     """The predicted peak at every micro-batch 1 .. largest + 1 (the probe measured only the sizes its search
     proposed). Up to `MEASURE_EVERY_UP_TO` sizes each is run; beyond, 1, 2, the probe's sizes and the last two are
     run and those between are interpolated: a step's memory grows linearly with its rows between the sizes measured
     (the estimates of tests/test_estimate.py differ by the same bytes per row from micro 2 on)."""
     last = max(largest, 0) + 1
-    known = {m: v for m, v in meter.peaks.items() if m <= last}  # the probe's own trials: the same step and size
+    known = {m: v for m, v in (meter.peaks if known is None else known).items() if m <= last}  # the probe's own trials
     wanted = set(range(1, last + 1)) if last <= MEASURE_EVERY_UP_TO else {1, 2, last - 1, last} | set(known)
     wanted |= set(also)
     missing = sorted(m for m in wanted if m not in known and m >= 1)

@@ -120,15 +120,37 @@ def refusal(args: Any) -> str | None:
         return "--estimate works on a bare model (--model); recipes are not estimated yet"
     if args.load_in_4bit or args.load_in_8bit:
         return "--estimate does not model quantized (4-bit/8-bit) bases yet; estimate without --load-in-4bit/8bit"
-    if args.gradient_checkpointing or args.checkpoint_layers is not None:
-        return ("--estimate does not model checkpointing yet; drop --gradient-checkpointing and "
-                "--checkpoint-layers")
+    if args.gradient_checkpointing and args.checkpoint_layers is not None:
+        return ("--checkpoint-layers and --gradient-checkpointing (every layer) contradict each other: give one")
     if args.model == "tiny":  # also what --model tiny gives: the built-in model has no config.json to build from
         return ("--estimate builds the model from its config.json and the built-in tiny model has none: give --model "
                 "a folder holding config.json or a hub id, or probe tiny itself (drop --estimate: it is small)")
     if args.optimize != "memory":
         return "--estimate times nothing: drop --optimize throughput"
     return None
+
+
+def cli_checkpoint_layers(args: Any) -> str | int | None:
+    """``checkpoint_layers`` from --gradient-checkpointing ("all") / --checkpoint-layers (auto or K); None: neither."""
+    from ..levers.checkpointing import parse_layers
+
+    if args.gradient_checkpointing:
+        return "all"
+    if args.checkpoint_layers is None:
+        return None
+    return parse_layers(args.checkpoint_layers, "--checkpoint-layers")
+
+
+def level_lines(est: Estimate) -> list[str]:
+    """Each checkpointing level the estimate ran, its predicted peaks (one line per level); [] without checkpointing."""
+    if est.checkpointed_layers is None or (len(est.level_peaks) == 1 and not est.checkpointed_layers):
+        return []
+    lines = []
+    for k, peaks in est.level_peaks.items():
+        chosen = " (the plan's)" if k == est.checkpointed_layers else ""
+        lines.append(f"checkpointing {k} layers{chosen}: " + ", ".join(f"{m}: {v / 2**20:.1f} MiB"
+                                                                       for m, v in peaks.items()))
+    return lines
 
 
 def run(args: Any, say=print) -> int:
@@ -147,7 +169,7 @@ def run(args: Any, say=print) -> int:
     est = estimate_model(build, seq_len=args.seq_len, target_batch_size=args.target_batch, device_memory=memory,
                          device=device, world_size=args.world_size, budget_bytes=args.budget_bytes,
                          budget_fraction=args.budget, bf16=args.bf16, max_micro_batch=args.max_micro_batch,
-                         log=lambda msg: say(f"  {msg}"))
+                         log=lambda msg: say(f"  {msg}"), checkpoint_layers=cli_checkpoint_layers(args))
     say("")
     say(table(est.result, args.seq_len))
     say("")
@@ -155,6 +177,8 @@ def run(args: Any, say=print) -> int:
               f"of this machine's {device} memory")
     say(summary(est.result, est.plan, args.seq_len, source))
     say("predicted peak per micro-batch: " + ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in est.peaks.items()))
+    for line in level_lines(est):
+        say(line)
     say(f"assumed: {est.loss}")
     for line in est.assumptions:
         say(f"assumed: {line}")
