@@ -94,6 +94,33 @@ def test_a_checkpoint_layers_it_cannot_take_is_refused_in_one_line(value, words)
     assert words in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    _config("llama").save_pretrained(folder)  # config.json only
+    return str(folder)
+
+
+@pytest.mark.parametrize("flags, level", [(["--gradient-checkpointing"], 2), (["--checkpoint-layers", "1"], 1),
+                                          (["--checkpoint-layers", "auto"], 2)])
+def test_cli_estimate_with_checkpointing(llama_folder, tmp_path, capsys, flags, level):
+    import json
+
+    from hf_accum.cli import main
+
+    out = tmp_path / "plan.json"
+    code = main(["probe", "--estimate", "--model", llama_folder, "--device", "cpu", "--device-memory", "1GiB",
+                 "--budget-bytes", str(8 * MiB), "--seq-len", "128", "--target-batch", "16", "--no-fused-loss",
+                 "--json", str(out), *flags])
+    printed = capsys.readouterr().out
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["checkpointed_layers"] == level and str(level) in data["level_peaks"]
+    assert f"checkpointing {level} layers (the plan's): 1: " in printed
+    if flags[-1] == "auto":  # both anchors, each its own line
+        assert "checkpointing 0 layers: 1: " in printed and data["levers"]["checkpointing"]["layers"] == 2
+
+
 # --- the real level search seeded from the estimate --------------------------------------------------------------
 def _recompute_seconds(model):
     """A step's seconds as a formula of its rows and the layers recomputing (full 0.3, selective 0.07 of a layer's

@@ -20,6 +20,7 @@ from ..planning.plan import Plan
 from .loop import MakeBatch, ProbeResult
 from .paper_meter import PaperMeter, StorageCounter
 from .probe import make_step_fn, probe_model
+from .reserved import CachingAllocator, expandable_from_env
 
 DEVICES = ("cpu", "cuda")
 CUDA_GRANULE = 512  # the CUDA caching allocator's smallest block: every allocation is a multiple of it
@@ -29,10 +30,15 @@ CUDA_ASSUMPTIONS = (
     "attention: SDPA with a fused kernel (flash / memory-efficient: no seq x seq scores kept), as CPU SDPA",
     "bf16: CPU autocast's op lists stand in for CUDA's (weights keep the dtype the config builds them in)",
     "AdamW: the foreach kernels, torch's default on CUDA (their temporaries span all parameters of a dtype)",
-    f"allocator: every block rounded up to {CUDA_GRANULE} bytes; cached, fragmented segments not modelled "
-    "(reserved memory can be a few percent higher)",
     "CUDA context and cuBLAS workspaces not counted: the budget is a fraction of --device-memory",
 )
+
+
+def cuda_assumptions(expandable: bool) -> tuple[str, ...]:
+    """`CUDA_ASSUMPTIONS` and the one line saying how reserved bytes (what the plan fits by) are predicted."""
+    from .reserved import describe
+
+    return (*CUDA_ASSUMPTIONS, describe(expandable))
 
 
 @dataclass
@@ -51,13 +57,15 @@ class Estimate:
     #: "auto": the level search's anchors and its choice; a pinned level: that one; None: the model as built)
     level_peaks: dict[int, dict[int, int]] = field(default_factory=dict)
     checkpointed_layers: int | None = None  # the level ``peaks`` and the plan are at (None: as built)
+    #: how reserved bytes (what a CUDA probe fits by) were predicted: "allocator model" (`reserved.py`), None on CPU
+    reserved: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         from .report import to_json
 
         return {**to_json(self.result, self.plan, self.seq_len), "estimated": True, "estimate_device": self.device,
                 "peaks": {str(k): v for k, v in sorted(self.peaks.items())}, "assumptions": list(self.assumptions),
-                "loss": self.loss, "checkpointed_layers": self.checkpointed_layers,
+                "loss": self.loss, "checkpointed_layers": self.checkpointed_layers, "reserved": self.reserved,
                 "level_peaks": {str(k): {str(m): v for m, v in sorted(p.items())}
                                 for k, p in sorted(self.level_peaks.items())}}
 
@@ -98,9 +106,10 @@ def to_fake(model: torch.nn.Module, device: str = "cpu") -> None:
 
 
 @contextlib.contextmanager
-def fake_session(granule: int = 1):
-    """Fake tensors and the counter, for building the model and running its steps (one counter sees both)."""
-    counter = StorageCounter(granule)
+def fake_session(granule: int = 1, allocator: CachingAllocator | None = None):
+    """Fake tensors and the counter, for building the model and running its steps (one counter sees both);
+    ``allocator``: the caching allocator's model the counter replays every storage through (CUDA)."""
+    counter = StorageCounter(granule, allocator)
     with FakeTensorMode(), counter:
         yield counter
 
@@ -150,7 +159,9 @@ def estimate_model(
         model = build()
     lever = checkpoint_lever(model, checkpoint_layers) if levels is None else dataclasses.replace(levels, model=model)
     loss_line = on_paper(model, device, autocast is not None)
-    with fake_session(CUDA_GRANULE if device == "cuda" else 1) as counter:
+    expandable = expandable_from_env()
+    with fake_session(CUDA_GRANULE if device == "cuda" else 1,
+                      CachingAllocator(expandable) if device == "cuda" else None) as counter:
         to_fake(model)
         meter = PaperMeter(counter, model, device_memory, device)
         try:
@@ -173,13 +184,14 @@ def estimate_model(
         trial.seconds = None
     result.warmup_seconds = None
     result.extra.update({"estimated": True, "peaks": peaks})
-    assumptions = CUDA_ASSUMPTIONS if device == "cuda" else ()
+    assumptions = cuda_assumptions(expandable) if device == "cuda" else ()
     result.extra["loss"] = loss_line
     level = chosen if lever is not None else checkpointed_now(model)
     if lever is None:
         level_peaks = {level: peaks}
     level_peaks = {k: dict(sorted(p.items())) for k, p in sorted(level_peaks.items())}
-    return Estimate(result, plan, seq_len, device, peaks, assumptions, loss_line, level_peaks, level)
+    return Estimate(result, plan, seq_len, device, peaks, assumptions, loss_line, level_peaks, level,
+                    "allocator model" if device == "cuda" else None)
 
 
 CHECKPOINT_KWARGS = {"use_reentrant": False}  # what the trainer's "auto" and the CLI set: the LoRA-safe kind
