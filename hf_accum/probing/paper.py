@@ -197,7 +197,7 @@ def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size:
     machine's, and required for cuda on a machine without a GPU: no card size is assumed); ``lora_r``: train LoRA
     adapters of that rank. ``fused_loss``: as the trainer's (None: the fused loss where the model allows it, its
     kernel's memory model). Other keywords as `estimate_model` (world_size, budget_bytes, budget_fraction, bf16,
-    max_micro_batch, log)."""
+    max_micro_batch, log, checkpoint_layers: None, "auto", "all" or K)."""
     device = device or machine_device()
     if device_memory is None:
         device_memory = machine_memory(device, "device_memory")
