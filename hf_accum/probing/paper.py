@@ -118,15 +118,37 @@ def refusal(args: Any) -> str | None:
     """The one line refusing what the estimate does not model, None when it can run."""
     if args.recipe is not None:
         return "--estimate works on a bare model (--model); recipes are not estimated yet"
-    if args.gradient_checkpointing or args.checkpoint_layers is not None:
-        return ("--estimate does not model checkpointing yet; drop --gradient-checkpointing and "
-                "--checkpoint-layers")
+    if args.gradient_checkpointing and args.checkpoint_layers is not None:
+        return ("--checkpoint-layers and --gradient-checkpointing (every layer) contradict each other: give one")
     if args.model == "tiny":  # also what --model tiny gives: the built-in model has no config.json to build from
         return ("--estimate builds the model from its config.json and the built-in tiny model has none: give --model "
                 "a folder holding config.json or a hub id, or probe tiny itself (drop --estimate: it is small)")
     if args.optimize != "memory":
         return "--estimate times nothing: drop --optimize throughput"
     return None
+
+
+def cli_checkpoint_layers(args: Any) -> str | int | None:
+    """``checkpoint_layers`` from --gradient-checkpointing ("all") / --checkpoint-layers (auto or K); None: neither."""
+    from ..levers.checkpointing import parse_layers
+
+    if args.gradient_checkpointing:
+        return "all"
+    if args.checkpoint_layers is None:
+        return None
+    return parse_layers(args.checkpoint_layers, "--checkpoint-layers")
+
+
+def level_lines(est: Estimate) -> list[str]:
+    """Each checkpointing level the estimate ran, its predicted peaks (one line per level); [] without checkpointing."""
+    if est.checkpointed_layers is None or (len(est.level_peaks) == 1 and not est.checkpointed_layers):
+        return []
+    lines = []
+    for k, peaks in est.level_peaks.items():
+        chosen = " (the plan's)" if k == est.checkpointed_layers else ""
+        lines.append(f"checkpointing {k} layers{chosen}: " + ", ".join(f"{m}: {v / 2**20:.1f} MiB"
+                                                                       for m, v in peaks.items()))
+    return lines
 
 
 def run(args: Any, say=print) -> int:
@@ -151,6 +173,7 @@ def run(args: Any, say=print) -> int:
                          device=device, world_size=args.world_size, budget_bytes=args.budget_bytes,
                          budget_fraction=args.budget, bf16=args.bf16, max_micro_batch=args.max_micro_batch,
                          log=lambda msg: say(f"  {msg}"), quantization=quantization,
+                         checkpoint_layers=cli_checkpoint_layers(args),
                          # the probe's --load-in-4bit: NF4 without double quantization, computing in the autocast dtype
                          quantization_options={"compute_dtype": torch.bfloat16 if args.bf16 else torch.float32,
                                                "double_quant": False})
@@ -161,6 +184,8 @@ def run(args: Any, say=print) -> int:
               f"of this machine's {device} memory")
     say(summary(est.result, est.plan, args.seq_len, source))
     say("predicted peak per micro-batch: " + ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in est.peaks.items()))
+    for line in level_lines(est):
+        say(line)
     say(f"assumed: {est.loss}")
     for line in est.assumptions:
         say(f"assumed: {line}")
@@ -181,7 +206,7 @@ def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size:
     `paper_quantized.py`) and ``pairs`` ("dpo", "reward": TRL's pair step, `paper_pairs.py`) pass to
     `estimate_model`. ``fused_loss``: as the trainer's (None: the fused loss where the model allows it, its
     kernel's memory model). Other keywords as `estimate_model` (world_size, budget_bytes, budget_fraction, bf16,
-    max_micro_batch, log)."""
+    max_micro_batch, log, checkpoint_layers: None, "auto", "all" or K)."""
     device = device or machine_device()
     if device_memory is None:
         device_memory = machine_memory(device, "device_memory")
