@@ -9,6 +9,7 @@ happens rather than by formula.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from .paper_meter import PaperMeter, StorageCounter
 from .probe import make_step_fn, probe_model
 
 DEVICES = ("cpu", "cuda")
+TASKS = ("causal_lm", "classification")  # the head and its labels: one per token, or one per sample
 CUDA_GRANULE = 512  # the CUDA caching allocator's smallest block: every allocation is a multiple of it
 
 #: What `--device cuda` assumes of the card, said in every report (the estimate runs on CPU kernels).
@@ -73,6 +75,22 @@ def estimate_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
     return make_batch
 
 
+def classification_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
+    """`estimate_batch` for a sequence-classification head: one label per sample (as the recipes' padding collator
+    gives it), the same ids and padding mask."""
+    tokens = estimate_batch(model, seq_len)
+    classes = int(model.config.num_labels)
+
+    def make_batch(micro: int) -> dict[str, Any]:
+        return {**tokens(micro), "labels": torch.randint(0, classes, (micro,))}
+
+    return make_batch
+
+
+def batch_for(task: str) -> Callable[[torch.nn.Module, int], MakeBatch]:
+    return classification_batch if task == "classification" else estimate_batch
+
+
 def to_fake(model: torch.nn.Module, device: str = "cpu") -> None:
     """Replace every meta parameter and buffer by a fake tensor on ``device`` (run under the fake mode), keeping
     tied weights tied. Direct assignment, not ``module.to_empty``: ``_apply`` swaps tensors, which fake ones refuse."""
@@ -114,6 +132,7 @@ def estimate_model(
     also: tuple[int, ...] = (),
     all_peaks: bool = True,
     optimizer: dict[str, Any] | None = None,
+    task: str = "causal_lm",
 ) -> Estimate:
     """Estimate the plan of ``build()`` (a callable returning the model, run under fake tensors so no weights exist).
 
@@ -121,9 +140,13 @@ def estimate_model(
     ``device_memory``: the card's memory in bytes; the budget is ``budget_bytes`` or a fraction of it (0.9).
     ``also``: further micro-batch sizes to predict (a comparison with sizes a real probe measured).
     ``all_peaks=False``: ``peaks`` holds only the sizes the search ran (no further steps: the seed of a real probe).
-    ``optimizer``: AdamW's keywords where they differ from the device's default (e.g. ``{"foreach": True}``)."""
+    ``optimizer``: AdamW's keywords where they differ from the device's default (e.g. ``{"foreach": True}``).
+    ``task``: "causal_lm" (a label per token) or "classification" (``build`` gives a sequence-classification head:
+    a label per sample)."""
     if device not in DEVICES:
         raise ValueError(f"device={device!r}: give one of {', '.join(DEVICES)}")
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}: give one of {', '.join(TASKS)}")
     if device_memory <= 0:
         raise ValueError(f"device_memory={device_memory} must be positive, e.g. 80GiB")
     if budget_bytes is None:
@@ -138,10 +161,10 @@ def estimate_model(
         try:
             result, plan = probe_model(
                 model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
-                budget_bytes=budget_bytes, make_batch=estimate_batch(model, seq_len), autocast_dtype=autocast,
+                budget_bytes=budget_bytes, make_batch=batch_for(task)(model, seq_len), autocast_dtype=autocast,
                 max_micro_batch=max_micro_batch, meter=meter, log=log,
                 optimizer_kwargs={**optimizer_kwargs(device), **(optimizer or {})})
-            peaks = (every_peak(model, meter, seq_len, result.max_micro_batch_size, autocast, also, device)
+            peaks = (every_peak(model, meter, seq_len, result.max_micro_batch_size, autocast, also, device, task)
                      if all_peaks else dict(sorted(meter.peaks.items())))
         finally:
             meter.close()
@@ -173,7 +196,7 @@ def on_paper(model: torch.nn.Module, device: str, autocast: bool) -> str:
 
 
 def estimate_peaks(build, sizes: tuple[int, ...], *, seq_len: int, device: str = "cuda",
-                   bf16: bool = False) -> dict[int, int]:
+                   bf16: bool = False, task: str = "causal_lm") -> dict[int, int]:
     """Only the predicted peaks at ``sizes`` (no search, no plan): one warm-up step, then one step per size, as
     a benchmark measures the real ones."""
     with torch.device("meta"):
@@ -183,7 +206,7 @@ def estimate_peaks(build, sizes: tuple[int, ...], *, seq_len: int, device: str =
         to_fake(model)
         meter = PaperMeter(counter, model, 1, device)
         try:
-            peaks = every_peak(model, meter, seq_len, 0, torch.bfloat16 if bf16 else None, tuple(sizes), device)
+            peaks = every_peak(model, meter, seq_len, 0, torch.bfloat16 if bf16 else None, tuple(sizes), device, task)
             return {m: peaks[m] for m in sizes}
         finally:
             meter.close()
@@ -199,7 +222,8 @@ MEASURE_EVERY_UP_TO = 16  # above this many sizes, the sizes between measured on
 
 
 def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest: int,
-               autocast: torch.dtype | None, also: tuple[int, ...] = (), device: str = "cpu") -> dict[int, int]:
+               autocast: torch.dtype | None, also: tuple[int, ...] = (), device: str = "cpu",
+               task: str = "causal_lm") -> dict[int, int]:
     """The predicted peak at every micro-batch 1 .. largest + 1 (the probe measured only the sizes its search
     proposed). Up to `MEASURE_EVERY_UP_TO` sizes each is run; beyond, 1, 2, the probe's sizes and the last two are
     run and those between are interpolated: a step's memory grows linearly with its rows between the sizes measured
@@ -212,7 +236,7 @@ def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest:
     if missing:
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, **optimizer_kwargs(device))
-        step = make_step_fn(model, opt, estimate_batch(model, seq_len), autocast_dtype=autocast)
+        step = make_step_fn(model, opt, batch_for(task)(model, seq_len), autocast_dtype=autocast)
         step(1)  # creates the optimizer state, as the probe's warm-up does
         for micro in missing:
             known[micro] = meter.measure(lambda m=micro: step(m)).peak_bytes
