@@ -73,6 +73,18 @@ def test_overrides_reach_the_keywords(overrides, key, value):
     assert _settings(name, *overrides).keywords.get(key) == value
 
 
+@pytest.mark.parametrize("name, overrides, seq_len", [
+    ("lora_sft", [], 128), ("lora_classification", [], 16), ("lora_dpo", [], 45), ("lora_sft", ["probe_seq_len=96"], 96),
+])
+def test_the_length_is_the_one_the_probe_measures(name, overrides, seq_len):
+    """The longest example as the trainer tokenizes it and the probe picks it (`planning.data_scan`): for lora_dpo,
+    trainer-built, the probe's batch is 45 tokens wide (checked against `probe_batches` of the built trainer)."""
+    from hf_accum.probing.recipe_paper import data_length, prepare
+
+    recipe, args, paper, tokenizer = prepare(name, overrides)
+    assert data_length(recipe, args, paper, tokenizer)[0] == seq_len
+
+
 def test_fused_loss_false_is_the_models_own_loss_and_probe_seq_len_wins():
     paper = _settings("lora_sft", "fused_loss=false", "probe_seq_len=64")
     assert paper.trl_fused_head is False and paper.seq_len == 64
@@ -95,7 +107,10 @@ def _like_for_like(name, *overrides):
                                                     also=tuple(range(1, 9)))
     probed = probe_recipe(name, list(overrides), say=lambda _msg: None)
     measured = {t.micro_batch_size: t.peak_bytes for t in probed.result.measured_trials if t.peak_bytes}
-    assert seq_len == probed.seq_len  # the same longest example, tokenized as the trainer tokenizes it
+    # the same longest example, tokenized as the trainer tokenizes it. DPO: the probe measures the pair whose longest
+    # single column (prompt_ids / chosen_ids / rejected_ids) is longest, prompt + response 45 tokens, while the
+    # recipe's report names the longest pair, 57 (`preference_stats`); the estimate follows the probe
+    assert seq_len == (45 if name == "lora_dpo" else probed.seq_len)
     assert measured
     for micro, peak in measured.items():
         assert abs(est.peaks[micro] / peak - 1) <= 0.05, (name, micro, est.peaks[micro], peak)
@@ -206,3 +221,32 @@ def test_classification_head_estimate_within_5_percent_of_the_cpu_probe(lora):
 def test_estimate_refuses_an_unknown_task():
     with pytest.raises(ValueError, match="task='seq2seq': give one of causal_lm, classification"):
         estimate_model(lambda: None, seq_len=8, target_batch_size=2, device_memory=2**30, task="seq2seq")
+
+
+def test_a_keyword_this_build_does_not_take_is_refused_in_one_line_naming_the_override(monkeypatch):
+    from hf_accum.probing import estimate, recipe_paper
+
+    def older(build, *, seq_len, target_batch_size, device_memory, task="causal_lm"):  # no checkpoint_layers
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(estimate, "estimate_model", older)
+    line = recipe_paper.unsupported({"task": "classification", "checkpoint_layers": "all"})
+    assert line == ("--estimate does not model gradient checkpointing (the recipe's gradient_checkpointing / "
+                    "checkpoint_layers) yet: add gradient_checkpointing=false to estimate without it")
+    assert recipe_paper.unsupported({"task": "classification"}) is None
+
+
+def test_a_recipe_on_a_config_folder_builds_from_the_config_at_max_length(tmp_path, monkeypatch):
+    """A model given as a folder holding only config.json (no weights) and a hub dataset: the model from its
+    config, the length training.max_length, said so (nothing is downloaded)."""
+    from hf_accum.probing.recipe_paper import estimate_recipe
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _config("qwen2").save_pretrained(tmp_path)
+    est, seq_len, source, paper = estimate_recipe(
+        "lora_sft", [f"model={tmp_path}", "dataset=someone/sft-rows", "gradient_checkpointing=false", "training.max_length=64",
+                      "memory_budget_bytes=null"],
+        device="cpu", device_memory=2**30)
+    assert (seq_len, source) == (64, "training.max_length (the data is not local)")
+    assert paper.model == str(tmp_path) and est.result.max_micro_batch_size >= 16  # 0.9 GiB holds the whole target
+    assert est.plan.micro_batch_size == 16

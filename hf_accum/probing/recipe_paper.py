@@ -116,14 +116,14 @@ def unsupported(keywords: dict[str, Any]) -> str | None:
     from .estimate import estimate_model
 
     taken = inspect.signature(estimate_model).parameters
-    fixes = {"checkpoint_layers": "gradient checkpointing (the recipe's gradient_checkpointing / checkpoint_layers): "
-                                  "add gradient_checkpointing=false to estimate without it",
-             "quantization": "a quantized base (model.quantization): add model.quantization=null to estimate the "
-                             "unquantized base",
-             "pairs": "preference pairs (model.task=dpo)"}
-    for name, what in fixes.items():
+    fixes = {"checkpoint_layers": ("gradient checkpointing (the recipe's gradient_checkpointing / "
+                                   "checkpoint_layers)", ": add gradient_checkpointing=false to estimate without it"),
+             "quantization": ("a quantized base (model.quantization)",
+                              ": add model.quantization=null to estimate the unquantized base"),
+             "pairs": ("preference pairs (model.task=dpo)", "")}
+    for name, (what, fix) in fixes.items():
         if name in keywords and name not in taken:
-            return f"--estimate does not model {what} yet"
+            return f"--estimate does not model {what} yet{fix}"
     return None
 
 
@@ -234,9 +234,6 @@ def prepare(recipe_name: str, overrides=()):
     recipe = load_recipe(recipe_name, overrides)
     args = recipe.validate()
     paper = settings(recipe, args)
-    why = unsupported(paper.keywords)
-    if why is not None:
-        raise ValueError(why)
     try:
         tokenizer = build_tokenizer(recipe)
     except (RecipeError, OSError):
@@ -253,6 +250,9 @@ def estimate_recipe(recipe_name: str, overrides=(), *, device: str | None = None
     from .paper import machine_device, machine_memory
 
     recipe, args, paper, tokenizer = prepare(recipe_name, overrides)
+    why = unsupported(paper.keywords)
+    if why is not None:
+        raise ValueError(why)
     if recipe.model.name == "tiny" and tokenizer is None:
         raise ValueError("the tiny model's tokenizer could not be built")
     device = device or paper.device or machine_device()
