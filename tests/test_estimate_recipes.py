@@ -46,6 +46,7 @@ def test_each_recipe_on_paper(name, head, keywords, lora, fused_head, dtype):
     assert {k: paper.lora.get(k) for k in lora} == lora
     assert "embed_tokens" in paper.lora["target_modules"]
     assert paper.trl_fused_head is fused_head and paper.dtype == dtype
+    assert paper.bf16_adapters is (name == "qlora_sft")  # TRL casts a quantized base's adapters to bfloat16
     assert paper.device == "cpu" and paper.seq_len is None
 
 
@@ -250,3 +251,22 @@ def test_a_recipe_on_a_config_folder_builds_from_the_config_at_max_length(tmp_pa
     assert (seq_len, source) == (64, "training.max_length (the data is not local)")
     assert paper.model == str(tmp_path) and est.result.max_micro_batch_size >= 16  # 0.9 GiB holds the whole target
     assert est.plan.micro_batch_size == 16
+
+
+def test_the_qlora_build_holds_what_the_trainer_trains():
+    """The recipe's model on the meta device: the tiny Llama from its keys in model.dtype, LoRA on every listed
+    module, the lm_head copy trained (modules_to_save), and the trainable weights in bfloat16 as TRL casts them on a
+    quantized base (the base's quantization itself is the estimate's `quantization` keyword)."""
+    import torch
+
+    from hf_accum.probing.recipe_paper import builder, prepare
+
+    _recipe, _args, paper, tokenizer = prepare("qlora_sft")
+    with torch.device("meta"):
+        model = builder(paper, tokenizer)()
+    trainable = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
+    assert any("modules_to_save" in n and "lm_head" in n for n in trainable)
+    assert any("embed_tokens" in n and "lora_embedding_A" in n for n in trainable)
+    assert set(trainable.values()) == {torch.bfloat16}
+    assert model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.bfloat16
+    assert len(model.get_base_model().model.layers) == 2 and model.config.hidden_size == 64

@@ -36,6 +36,7 @@ class PaperRecipe:
     lora: dict[str, Any] = field(default_factory=dict)  # peft.LoraConfig keywords, task_type included
     kbit_preparation: str = "light"
     trl_fused_head: bool = False  # the loss: TRL's fused LM head (AccumSFTTrainer), else the model's own
+    bf16_adapters: bool = False  # TRL's trainers cast a quantized base's trainable weights to bfloat16 (QLoRA)
     device: str | None = None  # "cpu" where training.use_cpu, else None (this machine's)
     seq_len: int | None = None  # training.probe_seq_len (else the data's longest, else max_length)
     max_length: int | None = None  # the truncation length: the bound where the data is not local
@@ -46,6 +47,7 @@ def settings(recipe, args) -> PaperRecipe:
     """The estimate of ``recipe`` (`recipes.config.Recipe`, overrides applied) with its validated training
     ``args``: pure, nothing built or read. ValueError (one line) for what the estimate does not model."""
     from ..levers.checkpointing import requested
+    from ..settings import Settings
 
     m, task = recipe.model, recipe.model.task
     if task == "grpo":
@@ -80,12 +82,11 @@ def settings(recipe, args) -> PaperRecipe:
         keywords["pairs"] = "dpo"
     lora = dict(recipe.lora)
     lora.setdefault("task_type", recipe.lora_config().task_type)
-    from ..settings import Settings
-
     return PaperRecipe(
         model=m.name, head=head, tiny=dict(m.tiny), dtype=m.dtype, num_labels=m.num_labels, lora=lora,
         kbit_preparation=m.kbit_preparation,
         trl_fused_head=task == "causal_lm" and Settings(args).fused_loss is not False and _trl_fuses(),
+        bf16_adapters=quantization is not None and task in ("causal_lm", "dpo"),
         device="cpu" if args.use_cpu else None, seq_len=args.probe_seq_len,
         max_length=recipe.data.max_length if task == "seq_cls" else args.max_length, keywords=keywords)
 
@@ -202,9 +203,14 @@ def builder(paper: PaperRecipe, tokenizer=None, revision: str | None = None, tru
             add_fused_lm_head(model, outputs=SFT_HEAD_OUTPUTS)
             # AccumSFTTrainer calls the model with fused_lm_head=True: the estimate's step calls model(**batch)
             model.forward = functools.partial(model.forward, fused_lm_head=True)
-        return add_lora(model, LoraConfig(**paper.lora), quantized="quantization" in paper.keywords,
-                        kbit_preparation=paper.kbit_preparation,
-                        checkpointing="checkpoint_layers" in paper.keywords)
+        model = add_lora(model, LoraConfig(**paper.lora), quantized="quantization" in paper.keywords,
+                         kbit_preparation=paper.kbit_preparation,
+                         checkpointing="checkpoint_layers" in paper.keywords)
+        if paper.bf16_adapters:  # as SFTTrainer/DPOTrainer.__init__ do on a quantized base (the QLoRA paper's dtype)
+            for name, p in model.named_parameters():
+                if p.requires_grad and "lora_magnitude_vector" not in name:  # DoRA's magnitude stays (TRL #7268)
+                    p.data = p.data.to(torch.bfloat16)
+        return model
 
     return build
 
