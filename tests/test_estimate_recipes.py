@@ -86,6 +86,20 @@ def test_the_length_is_the_one_the_probe_measures(name, overrides, seq_len):
     assert data_length(recipe, args, paper, tokenizer)[0] == seq_len
 
 
+def test_the_dpo_length_is_the_width_of_the_probes_batch():
+    """Pins TRL's DPO dataset preparation as `compat.trl_internals.prepared_dataset` runs it without a model: the
+    length the estimate reads is the width of the batch the built trainer's probe measures."""
+    from hf_accum.planning.data_scan import probe_batches
+    from hf_accum.probing.recipe_paper import data_length, prepare
+    from hf_accum.recipes.run import _load, build
+
+    recipe, args, paper, tokenizer = prepare("lora_dpo", ["gradient_checkpointing=false"])
+    on_paper = data_length(recipe, args, paper, tokenizer)[0]
+    recipe, args = _load("lora_dpo", ["gradient_checkpointing=false"])
+    make_batch, width = probe_batches(build(recipe, args, lambda _msg: None).trainer)
+    assert on_paper == width == make_batch(2)["input_ids"].shape[1]
+
+
 def test_fused_loss_false_is_the_models_own_loss_and_probe_seq_len_wins():
     paper = _settings("lora_sft", "fused_loss=false", "probe_seq_len=64")
     assert paper.trl_fused_head is False and paper.seq_len == 64
