@@ -182,8 +182,10 @@ def test_cli_refuses_grpo_in_one_line(capsys):
     from hf_accum.cli import main
 
     assert main(["probe", "--estimate", "lora_grpo"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    printed = capsys.readouterr()
+    err = printed.err.strip().splitlines()
     assert len(err) == 1 and "does not model GRPO recipes" in err[0]
+    assert printed.out == ""  # refused before anything is said or read
 
 
 # --- bare configs, full and LoRA, and a classification head: like for like with the probe ---------------------

@@ -248,10 +248,10 @@ def prepare(recipe_name: str, overrides=()):
 
 
 def estimate_recipe(recipe_name: str, overrides=(), *, device: str | None = None, device_memory: int | None = None,
-                    also: tuple[int, ...] = (), log=None):
+                    also: tuple[int, ...] = (), log=None, say=None):
     """(estimate, seq_len, where the length came from, paper) of the recipe, as `hf-accum probe --estimate` runs it.
     ``device``: default the recipe's (cpu where training.use_cpu), else this machine's; ``device_memory``: default
-    this machine's."""
+    this machine's. ``say``: told once the recipe is accepted, before the data is read."""
     from .estimate import estimate_model
     from .paper import machine_device, machine_memory
 
@@ -263,6 +263,9 @@ def estimate_recipe(recipe_name: str, overrides=(), *, device: str | None = None
         raise ValueError("the tiny model's tokenizer could not be built")
     device = device or paper.device or machine_device()
     memory = device_memory if device_memory is not None else machine_memory(device, "--device-memory")
+    if say is not None:
+        say(f"recipe {recipe.name} on paper for {device} with {memory / 2**30:.1f} GiB (fake tensors: nothing "
+            "loaded, no weights read) ...")
     seq_len, source = data_length(recipe, args, paper, tokenizer)
     build = builder(paper, tokenizer, recipe.model.revision, recipe.model.trust_remote_code)
     est = estimate_model(build, seq_len=seq_len, device=device, device_memory=memory, also=also, log=log,
@@ -282,9 +285,8 @@ def run(args: Any, say=print) -> int:
     from .report import plan_figures, plan_line, summary, table
 
     memory = parse_size(args.device_memory) if args.device_memory else None
-    say(f"recipe {args.recipe} (fake tensors: nothing loaded, no weights read)")
     est, seq_len, source, paper = estimate_recipe(args.recipe, args.overrides, device=args.device,
-                                                  device_memory=memory, log=lambda msg: say(f"  {msg}"))
+                                                  device_memory=memory, log=lambda msg: say(f"  {msg}"), say=say)
     what = [f"model {paper.model}", f"weights {paper.dtype or 'float32'}", f"seq {seq_len} "
             f"({source})", f"LoRA r={paper.lora.get('r', 8)}"]
     what += [f"{k}={v}" for k, v in paper.keywords.items() if k in ("quantization", "pairs", "checkpoint_layers")]
