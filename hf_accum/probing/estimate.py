@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from .probe import make_step_fn, probe_model
 from .reserved import CachingAllocator, expandable_from_env
 
 DEVICES = ("cpu", "cuda")
+TASKS = ("causal_lm", "classification")  # the head and its labels: one per token, or one per sample
 CUDA_GRANULE = 512  # the CUDA caching allocator's smallest block: every allocation is a multiple of it
 
 #: What `--device cuda` assumes of the card, said in every report (the estimate runs on CPU kernels).
@@ -72,9 +74,10 @@ class Estimate:
                                 for k, p in sorted(self.level_peaks.items())}}
 
 
-def batches(model: torch.nn.Module, seq_len: int, pair_step) -> MakeBatch:
-    """The batches of the step: the probe's causal-LM batch, or the pairs' (`paper_pairs.py`)."""
-    return estimate_batch(model, seq_len) if pair_step is None else pair_step.make_batch
+def batches(model: torch.nn.Module, seq_len: int, pair_step, task: str = "causal_lm") -> MakeBatch:
+    """The batches of the step: the task's (a causal LM's or a classification head's), or the pairs'
+    (`paper_pairs.py`)."""
+    return batch_for(task)(model, seq_len) if pair_step is None else pair_step.make_batch
 
 
 def forward_of(pair_step):
@@ -97,6 +100,22 @@ def estimate_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
     return make_batch
+
+
+def classification_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
+    """`estimate_batch` for a sequence-classification head: one label per sample (as the recipes' padding collator
+    gives it), the same ids and padding mask."""
+    tokens = estimate_batch(model, seq_len)
+    classes = int(model.config.num_labels)
+
+    def make_batch(micro: int) -> dict[str, Any]:
+        return {**tokens(micro), "labels": torch.randint(0, classes, (micro,))}
+
+    return make_batch
+
+
+def batch_for(task: str) -> Callable[[torch.nn.Module, int], MakeBatch]:
+    return classification_batch if task == "classification" else estimate_batch
 
 
 def to_fake(model: torch.nn.Module, device: str = "cpu") -> None:
@@ -148,6 +167,7 @@ def estimate_model(
     quantization_options: dict[str, Any] | None = None,
     checkpoint_layers: str | int | None = None,
     levels: Any = None,
+    task: str = "causal_lm",
 ) -> Estimate:
     """Estimate the plan of ``build()`` (a callable returning the model, run under fake tensors so no weights exist).
 
@@ -169,9 +189,13 @@ def estimate_model(
     the fewest forwards per optimizer step (the largest micro-batch), then the fewest checkpointed layers reaching
     it. ``level_peaks`` holds each level's peaks (non-reentrant checkpointing, as the trainer and the CLI set it).
     ``levels``: instead, the level search of another model's lever levels (a `levers.base.Levels` dataclass with a
-    ``model`` field: the ones a trainer's probe searches, e.g. the selective chain), run on the paper model."""
+    ``model`` field: the ones a trainer's probe searches, e.g. the selective chain), run on the paper model.
+    ``task``: "causal_lm" (a label per token) or "classification" (``build`` gives a sequence-classification head:
+    a label per sample)."""
     if device not in DEVICES:
         raise ValueError(f"device={device!r}: give one of {', '.join(DEVICES)}")
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}: give one of {', '.join(TASKS)}")
     if device_memory <= 0:
         raise ValueError(f"device_memory={device_memory} must be positive, e.g. 80GiB")
     if budget_bytes is None:
@@ -195,7 +219,7 @@ def estimate_model(
         try:
             result, plan = probe_model(
                 model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
-                budget_bytes=budget_bytes, make_batch=batches(model, seq_len, pair_step), autocast_dtype=autocast,
+                budget_bytes=budget_bytes, make_batch=batches(model, seq_len, pair_step, task), autocast_dtype=autocast,
                 max_micro_batch=max_micro_batch, meter=meter, log=log, lever=lever, forward=forward_of(pair_step),
                 optimizer_kwargs={**optimizer_kwargs(device), **(optimizer or {})})
             chosen = None if lever is None else result.extra["checkpointing"]["chosen_k"]
@@ -203,7 +227,7 @@ def estimate_model(
             if all_peaks:
                 level_peaks = {k: _at(lever, k, lambda k=k, known=known: every_peak(
                     model, meter, seq_len, _largest(result, k, chosen), autocast,
-                    also if k == chosen or lever is None else (), device, known, pair_step))
+                    also if k == chosen or lever is None else (), device, known, pair_step, task))
                     for k, known in level_peaks.items()}
             peaks = dict(sorted(level_peaks.get(chosen, {}).items()))
         finally:
@@ -304,7 +328,7 @@ def on_paper(model: torch.nn.Module, device: str, autocast: bool) -> str:
 
 
 def estimate_peaks(build, sizes: tuple[int, ...], *, seq_len: int, device: str = "cuda",
-                   bf16: bool = False) -> dict[int, int]:
+                   bf16: bool = False, task: str = "causal_lm") -> dict[int, int]:
     """Only the predicted peaks at ``sizes`` (no search, no plan): one warm-up step, then one step per size, as
     a benchmark measures the real ones."""
     with torch.device("meta"):
@@ -314,7 +338,7 @@ def estimate_peaks(build, sizes: tuple[int, ...], *, seq_len: int, device: str =
         to_fake(model)
         meter = PaperMeter(counter, model, 1, device)
         try:
-            peaks = every_peak(model, meter, seq_len, 0, torch.bfloat16 if bf16 else None, tuple(sizes), device)
+            peaks = every_peak(model, meter, seq_len, 0, torch.bfloat16 if bf16 else None, tuple(sizes), device, task)
             return {m: peaks[m] for m in sizes}
         finally:
             meter.close()
@@ -331,7 +355,7 @@ MEASURE_EVERY_UP_TO = 16  # above this many sizes, the sizes between measured on
 
 def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest: int,
                autocast: torch.dtype | None, also: tuple[int, ...] = (), device: str = "cpu",
-               known: dict[int, int] | None = None, pair_step=None) -> dict[int, int]:
+               known: dict[int, int] | None = None, pair_step=None, task: str = "causal_lm") -> dict[int, int]:
     """The predicted peak at every micro-batch 1 .. largest + 1 (the probe measured only the sizes its search
     proposed). Up to `MEASURE_EVERY_UP_TO` sizes each is run; beyond, 1, 2, the probe's sizes and the last two are
     run and those between are interpolated: a step's memory grows linearly with its rows between the sizes measured
@@ -344,7 +368,7 @@ def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest:
     if missing:
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, **optimizer_kwargs(device))
-        step = make_step_fn(model, opt, batches(model, seq_len, pair_step), autocast_dtype=autocast,
+        step = make_step_fn(model, opt, batches(model, seq_len, pair_step, task), autocast_dtype=autocast,
                             forward=forward_of(pair_step))
         step(1)  # creates the optimizer state, as the probe's warm-up does
         for micro in missing:

@@ -42,11 +42,13 @@ def load_config(name: str):
         raise not_loadable("--model", name, exc) from None
 
 
-def config_builder(config):
-    """A callable building the model of ``config`` from the config alone (no weights)."""
-    from transformers import AutoModelForCausalLM
+def config_builder(config, task: str = "causal_lm"):
+    """A callable building the model of ``config`` from the config alone (no weights): its causal-LM head, or with
+    ``task="classification"`` its sequence-classification head (``config.num_labels`` classes)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    return lambda: AutoModelForCausalLM.from_config(config)
+    auto = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
+    return lambda: auto.from_config(config)
 
 
 def weights_dtype(config) -> str:
@@ -78,11 +80,11 @@ def with_fused_loss(build, setting: bool | None):
     return built
 
 
-def with_lora(build, r: int, targets: str | None):
+def with_lora(build, r: int, targets: str | None, task: str = "causal_lm"):
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets.split(",") if targets else "all-linear",
-                      lora_dropout=0.0, task_type="CAUSAL_LM")
+                      lora_dropout=0.0, task_type="SEQ_CLS" if task == "classification" else "CAUSAL_LM")
     return lambda: _wrap(get_peft_model, build(), lora)
 
 
@@ -115,9 +117,9 @@ def machine_memory(device: str, flag: str) -> int:
 
 
 def refusal(args: Any) -> str | None:
-    """The one line refusing what the estimate does not model, None when it can run."""
+    """The one line refusing what the estimate does not model, None when it can run (a recipe: `recipe_paper`)."""
     if args.recipe is not None:
-        return "--estimate works on a bare model (--model); recipes are not estimated yet"
+        return None  # the bare model's flags are refused with a recipe; what a recipe sets: recipe_paper.settings
     if args.gradient_checkpointing and args.checkpoint_layers is not None:
         return ("--checkpoint-layers and --gradient-checkpointing (every layer) contradict each other: give one")
     if args.model == "tiny":  # also what --model tiny gives: the built-in model has no config.json to build from
@@ -157,6 +159,10 @@ def run(args: Any, say=print) -> int:
     from .estimate import estimate_model
     from .report import summary, table
 
+    if args.recipe is not None:
+        from . import recipe_paper
+
+        return recipe_paper.run(args, say)
     device = args.device or machine_device()
     memory = parse_size(args.device_memory) if args.device_memory else machine_memory(device, "--device-memory")
     config = load_config(args.model)
@@ -198,29 +204,30 @@ def run(args: Any, say=print) -> int:
 
 def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size: int, device: str | None = None,
              device_memory: int | str | None = None, lora_r: int | None = None, lora_target_modules: str | None = None,
-             fused_loss: bool | None = None, **kwargs: Any) -> Estimate:
+             fused_loss: bool | None = None, task: str = "causal_lm", **kwargs: Any) -> Estimate:
     """The plan for ``model`` (a folder holding config.json, a hub id, or a callable building the model; nothing is
     loaded) on ``device`` (default: this machine's) with ``device_memory`` (bytes or "80GiB"; default: this
     machine's, and required for cuda on a machine without a GPU: no card size is assumed); ``lora_r``: train LoRA
     adapters of that rank. ``quantization`` ("nf4", "int8": bitsandbytes' storage and dequantization,
     `paper_quantized.py`) and ``pairs`` ("dpo", "reward": TRL's pair step, `paper_pairs.py`) pass to
     `estimate_model`. ``fused_loss``: as the trainer's (None: the fused loss where the model allows it, its
-    kernel's memory model). Other keywords as `estimate_model` (world_size, budget_bytes, budget_fraction, bf16,
-    max_micro_batch, log, checkpoint_layers: None, "auto", "all" or K)."""
+    kernel's memory model). ``task``: "causal_lm", or "classification" (the config's sequence-classification head,
+    ``config.num_labels`` classes, one label per sample). Other keywords as `estimate_model` (world_size,
+    budget_bytes, budget_fraction, bf16, max_micro_batch, log, checkpoint_layers: None, "auto", "all" or K)."""
     device = device or machine_device()
     if device_memory is None:
         device_memory = machine_memory(device, "device_memory")
 
-    build = config_builder(load_config(model)) if isinstance(model, str) else model
+    build = config_builder(load_config(model), task) if isinstance(model, str) else model
     if lora_r is not None:
-        build = with_lora(build, lora_r, lora_target_modules)
+        build = with_lora(build, lora_r, lora_target_modules, task)
     if kwargs.get("pairs") is not None and fused_loss:
         raise ValueError(f"fused_loss=True with pairs={kwargs['pairs']!r}: the pairs' step has its own loss (TRL's); "
                          "leave fused_loss unset")
     build = with_fused_loss(build, False if kwargs.get("pairs") is not None else fused_loss)
     memory = parse_size(device_memory) if isinstance(device_memory, str) else int(device_memory)
     return estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size, device_memory=memory,
-                          device=device, **kwargs)
+                          device=device, task=task, **kwargs)
 
 
 __all__ = ["CUDA_ASSUMPTIONS", "Estimate", "estimate", "estimate_model"]
