@@ -230,4 +230,14 @@ def plan_line(plan: Plan, figures: dict[str, float]) -> str:
     if plan.step_seconds is not None:
         memory += f"; {plan.step_seconds:.2f} s per optimizer step measured"
     found = "stored plan" if figures.get("hf_accum/plan_reused") else f"{figures['hf_accum/probe_trials']} probe trials"
-    return f"hf_accum plan: {plan.describe()}; {memory}; {found}"
+    return f"hf_accum plan: {plan.describe()}; {_cuts(figures)}{memory}; {found}"
+
+
+def _cuts(figures: dict[str, float]) -> str:
+    """A token budget's cuts of the user's data, per optimizer step, next to "samples" mode's (`_expected_cuts`)."""
+    padded = figures.get("hf_accum/expected_padded_over_real")
+    if padded is None:
+        return ""
+    return (f"per step {figures['hf_accum/expected_forwards_per_step']:.1f} forwards, padded/real {padded:.2f} "
+            f"(samples mode {figures['hf_accum/samples_mode_forwards_per_step']:.1f}, "
+            f"{figures['hf_accum/samples_mode_padded_over_real']:.2f}); ")
