@@ -218,10 +218,10 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
     return figures
 
 
-def plan_line(plan: Plan, figures: dict[str, float]) -> str:
+def plan_line(plan: Plan, figures: dict[str, float], loss: str | None = None) -> str:
     """The one plan line, the same in the log, the recipes and `hf-accum probe`: the plan (`Plan.describe`), the
-    peak measured against the budget, and how it was found. Everything else is in the plan file and the logged
-    figures (`plan_figures`)."""
+    loss path where the plan's levers do not name it (``loss``, `fused_loss.loss_path`), the peak measured against
+    the budget, and how it was found. Everything else is in the plan file and the logged figures (`plan_figures`)."""
     peak = figures.get("hf_accum/peak_bytes_per_step")
     at = figures.get("hf_accum/peak_measured_at_micro_batch")
     memory = f"budget {format_bytes(figures['hf_accum/budget_bytes'])}"
@@ -230,7 +230,8 @@ def plan_line(plan: Plan, figures: dict[str, float]) -> str:
     if plan.step_seconds is not None:
         memory += f"; {plan.step_seconds:.2f} s per optimizer step measured"
     found = "stored plan" if figures.get("hf_accum/plan_reused") else f"{figures['hf_accum/probe_trials']} probe trials"
-    return f"hf_accum plan: {plan.describe()}; {_cuts(figures)}{memory}; {found}"
+    loss = f"{loss}; " if loss else ""
+    return f"hf_accum plan: {plan.describe()}; {loss}{_cuts(figures)}{memory}; {found}"
 
 
 def _cuts(figures: dict[str, float]) -> str:
