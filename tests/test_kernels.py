@@ -362,8 +362,8 @@ def test_use_liger_kernel_runs_liger_in_our_fused_loss_exactly_and_names_it(fuse
     from tests.exactness import StepRecorder, max_relative_error, recording, reference_run
 
     calls = _fake_liger(monkeypatch)
-    configure = liger.configure
-    monkeypatch.setattr(liger, "configure", lambda args, device: configure(args, "cuda"))
+    configure = getattr(liger, "configure", None)  # None on a main without it: the test fails on what it checks
+    monkeypatch.setattr(liger, "configure", lambda args, device: configure(args, "cuda"), raising=False)
     monkeypatch.setattr(liger, "unavailable", lambda *a, **k: None)  # the stand-in runs on the CPU
     applied = []
 
@@ -415,8 +415,8 @@ def test_use_liger_kernel_with_trls_fused_head_is_one_loss_path_named_in_the_pla
     from tests.exactness import StepRecorder, max_step_error, recording, reference_run
 
     calls = _fake_liger(monkeypatch)
-    configure = liger.configure
-    monkeypatch.setattr(liger, "configure", lambda args, device: configure(args, "cuda"))
+    configure = getattr(liger, "configure", None)  # None on a main without it: the test fails on what it checks
+    monkeypatch.setattr(liger, "configure", lambda args, device: configure(args, "cuda"), raising=False)
     applied = []
     monkeypatch.setattr(transformers.trainer, "apply_liger_kernel", lambda model, config: applied.append(config))
     tok = tiny.build_tokenizer()
