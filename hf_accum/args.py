@@ -10,6 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import torch
 from transformers import TrainingArguments
 
 from .arg_checks import (
@@ -243,8 +244,8 @@ class AccumTrainingArguments(TrainingArguments):
         # Cheap, device-free checks first: a wrong value must fail before any distributed setup.
         self._resolve_checkpoint_layers()
         self._check_levers()
-        if self.use_liger_kernel:  # now, not in transformers' ImportError after the probe
-            liger.refuse_missing_package()
+        if self.use_liger_kernel:  # now, not in transformers' ImportError after the probe (or Triton's on a CPU)
+            liger.configure(self, "cpu" if self.use_cpu or not torch.cuda.is_available() else "cuda")
         for name in ("check_accumulation", "auto_tune", "probe_from_estimate"):
             require_bool(name, getattr(self, name))
         if not isinstance(self.loss_normalization, str) or self.loss_normalization not in NORMALIZATIONS:

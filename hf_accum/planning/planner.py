@@ -366,5 +366,4 @@ def token_budget(plan: Plan | None) -> TokenBudget | None:
     """The engine's token budget for ``plan`` (None: it cuts by rows)."""
     if plan is None or plan.token_budget is None:
         return None
-    return TokenBudget(plan.token_budget, plan.token_model,
-                       plan.token_model.get("forward_tokens") if plan.token_model else None)
+    return TokenBudget(plan.token_budget, plan.token_model)

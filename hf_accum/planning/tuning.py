@@ -19,6 +19,7 @@ from transformers import Trainer
 
 from .. import allocator, levers
 from ..compat import trainer_internals
+from ..fused_loss import loss_path
 from ..probing.loop import ProbeResult
 from ..probing.meters import CpuMeter, CudaMeter, Meter
 from ..probing.probe import probe_model, resolve_budget
@@ -88,7 +89,7 @@ def tune(trainer, prepared: Prepared | None = None, probe: Probe | None = None, 
     if prepared.stored is not None:
         plan, record = prepared.stored
         figures = plan_figures(plan, prepared.budget, record.get("probe"), reused=True)
-        _show("%s (reused %s: nothing that changes memory changed)", args, plan_line(plan, figures),
+        _show("%s (reused %s: nothing that changes memory changed)", args, plan_line(plan, figures, loss_path(trainer)),
               os.path.join(args.output_dir, PLAN_FILE))
         _log_in_trainer(trainer, figures)
         return plan, None, prepared.key
@@ -110,7 +111,7 @@ def tune(trainer, prepared: Prepared | None = None, probe: Probe | None = None, 
     where = ""
     if args.should_save and store:
         where = f" (details: {save_plan(args.output_dir, prepared.key, plan, result.to_dict())})"
-    _show("%s%s", args, plan_line(plan, figures), where)
+    _show("%s%s", args, plan_line(plan, figures, loss_path(trainer)), where)
     _log_in_trainer(trainer, figures)
     return plan, result, prepared.key
 

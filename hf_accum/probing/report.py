@@ -219,10 +219,10 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
     return figures
 
 
-def plan_line(plan: Plan, figures: dict[str, float]) -> str:
+def plan_line(plan: Plan, figures: dict[str, float], loss: str | None = None) -> str:
     """The one plan line, the same in the log, the recipes and `hf-accum probe`: the plan (`Plan.describe`), the
-    peak measured against the budget, and how it was found. Everything else is in the plan file and the logged
-    figures (`plan_figures`)."""
+    loss path where the plan's levers do not name it (``loss``, `fused_loss.loss_path`), the peak measured against
+    the budget, and how it was found. Everything else is in the plan file and the logged figures (`plan_figures`)."""
     peak = figures.get("hf_accum/peak_bytes_per_step")
     at = figures.get("hf_accum/peak_measured_at_micro_batch")
     memory = f"budget {format_bytes(figures['hf_accum/budget_bytes'])}"
@@ -231,4 +231,15 @@ def plan_line(plan: Plan, figures: dict[str, float]) -> str:
     if plan.step_seconds is not None:
         memory += f"; {plan.step_seconds:.2f} s per optimizer step measured"
     found = "stored plan" if figures.get("hf_accum/plan_reused") else f"{figures['hf_accum/probe_trials']} probe trials"
-    return f"hf_accum plan: {plan.describe()}; {memory}; {found}"
+    loss = f"{loss}; " if loss else ""
+    return f"hf_accum plan: {plan.describe()}; {loss}{_cuts(figures)}{memory}; {found}"
+
+
+def _cuts(figures: dict[str, float]) -> str:
+    """A token budget's cuts of the user's data, per optimizer step, next to "samples" mode's (`_expected_cuts`)."""
+    padded = figures.get("hf_accum/expected_padded_over_real")
+    if padded is None:
+        return ""
+    return (f"per step {figures['hf_accum/expected_forwards_per_step']:.1f} forwards, padded/real {padded:.2f} "
+            f"(samples mode {figures['hf_accum/samples_mode_forwards_per_step']:.1f}, "
+            f"{figures['hf_accum/samples_mode_padded_over_real']:.2f}); ")
