@@ -163,7 +163,8 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
     base = model.get_base_model() if peft_config is not None else model
     dtype = model.get_input_embeddings().weight.dtype
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
-    fused = _fused_patch(model) is not None
+    patch = _fused_patch(model)
+    fused, kernel = patch is not None, patch.kernel if patch is not None else None  # a pinned kernel, on paper too
     checkpointed = {name: m.gradient_checkpointing for name, m in model.named_modules()
                     if isinstance(getattr(m, "gradient_checkpointing", None), bool)}
 
@@ -188,6 +189,8 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
                 m.gradient_checkpointing = checkpointed[name]
         if fused:
             patch_model(built)
+            if kernel is not None:
+                _fused_patch(built).kernel = kernel
         return built
 
     return build
