@@ -42,6 +42,16 @@ def trl_counts_tokens(trainer) -> bool:
     return "_total_train_tokens" in vars(trainer)
 
 
+def preference_collator_cut(collator) -> int | None:
+    """The ``max_length`` TRL's DPO preference collator (`trl.trainer.dpo_trainer.DataCollatorForPreference`, built
+    from ``DPOConfig.max_length``) cuts each prompt + completion row to; None for any other collator, or no cut."""
+    try:
+        from trl.trainer.dpo_trainer import DataCollatorForPreference
+    except ImportError:
+        return None
+    return collator.max_length if isinstance(collator, DataCollatorForPreference) else None
+
+
 def trl_fuses_lm_head() -> bool:
     """Whether TRL's SFTTrainer computes its loss through `add_fused_lm_head` (a patched `model.forward` called with
     `fused_lm_head=True`, TRL >= 1.x) rather than from the model's logits."""
