@@ -39,7 +39,7 @@ def _dpo_build(lora=True):
 
 @pytest.fixture(scope="module")
 def dpo_probe():
-    """The lora_dpo recipe's own probe (its trainer, data, collator, LoRA and 50 MiB budget), checkpointing off."""
+    """The lora_dpo recipe's own probe (its trainer, data, collator, LoRA and 64 MiB budget), checkpointing off."""
     from hf_accum.recipes.run import probe_recipe
 
     run = probe_recipe("lora_dpo", ["gradient_checkpointing=false"], say=lambda _msg: None)
@@ -50,9 +50,11 @@ def test_the_lora_dpo_recipe_is_within_5_percent_of_its_probe(dpo_probe):
     measured = _measured(dpo_probe)
     seq_len = dpo_probe.extra["seq_len"]  # the probe's batch: the longest pair, both rows padded to it
     est = estimate_model(_dpo_build(), seq_len=seq_len, target_batch_size=16, device="cpu", device_memory=64 * 2**30,
-                         budget_bytes=50 * MiB, pairs="dpo", also=tuple(measured))
+                         budget_bytes=64 * MiB, pairs="dpo", also=tuple(measured))
     assert len(measured) >= 2
     for micro, peak in measured.items():
+        print(f"lora_dpo micro {micro}: measured {peak / MiB:.2f} MiB, estimated {est.peaks[micro] / MiB:.2f} MiB "
+              f"({est.peaks[micro] / peak - 1:+.2%})")
         assert abs(est.peaks[micro] / peak - 1) <= 0.05, (micro, peak, est.peaks[micro])
     assert abs(est.result.max_micro_batch_size - dpo_probe.max_micro_batch_size) <= 1
     assert "adapters disabled" in est.loss

@@ -32,7 +32,7 @@ COMMON = {"target_batch_size": 16, "world_size": 1, "budget_fraction": None, "bf
      {"r": 16, "modules_to_save": ["lm_head"], "task_type": "CAUSAL_LM"}, True, None),
     ("qlora_sft", "causal_lm", {"budget_bytes": 40 * MiB, "checkpoint_layers": "all", "quantization": "nf4"},
      {"r": 16, "modules_to_save": ["lm_head"], "task_type": "CAUSAL_LM"}, True, "bfloat16"),
-    ("lora_dpo", "causal_lm", {"budget_bytes": 50 * MiB, "checkpoint_layers": "all", "pairs": "dpo"},
+    ("lora_dpo", "causal_lm", {"budget_bytes": 64 * MiB, "checkpoint_layers": "all", "pairs": "dpo"},
      {"r": 16, "task_type": "CAUSAL_LM"}, False, None),
     ("lora_classification", "classification",
      {"budget_bytes": 2 * MiB, "checkpoint_layers": "all", "task": "classification"},
@@ -75,11 +75,11 @@ def test_overrides_reach_the_keywords(overrides, key, value):
 
 
 @pytest.mark.parametrize("name, overrides, seq_len", [
-    ("lora_sft", [], 128), ("lora_classification", [], 16), ("lora_dpo", [], 45), ("lora_sft", ["probe_seq_len=96"], 96),
+    ("lora_sft", [], 128), ("lora_classification", [], 16), ("lora_dpo", [], 57), ("lora_sft", ["probe_seq_len=96"], 96),
 ])
 def test_the_length_is_the_one_the_probe_measures(name, overrides, seq_len):
     """The longest example as the trainer tokenizes it and the probe picks it (`planning.data_scan`): for lora_dpo,
-    trainer-built, the probe's batch is 45 tokens wide (checked against `probe_batches` of the built trainer)."""
+    trainer-built, the probe's batch is 57 tokens wide: the widest pair, prompt + the longer completion (checked against `probe_batches` of the built trainer)."""
     from hf_accum.probing.recipe_paper import data_length, prepare
 
     recipe, args, paper, tokenizer = prepare(name, overrides)
@@ -122,10 +122,8 @@ def _like_for_like(name, *overrides):
                                                     also=tuple(range(1, 9)))
     probed = probe_recipe(name, list(overrides), say=lambda _msg: None)
     measured = {t.micro_batch_size: t.peak_bytes for t in probed.result.measured_trials if t.peak_bytes}
-    # the same longest example, tokenized as the trainer tokenizes it. DPO: the probe measures the pair whose longest
-    # single column (prompt_ids / chosen_ids / rejected_ids) is longest, prompt + response 45 tokens, while the
-    # recipe's report names the longest pair, 57 (`preference_stats`); the estimate follows the probe
-    assert seq_len == (45 if name == "lora_dpo" else probed.seq_len)
+    # the same longest example, tokenized as the trainer tokenizes it (DPO: the widest collated pair, 57 tokens)
+    assert seq_len == probed.seq_len
     assert measured
     for micro, peak in measured.items():
         assert abs(est.peaks[micro] / peak - 1) <= 0.05, (name, micro, est.peaks[micro], peak)

@@ -158,13 +158,13 @@ def data_length(recipe, args, paper: PaperRecipe, tokenizer) -> tuple[int, str]:
             rows = prepared_dataset(task, data.dataset, tokenizer, args)
         finally:
             enable_progress_bar()
-        example = rows[longest_index([sequence_length(r) for r in rows])]
-        what = "examples"
-        n = sequence_length(example)
-        if task == "dpo":  # a pair's sequences: prompt + chosen, prompt + rejected, padded to the longer
-            n = len(example["prompt_ids"]) + max(len(example["chosen_ids"]), len(example["rejected_ids"]))
-            n, what = (min(n, args.max_length) if args.max_length else n), "pairs"
-        return n, f"the longest of {len(rows)} training {what}, tokenized as the trainer does"
+        what, length = "examples", sequence_length
+        if task == "dpo":  # a pair's row as the trainer's collator builds it (the probe's pick, `trl_support`)
+            from ..trl_support import dpo_row_length
+
+            what, length = "pairs", lambda r: dpo_row_length(r, args.max_length) or sequence_length(r)
+        lengths = [length(r) for r in rows]
+        return lengths[longest_index(lengths)], f"the longest of {len(rows)} training {what}, tokenized as the trainer does"
     if paper.max_length is None:
         raise ValueError("the data is not local and training.max_length is unset, so the longest example is "
                          "unknown: set probe_seq_len=N (the longest sequence training will see)")
