@@ -29,8 +29,8 @@ import torch
 
 from hf_accum.compat import gradient_checkpointing
 from hf_accum.levers import checkpointing, selective
-from hf_accum.meters import CpuMeter, live_tensor_bytes
-from hf_accum.probe import make_step_fn, probe_model, random_token_batch
+from hf_accum.probing.meters import CpuMeter, live_tensor_bytes
+from hf_accum.probing.probe import make_step_fn, probe_model, random_token_batch
 from hf_accum.tiny import build_model
 
 KWARGS = {"use_reentrant": False}

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hf_accum.estimating.check import against_probe  # noqa: E402
+from hf_accum.probing.estimate_check import against_probe  # noqa: E402
 
 MiB = 2**20
 
@@ -44,7 +44,7 @@ def configs(hidden: int, layers: int):
 def builder(config, lora: bool):
     from transformers import AutoModelForCausalLM
 
-    from hf_accum.estimating.command import with_lora
+    from hf_accum.probing.paper import with_lora
 
     build = lambda: AutoModelForCausalLM.from_config(config)  # noqa: E731
     return with_lora(build, 8, None) if lora else build
@@ -87,8 +87,8 @@ def compare_8b() -> None:
     accelerate's `estimate-memory` figures and Unsloth's VRAM table for the same model size."""
     from transformers import AutoModelForCausalLM
 
-    from hf_accum.estimating import estimate
-    from hf_accum.estimating.command import with_lora
+    from hf_accum import estimate
+    from hf_accum.probing.paper import with_lora
 
     config = llama3_8b_config()
     build = with_lora(lambda: AutoModelForCausalLM.from_config(config), 16, None)

@@ -76,7 +76,7 @@ def main():
 
 
 def auto_rows():
-    from hf_accum.meters import CpuMeter, live_tensor_bytes
+    from hf_accum.probing.meters import CpuMeter, live_tensor_bytes
     from tests.exactness import tiny_llama
 
     data = lm_examples(256, seed=12, min_len=4, max_len=120)

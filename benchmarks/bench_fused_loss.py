@@ -34,8 +34,8 @@ import torch.nn.functional as F  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import hf_accum.fused_loss as fl  # noqa: E402
-from hf_accum.meters import CpuMeter, live_tensor_bytes  # noqa: E402
-from hf_accum.probe import make_step_fn, probe_model, random_token_batch  # noqa: E402
+from hf_accum.probing.meters import CpuMeter, live_tensor_bytes  # noqa: E402
+from hf_accum.probing.probe import make_step_fn, probe_model, random_token_batch  # noqa: E402
 
 MiB = 1 << 20
 SEQ = 256

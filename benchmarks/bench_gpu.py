@@ -8,7 +8,7 @@ Sections (each writes its figures and its goals with pass/fail flags into DIR/be
   1 model       a Llama from config (hidden 2048, 16 layers, vocab 128256; no hub) in bf16: parameters, build time,
                 weights' memory, one training step's loss (finite);
   2 probe       for full fine-tuning (AdamW), LoRA and QLoRA (where bitsandbytes imports), checkpointing off/on,
-                two sequence lengths, two budgets: hf_accum.probe.probe_model's chosen micro-batch, reported maximum,
+                two sequence lengths, two budgets: hf_accum.probing.probe.probe_model's chosen micro-batch, reported maximum,
                 seconds and trials, then an exhaustive sweep of real steps around the choice (the largest size that
                 really fits, peak allocated, torch.cuda.max_memory_reserved, NVML's used memory per size);
   3 train       AccumTrainer (auto_tune) trains each plan (tight budget and long sequences first, as many as the time
@@ -61,10 +61,10 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from hf_accum import flops  # noqa: E402
-from hf_accum.meters import CpuMeter, CudaMeter, Meter, live_tensor_bytes  # noqa: E402
 from hf_accum.oom import free_memory, is_oom  # noqa: E402
 from hf_accum.planning.plan import divisors  # noqa: E402
-from hf_accum.probe import make_step_fn, probe_model, random_token_batch, resolve_budget  # noqa: E402
+from hf_accum.probing.meters import CpuMeter, CudaMeter, Meter, live_tensor_bytes  # noqa: E402
+from hf_accum.probing.probe import make_step_fn, probe_model, random_token_batch, resolve_budget  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -104,7 +104,7 @@ class Settings:
     micros8: tuple[int, ...] = (1, 2, 4, 8, 16)
     target8: int = 16  # the tuner's samples per optimizer step in section 8
     cap8: float = 180.0  # section 8's own limit in seconds (a quarter kept for the tuner), whatever --minutes leaves
-    seeded2: bool = True  # section 2 also probes from the estimate (estimating.seed) and counts its trials
+    seeded2: bool = True  # section 2 also probes from the estimate (probing.seed) and counts its trials
 
 
 GPU = Settings(
@@ -629,9 +629,9 @@ def probe_and_sweep(ctx: Ctx, model, name: str, seq: int, budget: tuple[str, flo
 
 
 def seeded_probe(model, seq: int, target: int, budget_bytes: int) -> dict[str, Any]:
-    """The same probe started from the estimate (`estimating.seed.probe_with_estimate`): its trials, its measured
+    """The same probe started from the estimate (`probing.seed.probe_with_estimate`): its trials, its measured
     maximum, what the estimate said and how long it took (CPU time on fake tensors), or why it was skipped."""
-    from hf_accum.estimating.seed import probe_with_estimate
+    from hf_accum.probing.seed import probe_with_estimate
 
     said: list[str] = []
     start = time.perf_counter()
@@ -1222,7 +1222,7 @@ def measured_peaks(ctx: Ctx, method: str, seq: int, sizes: tuple[int, ...]) -> d
 def section_estimate(ctx: Ctx) -> dict[str, Any]:
     """`hf-accum probe --estimate` (fake tensors, nothing allocated) against the meter at the same sizes: CUDA's
     peak reserved and allocated on a GPU, the CPU meter's peak under --quick (there the estimate is for "cpu")."""
-    from hf_accum.estimating.estimate import estimate_peaks
+    from hf_accum.probing.estimate import estimate_peaks
 
     sizes = (1, 2) if ctx.quick else (1, 2, 4)
     device = "cuda" if ctx.cuda else "cpu"

@@ -49,7 +49,7 @@ def measure(fn, h, w, y, device: str, repeats: int) -> dict:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        from hf_accum.meters import CpuMeter
+        from hf_accum.probing.meters import CpuMeter
 
         peak = CpuMeter(resident=lambda: 0).measure(once).peak_bytes
     best = float("inf")

@@ -16,13 +16,13 @@ Budgets are 1.6x, 3.7x and 9.5x each configuration's peak at micro-batch 1: a ti
 budget for every configuration.  The target batch is 64 (the search's cap).
 
 Strategies (all start after the same warm-up, which no one is charged for):
-  ours     hf_accum.probe.probe_micro_batches with the plan's divisors of 64 to resolve
+  ours     hf_accum.probing.probe.probe_micro_batches with the plan's divisors of 64 to resolve
   halve    halve on OOM from the target (64, 32, 16, ...), as accelerate's find_executable_batch_size did
   x0.9     multiply by 0.9 on OOM from the target, as accelerate / transformers' auto_find_batch_size now do
   binsrch  Lightning's BatchSizeFinder(mode="binsearch"): from 2, double until OOM, then bisect
            (one step per trial here; Lightning's default is 3, which would triple its sample-steps)
   exhaust  every size from 1 up to the first that does not fit: the true maximum
-  ours+est ours started from the estimate (hf_accum.estimating: the same configuration on fake tensors, the same
+  ours+est ours started from the estimate (hf_accum.probing.paper: the same configuration on fake tensors, the same
            budget, AdamW foreach): its predicted largest fit first, then the size beside it (`--no-estimate`: skip)
 
 Figures: trials (steps run), sample-steps (sum of the micro-batch sizes run, OOMs included), wall time
@@ -50,10 +50,10 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from hf_accum.meters import CpuMeter, Measurement, Meter, live_tensor_bytes  # noqa: E402
 from hf_accum.planning.plan import divisors  # noqa: E402
-from hf_accum.probe import make_step_fn, random_token_batch  # noqa: E402
-from hf_accum.probe_loop import probe_micro_batches  # noqa: E402
+from hf_accum.probing.loop import probe_micro_batches  # noqa: E402
+from hf_accum.probing.meters import CpuMeter, Measurement, Meter, live_tensor_bytes  # noqa: E402
+from hf_accum.probing.probe import make_step_fn, random_token_batch  # noqa: E402
 
 TARGET = 64
 BUDGET_FACTORS = (1.6, 3.7, 9.5)
@@ -231,7 +231,7 @@ def seeded(seed: int) -> Callable[[ReplayMeter], int]:
 
 def estimated_fit(config: Config, budget: float) -> tuple[int, float]:
     """The estimate's largest fit for ``config`` under ``budget`` (fake tensors, the bench's AdamW), its seconds."""
-    from hf_accum.estimating.estimate import estimate_model
+    from hf_accum.probing.estimate import estimate_model
 
     start = time.perf_counter()
     est = estimate_model(config.model, seq_len=config.seq_len, target_batch_size=TARGET, device="cpu",

@@ -5,9 +5,11 @@ example at 512; target 64 (one rank); the budget at which "samples" fits 4 worst
 
 Part 1 (pure, every window of one epoch in the sampler's order): forwards per optimizer step and padded/real
 tokens for "samples" (micro 4, each micro-batch padded to its longest), "tokens" (padded rows sorted and cut
-under the budget) and "tokens" on padding-free rows. Part 2 (a tiny float64 Llama, the first 3 windows): both
-modes trained through AccumTrainer from the same weights: CPU seconds per optimizer step and the largest relative
-difference of their gradients. Part 3 (a small float32 Llama whose activations dominate, as in bench_probe.py; the
+under the budget: the fewest forwards, as before, and now more while a window pads more than 1.10 tokens per real
+one) and "tokens" on padding-free rows. Part 2 (a tiny float64 Llama, the first 3 windows): "samples",
+"tokens" with the fewest forwards (as before) and "tokens" now, trained through AccumTrainer from the same weights:
+forwards and padded/real tokens per step as the model saw them, CPU seconds per optimizer step and the largest
+relative difference of their gradients. Part 3 (a small float32 Llama whose activations dominate, as in bench_probe.py; the
 whole dataset): the memory budget is set halfway between the measured training peaks at 4 and 5 rows x 512
 tokens (measured as below), so "samples" fits 4 worst-case rows; then
 - AccumTrainer's probe in "tokens" mode gives the token budget and its cost model (trials and seconds next to the
@@ -33,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hf_accum.token_budget import partition_packed, partition_padded  # noqa: E402
+from hf_accum.token_budget import TokenBudget, padded_tokens, partition_packed, partition_padded  # noqa: E402
 
 TARGET, MICRO, LONGEST = 64, 4, 512
 BUDGET = MICRO * LONGEST
@@ -53,31 +55,44 @@ def part1():
     random.Random(1).shuffle(order)
     windows = [[lens[i] for i in order[w:w + TARGET]] for w in range(0, len(order), TARGET)]
     real = sum(lens)
-    s_fwd = s_pad = t_fwd = t_pad = f_fwd = 0
+    s_fwd = s_pad = f_fwd = 0
     for w in windows:
         for m in range(0, len(w), MICRO):
             chunk = w[m:m + MICRO]
             s_fwd += 1
             s_pad += len(chunk) * max(chunk)
-        groups = partition_padded(w, BUDGET)
-        t_fwd += len(groups)
-        t_pad += sum(len(g) * max(w[i] for i in g) for g in groups)
         f_fwd += len(partition_packed(w, BUDGET))
+    cuts = {}
+    # before: the fewest forwards, then the least padding; now: more forwards while a window pads > 1.10 x
+    for name, budget in (("before", TokenBudget(BUDGET, padding_target=None)), ("now", TokenBudget(BUDGET))):
+        cuts[name] = [partition_padded(w, budget) for w in windows]
+    again = [partition_padded(w, TokenBudget(BUDGET)) for w in windows]
+
+    def padded(name):
+        return sum(padded_tokens(w, g) for w, g in zip(windows, cuts[name])) / real
+
     steps = len(windows)
-    rows = [("samples (micro 4)", s_fwd / steps, s_pad / real), ("tokens, padded rows", t_fwd / steps, t_pad / real),
+    rows = [("samples (micro 4)", s_fwd / steps, s_pad / real),
+            ("tokens, fewest forwards", sum(map(len, cuts["before"])) / steps, padded("before")),
+            ("tokens, padding <= 1.10", sum(map(len, cuts["now"])) / steps, padded("now")),
             ("tokens, padding-free", f_fwd / steps, 1.0)]
     print(f"Part 1: {len(lens)} examples, {steps} optimizer steps of {TARGET}, budget {BUDGET} tokens per forward")
     print(f"{'mode':24} {'forwards/step':>14} {'padded/real':>12} {'forwards vs samples':>20}")
     for name, fwd, pad in rows:
         print(f"{name:24} {fwd:14.2f} {pad:12.3f} {fwd / rows[0][1]:20.3f}")
+    worst = max(padded_tokens(w, g) / sum(w) for w, g in zip(windows, cuts["now"]))
+    print(f"padding <= 1.10: worst window {worst:.3f}; the same cuts when run again: {again == cuts['now']}")
 
 
 def part2():
+    import dataclasses
     import tempfile
+    from unittest import mock
 
     from transformers.trainer_callback import PrinterCallback
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
+    from hf_accum.planning import planner
     from tests.exactness import StepRecorder, max_relative_error, pad_collate, tiny_llama
 
     g = random.Random(2)
@@ -87,8 +102,15 @@ def part2():
         ids = [g.randint(1, 96) for _ in range(n)]
         data.append({"input_ids": ids, "labels": [-100] * (n // 4) + ids[n // 4:]})
     results = {}
-    for mode in ("samples", "tokens"):
-        with tempfile.TemporaryDirectory() as out:
+    in_force = planner.token_budget
+
+    def fewest(plan):  # the cut before the padding target: the fewest forwards, whatever they pad
+        budget = in_force(plan)
+        return None if budget is None else dataclasses.replace(budget, padding_target=None)
+
+    for name, mode in (("samples", "samples"), ("tokens, fewest forwards", "tokens"), ("tokens", "tokens")):
+        with tempfile.TemporaryDirectory() as out, \
+                mock.patch.object(planner, "token_budget", fewest if "fewest" in name else in_force):
             args = AccumTrainingArguments(
                 output_dir=out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=TARGET // MICRO,
                 target_batch_size=TARGET, auto_tune=False, micro_batching=mode,
@@ -96,17 +118,23 @@ def part2():
                 max_grad_norm=0.0, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
                 remove_unused_columns=False)
             recorder = StepRecorder()
-            trainer = AccumTrainer(model=tiny_llama(max_position_embeddings=512), args=args, train_dataset=data,
-                                   data_collator=pad_collate, callbacks=[recorder])
+            model = tiny_llama(max_position_embeddings=512)
+            forwards = []
+            model.register_forward_pre_hook(lambda m, a, kw, seen=forwards: seen.append(kw["input_ids"].numel()),
+                                            with_kwargs=True)  # check_accumulation's forward included
+            trainer = AccumTrainer(model=model, args=args, train_dataset=data, data_collator=pad_collate,
+                                   callbacks=[recorder])
             trainer.remove_callback(PrinterCallback)
             start = time.process_time()
             trainer.train()
-            results[mode] = (recorder, (time.process_time() - start) / 3)
-    err = max_relative_error(results["tokens"][0].grads, results["samples"][0].grads)
-    ratio = results["tokens"][1] / results["samples"][1]
-    print(f"\nPart 2: tiny float64 Llama, 3 optimizer steps of {TARGET}")
-    print(f"CPU s/step: samples {results['samples'][1]:.2f}, tokens {results['tokens'][1]:.2f} (ratio {ratio:.2f})")
-    print(f"gradients, tokens vs samples: max relative difference {err:.2e}")
+            results[name] = (recorder, (time.process_time() - start) / 3, len(forwards) / 3, sum(forwards) / sum(lens))
+    print(f"\nPart 2: tiny float64 Llama, 3 optimizer steps of {TARGET} (CPU seconds of this process)")
+    print(f"{'mode':24} {'forwards/step':>14} {'padded/real':>12} {'CPU s/step':>11} {'vs samples':>11}")
+    for name, (_, seconds, fwd, pad) in results.items():
+        print(f"{name:24} {fwd:14.2f} {pad:12.3f} {seconds:11.2f} {seconds / results['samples'][1]:11.2f}")
+    for name in ("tokens, fewest forwards", "tokens"):
+        err = max_relative_error(results[name][0].grads, results["samples"][0].grads)
+        print(f"gradients, {name} vs samples: max relative difference {err:.2e}")
 
 
 def examples(lens, seed=3):
@@ -126,7 +154,7 @@ def part3():
 
     from benchmarks.bench_probe import small_llama
     from hf_accum import AccumTrainer, AccumTrainingArguments
-    from hf_accum.meters import CpuMeter, live_tensor_bytes
+    from hf_accum.probing.meters import CpuMeter, live_tensor_bytes
     from hf_accum.token_budget import TokenBudget
     from tests.exactness import pad_collate
 

@@ -13,11 +13,11 @@ _quiet.install()  # a few exact messages of other libraries that no user can act
 
 # Imported on first use: `import hf_accum` (and so `hf-accum --help`) must not pay for torch and transformers.
 _LAZY = {"AccumTrainer": ".trainer", "AccumTrainingArguments": ".args", "AccumulationMixin": ".trainer",
-         "estimate": ".estimating"}
+         "estimate": ".probing.paper"}
 
 if TYPE_CHECKING:
     from .args import AccumTrainingArguments
-    from .estimating import estimate
+    from .probing.paper import estimate
     from .trainer import AccumTrainer, AccumulationMixin
 
 

@@ -78,7 +78,9 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimize", choices=["memory", "throughput"], default="memory")
     p.add_argument("--json", default=None, help="write the measurements and plan to this JSON file")
     e = p.add_argument_group("estimate (no weights loaded: the model from its config, on fake tensors)")
-    e.add_argument("--estimate", action="store_true", help="plan without loading the model or using a device")
+    e.add_argument("--estimate", action="store_true",
+                   help="plan without loading the model or using a device: a bare --model, or RECIPE with its "
+                        "overrides (what `hf-accum train RECIPE` trains; the plan line marked 'estimated')")
     e.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="the device to estimate for (default: this machine's, cuda where torch sees one)")
     e.add_argument("--device-memory", default=None, metavar="SIZE", help="the card's memory, e.g. 80GiB")
@@ -149,12 +151,12 @@ def _run_probe(args: argparse.Namespace) -> int:
     _import_bitsandbytes_only_if(args, args.load_in_4bit or args.load_in_8bit)
     import torch
 
-    from .estimating.seed import probe_with_estimate
-    from .probe_loop import NothingFitsError
-    from .probe_report import table
+    from .probing.loop import NothingFitsError
+    from .probing.report import table
+    from .probing.seed import probe_with_estimate
 
     model = _bare_model(args)
-    from .probe import seq_len_problem
+    from .probing.probe import seq_len_problem
 
     too_long = seq_len_problem(model, args.seq_len, "--seq-len")  # the probe's own check names probe_seq_len
     if too_long:
@@ -226,7 +228,7 @@ def _bare_model(args: argparse.Namespace):
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .estimating import command
+    from .probing import paper as command
 
     why = command.refusal(args)
     try:
@@ -265,8 +267,8 @@ def _probe_recipe(args: argparse.Namespace) -> int:
         from .recipes.preflight import check_writable
 
         check_writable(str(recipe.training["output_dir"]))
-    from .probe_loop import NothingFitsError
-    from .probe_report import table
+    from .probing.loop import NothingFitsError
+    from .probing.report import table
     from .recipes.run import probe_recipe
 
     try:
@@ -312,7 +314,7 @@ def _checkpoint_lever(args: argparse.Namespace, model):
 
 def _report_probe(args: argparse.Namespace, result, plan, seq_len: int, *, budget_source: str | None = None,
                   model: str | None = None) -> None:
-    from .probe_report import summary, table, write_json, write_plot
+    from .probing.report import summary, table, write_json, write_plot
 
     print()
     print(table(result, seq_len))

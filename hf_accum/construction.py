@@ -10,7 +10,7 @@ import weakref
 from transformers import Trainer, TrainerCallback
 
 from . import levers, lora_targets
-from .args import resolve_nonfinite_limit
+from .arg_checks import resolve_nonfinite_limit
 from .compat import bitsandbytes_cpu
 from .settings import Settings
 
@@ -80,6 +80,10 @@ def adjust_args_copy(trainer) -> None:
             "is off for this trainer (the arguments you passed are unchanged).", trainer._normalization,
         )
         args.average_tokens_across_devices = False
+    if args.use_liger_kernel:  # one loss path (kernels/liger.py); AccumTrainingArguments did it as it was made
+        from .kernels import liger
+
+        liger.configure(args, args.device.type)
 
 
 def trl_base(cls: type, args) -> tuple[str, object] | None:

@@ -324,6 +324,19 @@ def _describe_implementation() -> str:
     return "loss kernel chunked (this torch has no linear_cross_entropy)"
 
 
+def loss_path(trainer) -> str | None:
+    """The loss path in words where the ``loss_kernel`` lever's record does not name it: a trainer that fuses its
+    own LM head (TRL's SFTTrainer), or ``use_liger_kernel=True`` with the fused loss off. None otherwise (the
+    plan line names the kernel through the lever, or the loss is the model's own as always)."""
+    by = getattr(trainer, "_lm_head_fused_by", None)
+    liger = "; Liger's other kernels (use_liger_kernel=True)" if trainer.args.use_liger_kernel else ""
+    if by is not None and getattr(trainer, "fused_loss_active", False):
+        return f"loss by {by}{liger}"
+    if liger and not getattr(trainer, "fused_loss_active", False):
+        return f"loss from the full logits (fused loss off){liger}"
+    return None
+
+
 def installed_patch(model: nn.Module) -> FusedLossPatch | None:
     """The active fused-loss patch on ``model``'s causal LM, None when there is none."""
     inner = causal_lm_module(model)
@@ -367,5 +380,5 @@ def with_fused_loss(method):
     return wrapper
 
 
-__all__ = ["causal_lm_loss", "fused_lm_loss", "fused_loss_for", "installed_patch", "patch_model", "resolve_for_model",
+__all__ = ["causal_lm_loss", "fused_lm_loss", "fused_loss_for", "installed_patch", "loss_path", "patch_model", "resolve_for_model",
            "resolve_fused_loss", "unsupported_reason", "with_fused_loss"]

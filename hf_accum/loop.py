@@ -23,7 +23,7 @@ keeps it. Save them with the model and optimizer; under FSDP2, with torch.distri
 its own shards), e.g. ``dcp.save({"model": model_sd, "optim": optim_sd, "accumulator": acc.state_dict()}, ...)``
 with ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` (docs/scaling.md, "Scaling out").
 
-The probe and plan are available too (`hf_accum.probe.probe_model`), to choose the micro-batch before the loop.
+The probe and plan are available too (`hf_accum.probing.probe.probe_model`), to choose the micro-batch before the loop.
 """
 
 from __future__ import annotations

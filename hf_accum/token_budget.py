@@ -8,10 +8,14 @@ chunk pads only to its own longest row, and cut into contiguous groups:
    group holding the longest remaining row can hold at most ``budget // longest`` rows, and taking the next
    longest ones leaves the shortest, cheapest rows for later groups);
 2. among partitions with that many groups (or with ``groups`` forced higher, so that every rank runs the same
-   number of forwards), the one with the least padding: a small dynamic programme over the sorted lengths;
-3. where the probe measured what a forward costs beyond its tokens (``TokenBudget.forward_tokens``, from its
-   trials' times), one more forward while the padding it saves exceeds that cost, up to as many forwards as equal
-   micro-batches sized for the window's longest row would take.
+   number of forwards), the one with the least padding: a small dynamic programme over the sorted lengths
+   (contiguous groups of the sorted rows are optimal: tests/test_token_budget.py checks it by brute force);
+3. one more forward while the window's padded tokens exceed ``PADDING_TARGET`` (1.10) times its real tokens, up to
+   as many forwards as equal micro-batches sized for the window's longest row would take ("samples" mode's count).
+   At the fewest forwards a long-tailed window pads ~1.29 tokens per real token (benchmarks/bench_token_budget.py,
+   part 1): the few longest rows fill a forward with rows much shorter than they are, and no cut into that many
+   forwards does better (step 2 is optimal). The rule reads only the lengths and the budget -- not the probe's
+   step times, which differ between two runs of the same command -- so the same window is always cut the same way.
 
 Padding-free rows cost their total tokens (no padding): consecutive sequences are packed greedily.
 """
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+PADDING_TARGET = 1.10  # padded / real tokens of a window above which one more forward is taken (see step 3)
 
 
 def cost_model(base: float, per_row: dict[int, float]) -> dict[str, float]:
@@ -70,7 +76,7 @@ class TokenBudget:
 
     tokens: int
     model: dict | None = None
-    forward_tokens: float | None = None  # what one more forward costs, in padded tokens (None: fewest forwards)
+    padding_target: float | None = PADDING_TARGET  # None: the fewest forwards, whatever they pad
 
     def rows(self, length: int) -> int:
         floor = self.tokens // length
@@ -121,13 +127,16 @@ def fewest_groups(lengths: Sequence[int], budget: int | TokenBudget) -> int:
 def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: int | None = None) -> list[list[int]]:
     """Row indices grouped into forwards (shortest rows first): each group's rows fit ``budget`` at its longest
     row's length (``rows x longest <= budget`` for a plain token count), the fewest groups (or exactly
-    ``groups``, at least that many), then the least padding."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    ``groups``, at least that many), more while the padding exceeds the budget's ``padding_target`` (a plain
+    token count: `PADDING_TARGET`) and "samples" mode would take more, then the least padding."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])  # stable: equal lengths keep their order
     sorted_len = [lengths[i] for i in order]
     n = len(order)
     least = fewest_groups(sorted_len, budget)
     k = max(least, min(groups or least, n))
-    per_forward = budget.forward_tokens if isinstance(budget, TokenBudget) else None
+    target = budget.padding_target if isinstance(budget, TokenBudget) else PADDING_TARGET
+    # never more forwards than equal micro-batches sized for the window's longest row ("samples" mode's plan)
+    most = max(k, -(-n // max(1, _rows(budget, sorted_len[-1])))) if n else k
     inf = float("inf")
     # best[g][i]: least padded tokens of rows 0..i-1 in g groups (inf if none fits); one layer per group count
     best = [[0.0] + [inf] * n]
@@ -149,11 +158,7 @@ def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: 
         cut.append(where)
         if g < k:
             continue
-        # one more forward only while it saves more padded tokens than a forward costs (measured, in tokens), and
-        # never more forwards than equal micro-batches sized for the window's longest row would take: a noisy
-        # timing must not make "tokens" mode slower than "samples" mode
-        if (per_forward is None or g >= max(k, -(-n // _rows(budget, sorted_len[-1])))
-                or best[g][n] - _next_best(best[g], sorted_len, budget) <= per_forward):
+        if target is None or g >= most or best[g][n] <= target * sum(sorted_len):
             break
     k = g
     if best[k][n] == inf:  # cannot happen for k >= least; kept as a guard against a wrong budget
@@ -163,16 +168,6 @@ def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: 
         bounds.append((cut[g][i], i))
         i = cut[g][i]
     return [[order[r] for r in range(lo, hi)] for lo, hi in reversed(bounds)]
-
-
-def _next_best(layer: list[float], sorted_len: list[int], budget) -> float:
-    """Least padded tokens of all rows in one group more than ``layer`` has (``layer[i]``: rows 0..i-1)."""
-    n = len(sorted_len)
-    out = float("inf")
-    fits = _rows(budget, sorted_len[-1])
-    for j in range(n - 1, max(-1, n - 1 - fits), -1):
-        out = min(out, layer[j] + (n - j) * sorted_len[-1])
-    return out
 
 
 def partition_packed(lengths: Sequence[int], budget: int | TokenBudget,

@@ -49,6 +49,26 @@ def _dpo_trainer_refusal(trainer) -> str | None:
     return dpo_refusal(trainer.args, trainer._normalization)
 
 
+def dpo_row_length(example, max_length: int | None) -> int | None:
+    """The width of the row DPOTrainer's collator builds for ``example``: its prompt followed by the longer of its
+    completions (the chosen and rejected rows of a batch are padded to one width), cut to ``max_length`` (TRL's
+    `DataCollatorForPreference` cuts prompt + completion, either end). None: not a tokenized pair (a vision
+    dataset's rows are tokenized by their collator)."""
+    if not isinstance(example, dict) or not {"prompt_ids", "chosen_ids", "rejected_ids"} <= example.keys():
+        return None
+    n = len(example["prompt_ids"]) + max(len(example["chosen_ids"]), len(example["rejected_ids"]))
+    return n if max_length is None else min(n, max_length)
+
+
+def reward_row_length(example, max_length: int | None = None) -> int | None:
+    """The width of the row RewardTrainer's collator builds for ``example``: the longer of its chosen and rejected
+    sequences (each already holds the prompt; RewardTrainer drops longer pairs rather than cutting them, so no
+    ``max_length`` applies). None: not a tokenized pair."""
+    if not isinstance(example, dict) or not {"chosen_ids", "rejected_ids"} <= example.keys():
+        return None
+    return max(len(example["chosen_ids"]), len(example["rejected_ids"]))
+
+
 def reward_refusal(normalization: str) -> str | None:
     """Why RewardTrainer's loss cannot be accumulated exactly under ``normalization`` (None: it can)."""
     if normalization == "tokens":
@@ -74,6 +94,7 @@ class MixedInto:
     check: Callable[[Any], str | None] | None = None
     refusal: str | None = None
     adapter: TrainerAdapter = NO_ADAPTER
+    row_length: Callable[[Any, int | None], int | None] | None = None
 
     def normalization_of(self, args) -> str:
         """The loss normalization of a plain TRL config ``args`` for this trainer."""
@@ -91,8 +112,10 @@ _GENERATION_GROUPS = (
 # classes in trl's namespace) and what the mixin does over each. A TRL class missing here is refused.
 TRL_TRAINERS: dict[str, MixedInto] = {
     "SFTTrainer": MixedInto(),  # a token mean (or a sample mean with loss_normalization="samples")
-    "DPOTrainer": MixedInto("pairs", "samples", check=_dpo_trainer_refusal),  # [chosen; rejected], per-pair terms
-    "RewardTrainer": MixedInto("pairs", "samples", check=_reward_trainer_refusal),  # per-pair logsigmoid (+ centering)
+    # [prompt + chosen; prompt + rejected], per-pair terms
+    "DPOTrainer": MixedInto("pairs", "samples", check=_dpo_trainer_refusal, row_length=dpo_row_length),
+    # [chosen; rejected], per-pair logsigmoid (+ centering)
+    "RewardTrainer": MixedInto("pairs", "samples", check=_reward_trainer_refusal, row_length=reward_row_length),
     "KTOTrainer": MixedInto(refusal=(
         "its loss compares each sample with a KL estimate averaged over the whole batch (mismatched prompt/completion "
         "rows, gathered over ranks), so cutting a batch into smaller forwards changes every sample's term. Use "
@@ -145,3 +168,23 @@ def length_bound(trainer) -> tuple[int, str] | None:
         return None
     n = int(trainer.args.max_length)
     return n, f"{type(trainer).__name__} with max_length={n} ({name} {_TRUNCATING[name]} to it)"
+
+
+def row_length(trainer) -> Callable[[Any], int]:
+    """``length(example)``: the width of the row ``trainer``'s collator builds for one training or evaluation
+    example (`MixedInto.row_length`; its longest sequence for any other trainer, or an example not in the form its
+    TRL trainer tokenizes). A collator that is not TRL's own is measured uncut: only TRL's is known to cut."""
+    from .compat.trl_internals import preference_collator_cut
+    from .planning.probe_rows import sequence_length
+
+    found = mixed_into(type(trainer))
+    measure = found[1].row_length if found else None
+    if measure is None:
+        return sequence_length
+    cut = preference_collator_cut(trainer.data_collator)
+
+    def length(example) -> int:
+        n = measure(example, cut)
+        return sequence_length(example) if n is None else n
+
+    return length

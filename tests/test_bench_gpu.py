@@ -208,7 +208,7 @@ def test_the_sweep_finds_the_largest_size_that_fits(true_max, start):
 
 
 def test_the_grab_leaves_room_between_the_plan_and_the_next_smaller_micro_batch():
-    from hf_accum.probe_loop import ProbeResult, Trial
+    from hf_accum.probing.loop import ProbeResult, Trial
 
     bench = load_script()
     GiB = 1 << 30

@@ -201,6 +201,19 @@ def test_transformers_causal_lm_forward_contract():
         assert float(pre.loss) == pytest.approx(float(plain.loss), rel=1e-6)
 
 
+def test_trl_preference_collator_cut_contract():
+    """`preference_collator_cut` reads DPO's collator's ``max_length``, which cuts prompt + completion rows to it."""
+    pytest.importorskip("trl")
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+    from trl.trainer.reward_trainer import DataCollatorForPreference as RewardCollator
+
+    collate = DataCollatorForPreference(pad_token_id=0, max_length=4)
+    assert trl_internals.preference_collator_cut(collate) == 4
+    assert collate([{"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5], "rejected_ids": [6]}])["input_ids"].shape == (2, 4)
+    assert trl_internals.preference_collator_cut(DataCollatorForPreference(pad_token_id=0)) is None
+    assert trl_internals.preference_collator_cut(RewardCollator(pad_token_id=0)) is None  # RewardTrainer cuts nothing
+
+
 def test_trl_fused_lm_head_contract():
     """AccumSFTTrainer leaves fusing to TRL: its fused head's loss must be the model's own (sum over num_items)."""
     pytest.importorskip("trl")
@@ -518,7 +531,7 @@ def test_peft_still_reads_the_renamed_checkpointing_property_and_our_wraps_say_n
 
     from peft import LoraConfig, get_peft_model
 
-    from hf_accum.estimating import estimate
+    from hf_accum import estimate
     from hf_accum.loading import add_lora
 
     from .exactness import tiny_llama

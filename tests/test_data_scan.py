@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_accum.meters import format_bytes
 from hf_accum.planning.data_scan import example_length, is_sequence, longest_index, rows
+from hf_accum.probing.meters import format_bytes
 
 
 @pytest.mark.parametrize("example, length", [

@@ -53,6 +53,12 @@ def _resumed(ran, cwd):
     assert "checkpoint-4" in ran.output  # the second run names the checkpoint it resumes
 
 
+def _recipe_on_paper(ran, cwd):
+    assert "seq 16 (the longest of 2000 training examples)" in ran.output, ran.output
+    last = ran.output.strip().splitlines()[-1]
+    assert last.startswith("hf_accum plan: micro 2 × accumulation 8 × world 1 = 16; peak ") and "(estimated)" in last
+
+
 CHECKS = {  # a line of the block -> what its result must show
     "for window in windows(loader, 4):": _loop_losses,
     "trainer = AccumTrainer(model=model, args=args, train_dataset=ds, data_collator=collator)": _trained(3),
@@ -60,6 +66,7 @@ CHECKS = {  # a line of the block -> what its result must show
     "hf-accum probe --model tiny --seq-len 256 --target-batch 32 --json probe.json --plot probe.png": _probe_plot,
     "hf-accum probe lora_sft output_dir=runs/p": _reused,
     "resume_from_checkpoint=true": _resumed,
+    "hf-accum probe --estimate lora_classification gradient_checkpointing=false": _recipe_on_paper,
 }
 
 

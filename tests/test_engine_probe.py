@@ -4,9 +4,9 @@ The real thing, through DeepSpeed on two ranks, is in tests/test_deepspeed.py.""
 
 import pytest
 
-from hf_accum.meters import FakeMeter
-from hf_accum.planning.engine_probe import AgreedMeter, smallest
-from hf_accum.probe_loop import probe_micro_batches
+from hf_accum.probing.engine import AgreedMeter, smallest
+from hf_accum.probing.loop import probe_micro_batches
+from hf_accum.probing.meters import FakeMeter
 from hf_accum.protocol import StopTraining
 
 MiB = 2**20
@@ -111,13 +111,13 @@ DEFAULT_BUCKETS = {"reduce_bucket_size": 5 * 10**8, "allgather_bucket_size": 5 *
     (int(1.86 * GiB), 3 * MiB, {}, False),                        # ZeRO-0: no buckets
 ])
 def test_buffers_dominate_is_decided_from_the_measured_step(need, state, buckets, dominate):
-    from hf_accum.planning.engine_probe import buffers_dominate
+    from hf_accum.probing.engine import buffers_dominate
 
     assert buffers_dominate(need, state, buckets, 4) is dominate
 
 
 def test_the_buffer_message_names_the_keys_and_not_checkpointing():
-    from hf_accum.planning.engine_probe import buffers_message
+    from hf_accum.probing.engine import buffers_message
 
     message = buffers_message("DeepSpeed ZeRO-2", int(1.86 * GiB), 64 * MiB, 3 * MiB, DEFAULT_BUCKETS, 4)
     assert message.startswith("even micro-batch 1 does not fit: one training step through DeepSpeed ZeRO-2 needs "
@@ -131,7 +131,7 @@ def test_the_buffer_message_names_the_keys_and_not_checkpointing():
 def test_model_state_bytes_counts_weights_gradients_and_adam_moments():
     import torch
 
-    from hf_accum.planning.engine_probe import model_state_bytes
+    from hf_accum.probing.engine import model_state_bytes
 
     trained, frozen = torch.nn.Parameter(torch.zeros(10)), torch.nn.Parameter(torch.zeros(5), requires_grad=False)
     assert model_state_bytes([trained, frozen]) == 10 * (4 + 4 + 8) + 5 * 4

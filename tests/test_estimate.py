@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from hf_accum.estimating.check import against_probe
-from hf_accum.estimating.command import parse_size, with_lora
-from hf_accum.estimating.estimate import interpolate
+from hf_accum.probing.estimate import interpolate
+from hf_accum.probing.estimate_check import against_probe
+from hf_accum.probing.paper import parse_size, with_lora
 
 MiB = 2**20
 
@@ -108,8 +108,7 @@ def test_cuda_estimate_on_a_cpu_build_says_its_assumptions(gpt2_folder):
 
 @pytest.mark.parametrize("flags, words", [
     (["--device-memory", "lots"], "--device-memory"),
-    (["--load-in-4bit"], "4-bit"),
-    (["--gradient-checkpointing"], "checkpointing"),
+    (["--gradient-checkpointing", "--checkpoint-layers", "1"], "contradict"),  # checkpointing itself is estimated
 ])
 def test_cli_estimate_refuses_in_one_line(gpt2_folder, capsys, flags, words):
     from hf_accum.cli import main
@@ -189,7 +188,7 @@ def test_cli_estimate_flags_are_not_ignored_or_misnamed(flags, words, capsys):
 
 def test_python_estimate_assumes_no_card_size(gpt2_folder, no_gpu):
     from hf_accum import estimate
-    from hf_accum.meters import CpuMeter
+    from hf_accum.probing.meters import CpuMeter
 
     with pytest.raises(ValueError, match="an estimate for cuda on a machine without a GPU needs device_memory"):
         estimate(gpt2_folder, device="cuda", seq_len=32, target_batch_size=2)
@@ -199,8 +198,8 @@ def test_python_estimate_assumes_no_card_size(gpt2_folder, no_gpu):
 
 def test_a_negative_intercept_is_not_printed_as_a_negative_peak():
     from hf_accum.planning.plan import plan_batch
-    from hf_accum.probe_loop import ProbeResult
-    from hf_accum.probe_report import summary
+    from hf_accum.probing.loop import ProbeResult
+    from hf_accum.probing.report import summary
 
     result = ProbeResult([], 4, (-9.1 * MiB, 132.3 * MiB), 1024 * MiB, 2048 * MiB, 4, device="cpu")
     text = summary(result, plan_batch(8, 1, 4), 256)

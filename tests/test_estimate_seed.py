@@ -1,4 +1,4 @@
-"""The real probe started from the estimate (`estimating.seed.probe_with_estimate`): fewer trials, the same measured
+"""The real probe started from the estimate (`probing.seed.probe_with_estimate`): fewer trials, the same measured
 answer, and one log line and today's search whenever the estimate cannot stand for the step."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_accum.estimating import seed as seed_module
-from hf_accum.estimating.seed import probe_with_estimate
-from hf_accum.probe import probe_model
+from hf_accum.probing import seed as seed_module
+from hf_accum.probing.probe import probe_model
+from hf_accum.probing.seed import probe_with_estimate
 
 MiB = 2**20
 PROBE = dict(seq_len=128, target_batch_size=8, budget_bytes=12 * MiB)
@@ -126,7 +126,7 @@ def test_the_rebuilt_model_trains_what_the_model_trains():
 
 
 def test_the_report_shows_predicted_beside_measured():
-    from hf_accum.probe_report import estimate_lines, predicted_vs_measured, summary, to_json
+    from hf_accum.probing.report import estimate_lines, predicted_vs_measured, summary, to_json
 
     result, plan = probe_with_estimate(_llama(), **PROBE)
     rows = predicted_vs_measured(result)
@@ -145,7 +145,7 @@ def test_the_report_shows_predicted_beside_measured():
 
 @pytest.mark.parametrize("from_estimate", [True, False])
 def test_the_trainer_starts_from_the_estimate_and_the_plan_file_records_it(tmp_path, from_estimate):
-    # checkpoint_layers fixed: with "auto" the level search (level_probe.py) chooses k and is not seeded
+    # checkpoint_layers fixed: the plain micro-batch search (with "auto" each level is seeded: test_estimate_levels.py)
     import json
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
@@ -180,8 +180,8 @@ def test_a_trainer_with_its_own_loss_is_not_seeded(tmp_path, caplog):
     import logging
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
-    from hf_accum.estimating.seed import trainer_reason
     from hf_accum.planning.store import PLAN_FILE
+    from hf_accum.probing.seed import trainer_reason
     from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
 
     class OwnLoss(AccumTrainer):

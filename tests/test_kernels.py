@@ -272,6 +272,178 @@ def test_use_liger_kernel_without_the_package_is_one_line_at_once(tmp_path):
     assert float(seconds) <= 2.0, (seconds, time.perf_counter() - began)
 
 
+LIGER_ROUTES = [  # (liger_kernel_config, fused_loss, device) -> (config transformers applies, kernel) or refusal
+    ({}, None, "cuda", {"fused_linear_cross_entropy": False}, "liger"),
+    (None, True, "cuda", {"fused_linear_cross_entropy": False}, "liger"),
+    ({"rms_norm": False, "cross_entropy": True}, None, "cuda",
+     {"rms_norm": False, "cross_entropy": True, "fused_linear_cross_entropy": False}, "liger"),
+    ({"fused_linear_cross_entropy": False}, False, "cuda", {"fused_linear_cross_entropy": False}, None),
+    ({}, None, "cpu", "use_liger_kernel=True: Liger's kernels are Triton kernels for CUDA only, and this run is on cpu; "
+                      "set use_liger_kernel=False", None),
+    ({"fused_linear_cross_entropy": True}, None, "cuda",
+     "liger_kernel_config={'fused_linear_cross_entropy': True} replaces the model's forward", None),
+]
+
+
+@pytest.mark.parametrize("config, fused_loss, device, want, kernel", LIGER_ROUTES)
+def test_use_liger_kernel_routes_to_one_loss_path(config, fused_loss, device, want, kernel):
+    """Liger's own fused cross-entropy patch off (it would replace the forward our fused loss patches), its other
+    kernels as given, and Liger's kernel run by our fused loss (None: fused_loss=False, the model's own loss)."""
+    from hf_accum.kernels import liger
+
+    given = None if config is None else dict(config)
+    if isinstance(want, str):
+        with pytest.raises(ValueError) as err:
+            liger.route(given, fused_loss, device)
+        assert str(err.value).startswith(want) and "\n" not in str(err.value)
+        return
+    assert liger.route(given, fused_loss, device) == (want, kernel)
+    assert given == config  # the caller's dict is not written to
+
+
+def _fake_liger(monkeypatch):
+    """A stand-in liger-kernel (not installed here; its kernels are Triton, CUDA only): importable, with its fused
+    linear cross-entropy written in plain torch (Liger's contract: the sum over counted targets)."""
+    import importlib.machinery
+    import sys
+    import types
+
+    calls = []
+
+    def liger_fused_linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
+                                         reduction="mean"):
+        calls.append(tuple(input.shape))
+        logits = torch.nn.functional.linear(input, weight, bias)
+        return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index,
+                                                 label_smoothing=label_smoothing, reduction=reduction)
+
+    for name in ("liger_kernel", "liger_kernel.transformers", "liger_kernel.transformers.functional"):
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["liger_kernel.transformers.functional"].liger_fused_linear_cross_entropy = \
+        liger_fused_linear_cross_entropy
+    return calls
+
+
+def test_use_liger_kernel_off_cuda_is_one_line_at_once(tmp_path):
+    """With the package there but no CUDA device (Triton kernels): refused as the arguments are made, one line
+    naming the setting, not Triton's error at the first forward after the probe."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.machinery, sys, time, types\n"
+            "m = types.ModuleType('liger_kernel'); m.__spec__ = importlib.machinery.ModuleSpec('liger_kernel', None)\n"
+            "sys.modules['liger_kernel'] = m\n"
+            "from hf_accum import AccumTrainingArguments\n"
+            "t = time.perf_counter()\n"
+            "try:\n"
+            f"    AccumTrainingArguments(output_dir={str(tmp_path)!r}, use_liger_kernel=True, use_cpu=True, report_to=[])\n"
+            "except ValueError as e:\n"
+            "    print(round(time.perf_counter() - t, 3)); print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    seconds, message = out.stdout.splitlines()[0], out.stdout.splitlines()[1:]
+    assert len(message) == 1 and "use_liger_kernel=True" in message[0] and "CUDA only" in message[0], out
+    assert float(seconds) <= 2.0
+
+
+@pytest.mark.parametrize("fused_loss", [None, False])
+def test_use_liger_kernel_runs_liger_in_our_fused_loss_exactly_and_names_it(fused_loss, tmp_path, monkeypatch,
+                                                                            caplog):
+    """use_liger_kernel=True (a stand-in Liger, the device check passed as on CUDA): transformers applies Liger's
+    kernels with its fused cross-entropy off, so the model's forward stays hf_accum's fused-loss patch; that runs
+    Liger's kernel, the plan line names it, and the gradients match the independent float64 reference. With
+    fused_loss=False the loss is the model's own from its full logits, and the plan line says that instead."""
+    import transformers.trainer
+    from transformers.trainer_callback import PrinterCallback
+
+    from hf_accum import AccumTrainer, AccumTrainingArguments
+    from hf_accum.kernels import liger
+    from tests.exactness import StepRecorder, max_relative_error, recording, reference_run
+
+    calls = _fake_liger(monkeypatch)
+    configure = getattr(liger, "configure", None)  # None on a main without it: the test fails on what it checks
+    monkeypatch.setattr(liger, "configure", lambda args, device: configure(args, "cuda"), raising=False)
+    monkeypatch.setattr(liger, "unavailable", lambda *a, **k: None)  # the stand-in runs on the CPU
+    applied = []
+
+    def apply_liger_kernel(model, config):  # what Liger does to the instance: its fused cross-entropy (on unless
+        applied.append(dict(config or {}))  # turned off) replaces the model's forward
+        if (config or {}).get("fused_linear_cross_entropy", True):
+            model.forward = lambda *a, **k: (_ for _ in ()).throw(AssertionError("Liger's own loss path ran"))
+
+    monkeypatch.setattr(transformers.trainer, "apply_liger_kernel", apply_liger_kernel)
+    args = AccumTrainingArguments(
+        output_dir=str(tmp_path), target_batch_size=4, probe_seq_len=16, probe_max_micro_batch=2, use_cpu=True,
+        report_to=[], memory_budget_bytes=2**30, max_steps=2, save_strategy="no", disable_tqdm=True,
+        remove_unused_columns=False, use_liger_kernel=True, learning_rate=1e-2, max_grad_norm=0.0,
+        fused_loss=fused_loss)
+    assert args.liger_kernel_config == {"fused_linear_cross_entropy": False}
+    recorder = StepRecorder()
+    trainer = recording(AccumTrainer)(model=tiny_llama(), args=args, train_dataset=lm_examples(8),
+                                      data_collator=pad_collate, callbacks=[recorder])
+    trainer.remove_callback(PrinterCallback)
+    with caplog.at_level("WARNING", logger="hf_accum"):
+        trainer.train()
+    assert applied == [{"fused_linear_cross_entropy": False}]
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("hf_accum plan: "))
+    if fused_loss is False:
+        assert "loss_kernel" not in (trainer.plan.levers or {}) and not calls
+        assert "; loss from the full logits (fused loss off); Liger's other kernels (use_liger_kernel=True); " in line
+    else:
+        record = {"kernel": "liger", "pinned": True, "by": "use_liger_kernel=True"}
+        assert trainer.plan.levers["loss_kernel"] == record and calls  # the probe's and training's forwards
+        assert "; loss kernel liger (use_liger_kernel=True)" in line
+    ref = reference_run(tiny_llama(), recorder, trainer.windows, "causal")
+    # the model's own loss upcasts the logits to float32 (transformers' ForCausalLMLoss): ~1e-7 on a float64 model
+    assert max_relative_error(recorder.grads, ref.grads) <= (1e-6 if fused_loss is False else TOL)
+
+
+def test_use_liger_kernel_with_trls_fused_head_is_one_loss_path_named_in_the_plan_line(tmp_path, monkeypatch,
+                                                                                         caplog):
+    """AccumSFTTrainer: TRL's own fused LM head computes the loss (Liger's fused cross-entropy off, neither Liger's
+    loss nor hf_accum's kernel runs), the plan line says so, and training is exact."""
+    import warnings
+
+    import transformers.trainer
+    from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback
+
+    from hf_accum import tiny
+    from hf_accum.kernels import liger
+    from hf_accum.trl import AccumSFTConfig, AccumSFTTrainer
+    from tests.exactness import StepRecorder, max_step_error, recording, reference_run
+
+    calls = _fake_liger(monkeypatch)
+    configure = getattr(liger, "configure", None)  # None on a main without it: the test fails on what it checks
+    monkeypatch.setattr(liger, "configure", lambda args, device: configure(args, "cuda"), raising=False)
+    applied = []
+    monkeypatch.setattr(transformers.trainer, "apply_liger_kernel", lambda model, config: applied.append(config))
+    tok = tiny.build_tokenizer()
+    rows = tiny.generate_instruction_data(8, seed=1)
+    data = Dataset.from_list([{"prompt": r["prompt"], "completion": r["response"]} for r in rows])
+    model = tiny.build_model("causal_lm", tokenizer=tok, dtype=torch.float64, hidden_size=32)
+    initial = copy.deepcopy(model)
+    args = AccumSFTConfig(output_dir=str(tmp_path), target_batch_size=4, probe_max_micro_batch=2, max_steps=2,
+                          learning_rate=1e-2, max_grad_norm=0.0, report_to=[], save_strategy="no", use_cpu=True,
+                          bf16=False, seed=0, disable_tqdm=True, max_length=64, use_liger_kernel=True)
+    recorder = StepRecorder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # TRL: use_liger_kernel is deprecated there
+        trainer = recording(AccumSFTTrainer)(model=model, args=args, train_dataset=data, processing_class=tok,
+                                             callbacks=[recorder])
+    trainer.remove_callback(PrinterCallback)
+    with caplog.at_level("WARNING", logger="hf_accum"):
+        trainer.train()
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("hf_accum plan: "))
+    assert ("; loss by TRL's fused LM head (trl.trainer.utils.add_fused_lm_head); Liger's other kernels "
+            "(use_liger_kernel=True); ") in line and "loss kernel" not in line
+    assert "loss_kernel" not in (trainer.plan.levers or {}) and not calls
+    assert applied == [{"fused_linear_cross_entropy": False}]
+    ref = reference_run(initial, recorder, trainer.windows, "causal")
+    assert max_step_error(recorder, ref) < 1e-6  # float64 model; RMSNorm/rotary in float32 give ~1e-7 (test_trl)
+
+
 # --- the estimate sees the kernel ------------------------------------------------------------------------------------
 def _qwen2_tied():
     from transformers import Qwen2Config
@@ -288,9 +460,9 @@ def test_the_estimate_of_the_fused_loss_matches_the_probe(lora):
     embeddings (the head's gradient meets the embedding's) and with LoRA (the head frozen)."""
     from transformers import AutoModelForCausalLM
 
-    from hf_accum.estimating.command import with_fused_loss, with_lora
-    from hf_accum.estimating.estimate import estimate_model
-    from hf_accum.probe import probe_model
+    from hf_accum.probing.estimate import estimate_model
+    from hf_accum.probing.paper import with_fused_loss, with_lora
+    from hf_accum.probing.probe import probe_model
 
     config = _qwen2_tied()
     build = lambda: AutoModelForCausalLM.from_config(config)  # noqa: E731

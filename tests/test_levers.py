@@ -194,7 +194,7 @@ def test_bad_levels_refused():
 
 
 def simulated_meter(memory, seconds, lever, overhead=1.25):
-    from hf_accum.meters import Measurement, Meter
+    from hf_accum.probing.meters import Measurement, Meter
 
     class SimulatedMeter(Meter):
         """The synthetic model's memory and time, read from the lever's level; the instrumented (measured) step
@@ -252,7 +252,7 @@ def test_probe_levels_times_one_plain_step_and_levels_every_line_by_it(budget_mi
     """Both ends are searched under the (slower) meter; one plain step, at the level whose largest fit holds the
     fewest rows, gives the ratio that brings every level's time line to plain seconds; the chosen point's seconds
     come from a plain step (reused when it is that one); the choice equals the exhaustive best of the true model."""
-    from hf_accum.level_probe import probe_levels
+    from hf_accum.probing.levels import probe_levels
 
     L, per_rank = 8, 32
     memory, seconds = synthetic(L)
@@ -281,7 +281,7 @@ def test_a_choice_the_plain_steps_refute_falls_back_to_the_measured_point():
     """An instrumented search that flatters the checkpointed level (here its steps read 2x faster than they run)
     predicts recompute pays; the plain step at the chosen point says otherwise, and the plainly timed level-0 point
     (its largest fit, measured to fit) is taken instead, with both figures recorded."""
-    from hf_accum.level_probe import probe_levels
+    from hf_accum.probing.levels import probe_levels
 
     L, per_rank, budget = 8, 32, 1200 * MIB
     memory, seconds = synthetic(L, layer_fwd=0.02)  # recompute dear: level 0 is the true best

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from hf_accum.meters import CpuMeter, FakeMeter, live_tensor_bytes
 from hf_accum.planning.plan import divisors, forward_breakpoints, plan_batch
 from hf_accum.preserve import fresh_optimizer_like, preserved
-from hf_accum.probe import make_step_fn, probe_model, random_token_batch
-from hf_accum.probe_loop import NothingFitsError, agree_max_micro_batch, agree_on_rates, probe_micro_batches
+from hf_accum.probing.loop import NothingFitsError, agree_max_micro_batch, agree_on_rates, probe_micro_batches
+from hf_accum.probing.meters import CpuMeter, FakeMeter, live_tensor_bytes
+from hf_accum.probing.probe import make_step_fn, probe_model, random_token_batch
 
 from .exactness import probe_llama
 
@@ -312,7 +312,7 @@ def test_all_ranks_adopt_the_smallest_maximum_and_the_slowest_rates():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_real_cuda_oom_is_caught_freed_and_the_probe_goes_on():
-    from hf_accum.meters import CudaMeter
+    from hf_accum.probing.meters import CudaMeter
 
     meter = CudaMeter()
     chunk = 4 << 30  # each sample "needs" 4 GiB

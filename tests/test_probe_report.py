@@ -3,7 +3,7 @@ marked as read off the fitted line, the budget's value and origin, the model and
 kinds without points have no legend entry, and a default budget is named in the printed output."""
 
 from hf_accum.planning.plan import Plan
-from hf_accum.probe_loop import ProbeResult, Trial
+from hf_accum.probing.loop import ProbeResult, Trial
 
 MiB = 2**20
 
@@ -21,7 +21,7 @@ def trial(micro, mib, fits=True):
 def drawn(res, plan, **kw):
     import matplotlib.pyplot as plt
 
-    from hf_accum.probe_report import plot
+    from hf_accum.probing.report import plot
 
     fig = plot(res, plan, **kw)
     ax = fig.axes[0]

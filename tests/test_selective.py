@@ -28,7 +28,7 @@ def test_gradients_equal_without_checkpointing(build, batch, full, sel):
 
 def peak_bytes(model, data) -> int:
     """Peak tensor bytes of one forward + backward (CpuMeter: the profiler's allocation events, to the byte)."""
-    from hf_accum.meters import CpuMeter
+    from hf_accum.probing.meters import CpuMeter
 
     model.train()
     inputs = {"use_cache": False, **{k: v for k, v in data.items() if k != "labels"}}

@@ -11,8 +11,8 @@ from transformers import DataCollatorWithFlattening
 from hf_accum import AccumTrainer, AccumTrainingArguments
 from hf_accum.compat import gradient_checkpointing
 from hf_accum.levers import checkpointing, searched, selective
-from hf_accum.meters import Measurement, Meter
 from hf_accum.planning import tuning
+from hf_accum.probing.meters import Measurement, Meter
 from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
 
 from .exactness import lm_examples, pad_collate

@@ -5,7 +5,9 @@ the budget. The partition rule itself is checked by table and by brute force."""
 
 import itertools
 import logging
+import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from transformers.trainer_callback import PrinterCallback
 from hf_accum import AccumTrainer, AccumTrainingArguments
 from hf_accum.planning.plan import plan_batch
 from hf_accum.token_budget import (
+    PADDING_TARGET,
     TokenBudget,
     TooLongForBudget,
     cost_model,
@@ -43,7 +46,7 @@ pytestmark = pytest.mark.xdist_group("torchrun")
 ])
 def test_fewest_groups_table(lengths, budget, groups):
     assert fewest_groups(lengths, budget) == groups
-    parts = partition_padded(lengths, budget)
+    parts = partition_padded(lengths, TokenBudget(budget, padding_target=None))  # the fewest, whatever they pad
     assert len(parts) == groups and sorted(i for g in parts for i in g) == list(range(len(lengths)))
     assert all(len(g) * max(lengths[i] for i in g) <= budget for g in parts)
 
@@ -56,7 +59,10 @@ def modelled(tokens, short=4, long=20, per_token=10.0, per_token_sq=2.0, usable=
 
 
 @pytest.mark.parametrize("kind", ["tokens", "cost model"])
-def test_partition_is_optimal_by_brute_force(kind):
+@pytest.mark.parametrize("target", [None, PADDING_TARGET])
+def test_partition_is_optimal_by_brute_force(kind, target):
+    # every partition of the sorted rows into contiguous groups, scored: the fewest groups, more while the least
+    # padding at that many exceeds the target and "samples" mode's count allows, then the least padding
     g = random.Random(0)
     for _ in range(60):
         lengths = [g.randint(1, 20) for _ in range(g.randint(1, 7))]
@@ -64,9 +70,10 @@ def test_partition_is_optimal_by_brute_force(kind):
         if kind == "cost model":
             budget = modelled(max(lengths))
         rows = budget.rows if kind == "cost model" else (lambda n, b=budget: b // n)
-        parts = partition_padded(lengths, budget)
+        parts = partition_padded(lengths, replace(budget, padding_target=target) if kind == "cost model"
+                                 else TokenBudget(budget, padding_target=target))
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        best = None  # every contiguous partition of the sorted order
+        least = {}  # group count -> least padded tokens
         for cuts in itertools.product([0, 1], repeat=len(order) - 1):
             groups, cur = [], [order[0]]
             for c, i in zip(cuts, order[1:]):
@@ -76,22 +83,60 @@ def test_partition_is_optimal_by_brute_force(kind):
                 cur.append(i)
             groups.append(cur)
             if all(len(gr) <= rows(max(lengths[i] for i in gr)) for gr in groups):
-                score = (len(groups), padded_tokens(lengths, groups))
-                best = score if best is None or score < best else best
-        assert (len(parts), padded_tokens(lengths, parts)) == best
+                least[len(groups)] = min(least.get(len(groups), 1 << 30), padded_tokens(lengths, groups))
+        k = min(least)
+        most = max(k, -(-len(lengths) // rows(max(lengths))))
+        while target is not None and k < most and least[k] > target * sum(lengths):
+            k += 1
+        assert (len(parts), padded_tokens(lengths, parts)) == (k, least[k])
 
 
-@pytest.mark.parametrize("lengths, budget, forward_tokens, groups, padded", [
-    ([2, 2, 6, 10, 10], 20, None, 2, 38),  # not measured: the fewest forwards, [6, 2, 2] and [10, 10]
-    ([2, 2, 6, 10, 10], 20, 40.0, 2, 38),  # a third forward would save 8 padded tokens, less than it costs
-    ([2, 2, 6, 10, 10], 20, 5.0, 3, 30),   # it saves 8 > 5: [2, 2], [6], [10, 10]; a fourth saves nothing
-    ([2, 2, 6, 10, 10], 20, 0.0, 3, 30),
-    ([2, 2, 10, 2, 2], 50, 0.0, 1, 50),    # 5 rows fit at length 10: a second forward would save 32 tokens, but
-])                                         # one micro-batch sized for the longest row takes them all: one forward
-def test_one_more_forward_only_where_it_saves_more_padding_than_it_costs(lengths, budget, forward_tokens, groups,
-                                                                         padded):
-    parts = partition_padded(lengths, TokenBudget(budget, None, forward_tokens))
+@pytest.mark.parametrize("lengths, budget, target, groups, padded", [
+    ([2, 2, 6, 10, 10], 20, None, 2, 38),  # no target: the fewest forwards, [6, 2, 2] and [10, 10] (38/30 = 1.27)
+    ([2, 2, 6, 10, 10], 20, 1.10, 3, 30),  # over the target: a third forward, [2, 2], [6], [10, 10], no padding
+    ([2, 2, 6, 10, 10], 20, 1.30, 2, 38),  # 1.27 is within a target of 1.30
+    ([2, 2, 10, 2, 2], 50, 1.10, 1, 50),   # 5 rows fit at length 10: one micro-batch sized for the longest row
+    ([9, 10, 10, 10], 40, 1.10, 1, 40),    # takes them all ("samples" mode's count): never more forwards than that
+    ([1, 1, 1, 1, 1, 1, 40, 40], 80, 1.10, 2, 86),  # the fewest forwards pad nothing: [1 x 6], [40, 40]
+    ([1, 1, 1, 1, 1, 1, 40, 40], 40, 1.10, 3, 86),  # one row of 40 per forward: [1 x 6], [40], [40]
+])
+def test_more_forwards_only_while_the_padding_exceeds_the_target(lengths, budget, target, groups, padded):
+    parts = partition_padded(lengths, TokenBudget(budget, padding_target=target))
     assert len(parts) == groups and padded_tokens(lengths, parts) == padded
+    assert sorted(i for gr in parts for i in gr) == list(range(len(lengths)))
+
+
+def lognormal_windows(n_windows=32, window=64, longest=512, seed=0):
+    """Long-tailed SFT lengths (benchmarks/bench_token_budget.py's): lognormal, median 60, clipped to [8, 512],
+    every 256th example at the longest; cut into windows of a fixed shuffle."""
+    g = random.Random(seed)
+    lens = [min(longest, max(8, round(60 * math.exp(g.gauss(0, 1.0))))) for _ in range(n_windows * window)]
+    lens[::256] = [longest] * len(lens[::256])
+    random.Random(1).shuffle(lens)
+    return [lens[w:w + window] for w in range(0, len(lens), window)]
+
+
+def test_long_tailed_windows_pad_at_most_the_target_deterministically_and_within_samples_modes_forwards():
+    budget = 4 * 512  # 4 rows of the longest example: "samples" mode runs micro 4, 16 forwards per window of 64
+    windows = lognormal_windows()
+    real = sum(map(sum, windows))
+    now = [partition_padded(w, budget) for w in windows]
+    fewest = [partition_padded(w, TokenBudget(budget, padding_target=None)) for w in windows]
+    for w, parts, few in zip(windows, now, fewest):
+        assert sorted(i for gr in parts for i in gr) == list(range(len(w)))  # every row once, none split
+        assert all(len(gr) * max(w[i] for i in gr) <= budget for gr in parts)  # each forward within the budget
+        assert len(few) <= len(parts) <= 16  # never more forwards than "samples" mode
+        assert padded_tokens(w, parts) <= PADDING_TARGET * sum(w)
+        # the same lengths in another order: the same cut (as lengths); the same call twice: the same indices
+        shuffled = w[::-1]
+        again = partition_padded(shuffled, budget)
+        assert (sorted(sorted(shuffled[i] for i in gr) for gr in again)
+                == sorted(sorted(w[i] for i in gr) for gr in parts))
+        assert partition_padded(list(w), budget) == parts
+    padded_now = sum(padded_tokens(w, p) for w, p in zip(windows, now)) / real
+    padded_before = sum(padded_tokens(w, p) for w, p in zip(windows, fewest)) / real
+    assert padded_now <= PADDING_TARGET < 1.2 < padded_before  # the fewest forwards pad ~1.28 on this data
+    assert sum(map(len, now)) < 0.65 * 16 * len(windows)
 
 
 @pytest.mark.parametrize("length, rows", [
@@ -187,6 +232,23 @@ def test_padded_windows_cut_by_tokens_are_exact_and_use_fewer_forwards(tmp_path)
     assert sum(r * w for r, w in shapes) < sum(r * w for r, w in shapes_s)
 
 
+def test_windows_padding_over_the_target_get_more_forwards_and_stay_exact(tmp_path):
+    # budget 180 holds 3 rows of the longest example (59 tokens): the fewest forwards pad > 1.10 x; the cut in
+    # force takes more (at most "samples" mode's 6), the forwards are those of partition_padded, and the
+    # gradients match the independent float64 reference (each window's CE by hand, one pass) to 1e-10
+    trainer, rec, shapes = run(tmp_path, budget=180)
+    expected, fewest = [], []
+    for (batch,) in trainer.windows:
+        lengths = batch["attention_mask"].sum(1).tolist()
+        parts = partition_padded(lengths, TokenBudget(180))
+        expected += sorted((len(g), max(lengths[i] for i in g)) for g in parts)
+        fewest.append(len(partition_padded(lengths, TokenBudget(180, padding_target=None))))
+        assert padded_tokens(lengths, parts) <= PADDING_TARGET * sum(lengths) or len(parts) == 6
+    assert sorted(shapes) == sorted(expected) and len(shapes) > sum(fewest)
+    ref = reference_run(tiny_llama(), rec, trainer.windows, "causal")
+    assert max_relative_error(rec.grads, ref.grads) <= 1e-10
+
+
 def test_padding_free_windows_cut_by_tokens_are_exact(tmp_path):
     trainer, rec, shapes = run(tmp_path, collator=DataCollatorWithFlattening(), budget=120)
     assert all(rows == 1 and width <= 120 for rows, width in shapes) and len(shapes) > 2
@@ -243,8 +305,10 @@ def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(t
     # less padding than "samples" mode; more forwards only where the probe's step times say one costs less
     # than the padding it saves
     assert expected["padded_over_real"] <= expected["samples_mode_padded_over_real"]
-    if plan.token_model is None or plan.token_model["forward_tokens"] is None:
-        assert expected["forwards_per_step"] <= expected["samples_mode_forwards_per_step"]
+    assert expected["forwards_per_step"] <= expected["samples_mode_forwards_per_step"]
+    # the plan line says them: forwards and padded / real tokens per step, and "samples" mode's
+    assert (f"; per step {expected['forwards_per_step']:.1f} forwards, padded/real {expected['padded_over_real']:.2f} "
+            f"(samples mode {expected['samples_mode_forwards_per_step']:.1f}, ") in line
     measured = trainer.probe_result.extra["token_budget"]
     longest = max(len(r["input_ids"]) for r in long_tailed(32))
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (16, 1)
@@ -312,7 +376,7 @@ def test_check_accumulation_in_tokens_mode_runs_one_forward_not_the_window(tmp_p
 
 def test_a_forwards_cost_in_tokens_is_read_from_the_probes_step_times():
     from hf_accum.planning.tokens import _forward_tokens
-    from hf_accum.probe_loop import Trial
+    from hf_accum.probing.loop import Trial
 
     def trial(rows, length, overhead):
         return Trial(rows, 1, None, overhead + 1e-5 * rows * length, True, "fits"), length

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
-from hf_accum.meters import CpuMeter
 from hf_accum.planning.store import PLAN_FILE
-from hf_accum.probe_loop import NothingFitsError
+from hf_accum.probing.loop import NothingFitsError
+from hf_accum.probing.meters import CpuMeter
 from hf_accum.tiny import build_model
 
 from .conftest import sft_trainer
@@ -198,9 +198,9 @@ def test_the_probes_step_bounds_a_real_training_step_on_padded_rows(tmp_path):
     # the longest example repeated (no mask) measured 50.0 MiB where training took 66.0 MiB (bench_token_budget)
     import random
 
-    from hf_accum.meters import CpuMeter, live_tensor_bytes
     from hf_accum.planning.data_scan import probe_batches
-    from hf_accum.probe import make_step_fn
+    from hf_accum.probing.meters import CpuMeter, live_tensor_bytes
+    from hf_accum.probing.probe import make_step_fn
 
     from .exactness import pad_collate, tiny_llama
 

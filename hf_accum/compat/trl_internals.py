@@ -42,6 +42,16 @@ def trl_counts_tokens(trainer) -> bool:
     return "_total_train_tokens" in vars(trainer)
 
 
+def preference_collator_cut(collator) -> int | None:
+    """The ``max_length`` TRL's DPO preference collator (`trl.trainer.dpo_trainer.DataCollatorForPreference`, built
+    from ``DPOConfig.max_length``) cuts each prompt + completion row to; None for any other collator, or no cut."""
+    try:
+        from trl.trainer.dpo_trainer import DataCollatorForPreference
+    except ImportError:
+        return None
+    return collator.max_length if isinstance(collator, DataCollatorForPreference) else None
+
+
 def trl_fuses_lm_head() -> bool:
     """Whether TRL's SFTTrainer computes its loss through `add_fused_lm_head` (a patched `model.forward` called with
     `fused_lm_head=True`, TRL >= 1.x) rather than from the model's logits."""
@@ -135,3 +145,21 @@ def grpo_prompt_lengths(trainer, prompts: list) -> list[int]:
     """Tokens of each prompt as GRPOTrainer generates from it (`_tokenize_prompts`: its chat template, tools)."""
     prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
     return [len(ids) for ids in prompt_ids]
+
+
+def prepared_dataset(task: str, dataset, tokenizer, args):
+    """``dataset`` tokenized (and truncated, packed) as TRL's SFTTrainer (``task`` "causal_lm") or DPOTrainer ("dpo")
+    prepares its train dataset, without a model: their `_prepare_dataset`, run on a stand-in holding only what it
+    reads of the trainer (the tokenizer; SFT's chat template and completion-only switch, as its __init__ sets them).
+    The estimate reads the longest example from it, as the probe reads it from the trainer's own."""
+    from types import SimpleNamespace
+
+    from trl import DPOTrainer, SFTTrainer
+
+    if task == "dpo":
+        return DPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tokenizer), dataset, tokenizer, args, "train")
+    first = dataset[0]
+    completion_only = (args.completion_only_loss if args.completion_only_loss is not None
+                       else "prompt" in first and "completion" in first)
+    stand_in = SimpleNamespace(_tokenizer=tokenizer, chat_template=None, completion_only_loss=completion_only)
+    return SFTTrainer._prepare_dataset(stand_in, dataset, tokenizer, args, args.packing, None, "train")

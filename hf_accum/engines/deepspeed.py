@@ -1,6 +1,6 @@
 """DeepSpeed (through transformers' and accelerate's integration): the engine `train()` builds partitions the model
 (ZeRO), takes the optimizer step inside the window's last backward and keeps its batch in its config. So the probe
-runs through the live engine at the first window (`planning/engine_probe.py`), the accumulation boundary is set per
+runs through the live engine at the first window (`probing/engine.py`), the accumulation boundary is set per
 forward, an out-of-memory error stops every rank (its partitions already hold the window's reduced gradients), and
 its checkpoints are DeepSpeed's own files. The upstream pieces are in `compat/deepspeed_integration.py`."""
 

@@ -1,8 +1,9 @@
 """The ``loss_kernel`` lever: which loss kernel the fused loss runs (hf_accum/kernels/). Unlike the layer levers it
 has no levels to search: the probe times every kernel that runs on the device at the planned micro-batch
 (`probe.time_kernels`) and the plan records ``{"kernel": NAME, "seconds": {...}, "peak_bytes": {...}}``;
-``levers="loss_kernel=NAME"`` pins one (checked here before any model work), ``fused_loss=False`` turns the fused
-loss, and so this lever, off. Its records are applied to the installed fused-loss patch (`FusedLossPatch.kernel`).
+``levers="loss_kernel=NAME"`` pins one (checked here before any model work), ``use_liger_kernel=True`` pins
+``liger`` (Liger's own loss patch off: `liger.route`), ``fused_loss=False`` turns the fused loss, and so this lever,
+off. Its records are applied to the installed fused-loss patch (`FusedLossPatch.kernel`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..settings import Settings
-from . import base
+from . import base, liger
 
 NAME = "loss_kernel"
 
@@ -32,6 +33,8 @@ def requested(args) -> Any:
     from ..levers.base import pin
 
     value = pin(args, NAME)
+    if value is None and args.use_liger_kernel:  # Liger's loss runs in our fused loss, its own patch off (liger.route)
+        return liger.NAME
     return "auto" if value is None else parse_pin(value)
 
 
@@ -81,7 +84,11 @@ def apply_requested(model, args) -> None:
 
 def pinned_record(model, args) -> dict[str, Any] | None:
     value = requested(args)
-    return None if value in ("auto", False) else {"kernel": value, "pinned": True}
+    if value in ("auto", False) or _patch(model) is None:  # no fused-loss patch (e.g. TRL's own head): no kernel
+        return None
+    if parse_pins_value(args) is None:  # not in `levers`: use_liger_kernel=True chose it
+        return {"kernel": value, "pinned": True, "by": "use_liger_kernel=True"}
+    return {"kernel": value, "pinned": True}
 
 
 def levels(trainer) -> None:
@@ -96,7 +103,7 @@ def apply(model, record: dict[str, Any], args) -> None:
 
 def describe(record: dict[str, Any]) -> str:
     if record.get("pinned"):
-        return f"loss kernel {record['kernel']} (pinned)"
+        return f"loss kernel {record['kernel']} ({record.get('by', 'pinned')})"
     timed = record.get("seconds")  # the times themselves are in the plan file: the line stays short
     return f"loss kernel {record['kernel']}" + (" (fastest)" if timed else "")
 

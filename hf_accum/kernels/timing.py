@@ -48,7 +48,7 @@ def agree(names: list[str], seconds: dict[str, float], peaks: dict[str, int]) ->
     """Every rank's measurements made one: a data-parallel step lasts as long as its slowest rank and holds its
     largest peak, so each kernel's seconds and peak become the MAX over ranks, and all ranks choose the same kernel
     (the same ranks run the same kernels: the same device and dtype). Unchanged without torch.distributed."""
-    from ..probe_loop import _dist_device, _distributed
+    from ..probing.loop import _dist_device, _distributed
 
     if not _distributed():
         return seconds, peaks

@@ -2,7 +2,7 @@
 
 A lever trades memory for step time: gradient checkpointing per layer, selective checkpointing, activation offload.
 The probe chooses its level by measured step time within the budget, unless the user pinned it; either way the plan
-records it. Everything lever-specific lives in the lever's own module; the probe (`level_probe.probe_levels`), the
+records it. Everything lever-specific lives in the lever's own module; the probe (`probing.levels.probe_levels`), the
 plan (`planning.plan.Plan.levers`), the plan file, the planner and the logged figures iterate the registered levers
 through this protocol and name none of them. Adding one: its file, its tests, one `register_lever` line in
 `levers/__init__.py`, and its docs (docs/development.md, "Adding a lever").

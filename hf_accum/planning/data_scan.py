@@ -14,7 +14,7 @@ import torch
 
 from ..compat import trainer_internals
 from ..loss import loss_shifts_labels
-from ..probe import random_token_batch
+from ..probing.probe import random_token_batch
 from .probe_rows import collate_pads, collator_name, known_to_pad, probe_rows, sequence_length, stretched
 
 logger = logging.getLogger(__name__)
@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 def probe_batches(trainer, shortest: int | None = None,
                   lengths: list[int] | None = None) -> tuple[Callable[[int], dict[str, Any]], int]:
-    """``make_batch(micro)`` at the worst-case length: the longest training example, collated ``micro`` times
+    """``make_batch(micro)`` at the worst-case length: the longest training example (`row_length`: as the trainer's
+    collator will see it), collated ``micro`` times
     (or random tokens at ``probe_seq_len`` for causal LMs), and that length. ``shortest=n``: the shortest example
     of at least n tokens instead (the token-budget probe's second length; the longest when none is shorter).
     ``lengths``: the examples' lengths when already read (`train_lengths`)."""
@@ -47,7 +48,8 @@ def probe_batches(trainer, shortest: int | None = None,
     if size == 0:
         raise ValueError("train_dataset is empty: nothing to probe or train on.")
     if lengths is None:
-        lengths = [example_length(dataset[i]) for i in range(size)]  # one pass over the data
+        length = row_length(trainer)
+        lengths = [length(dataset[i]) for i in range(size)]  # one pass over the data
     longest = longest_index(lengths)
     if shortest:
         candidates = [i for i in range(size) if lengths[i] >= shortest] or [longest]
@@ -154,13 +156,24 @@ def _width(batch: dict) -> int:
 
 
 def train_lengths(trainer) -> list[int] | None:
-    """Every training example's length; None for an iterable dataset (`probe_batches` says what it plans from)."""
+    """Every training example's length as the trainer's collator will see it (`row_length`); None for an iterable
+    dataset (`probe_batches` says what it plans from)."""
     dataset = trainer.train_dataset
     try:
         size = len(dataset)
     except TypeError:
         return None
-    return [example_length(dataset[i]) for i in range(size)]
+    length = row_length(trainer)
+    return [length(dataset[i]) for i in range(size)]
+
+
+def row_length(trainer) -> Callable[[Any], int]:
+    """``length(example)``: the width of the row ``trainer``'s collator builds for one example. A TRL preference
+    trainer's pair is one row of prompt + the longer completion, wider than any one of its columns
+    (`trl_support.row_length`); any other example is its longest sequence (`example_length`)."""
+    from ..trl_support import row_length as trl_row_length
+
+    return trl_row_length(trainer)
 
 
 def example_length(example) -> int:

@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from ..meters import CpuMeter, format_bytes, live_tensor_bytes
 from ..oom import guarded
 from ..preserve import modes_and_rng_preserved
-from ..probe import resolve_budget
+from ..probing.meters import CpuMeter, format_bytes, live_tensor_bytes
+from ..probing.probe import resolve_budget
 from ..protocol import Local, TorchDistributed
 from ..settings import Settings
 from . import tuning
-from .data_scan import example_length, longest_index
+from .data_scan import longest_index, row_length
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,8 @@ def plan_eval_batch(trainer, dataset, *, budget: int | None, run) -> EvalBatchCh
                        type(loader).__name__, args.per_device_eval_batch_size)
         return None
     base = loader.dataset
-    example = base[longest_index([example_length(base[i]) for i in range(len(base))])]
+    length = row_length(trainer)  # a preference pair: prompt + the longer completion, as its collator builds it
+    example = base[longest_index([length(base[i]) for i in range(len(base))])]
     collate = loader.collate_fn
     model = trainer.model
     meter = tuning.default_meter(model)

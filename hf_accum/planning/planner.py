@@ -22,11 +22,11 @@ from collections.abc import Callable
 from ..fit_hints import fit_hints, levers_on
 from ..growback import GrowBack
 from ..levers import get_lever
+from ..probing.engine import probe_through_engine
 from ..protocol import Collective, StopTraining
 from ..settings import Settings
 from ..token_budget import TokenBudget
 from . import tuning
-from .engine_probe import probe_through_engine
 from .eval_batch import plan_eval_batch
 from .plan import Plan
 from .policy import InForce, OomPolicy, as_plan
@@ -366,5 +366,4 @@ def token_budget(plan: Plan | None) -> TokenBudget | None:
     """The engine's token budget for ``plan`` (None: it cuts by rows)."""
     if plan is None or plan.token_budget is None:
         return None
-    return TokenBudget(plan.token_budget, plan.token_model,
-                       plan.token_model.get("forward_tokens") if plan.token_model else None)
+    return TokenBudget(plan.token_budget, plan.token_model)

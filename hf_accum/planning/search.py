@@ -57,7 +57,7 @@ class MicroBatchSearch:
        the largest fit and the estimate, so the next divisor is known to exceed the budget, measured or
        predicted (:meth:`next_over`).
 
-    ``seed``: an estimate of the largest fitting size (`hf_accum.estimating`, on fake tensors) to start from instead
+    ``seed``: an estimate of the largest fitting size (`hf_accum.probing.paper`, on fake tensors) to start from instead
     of step 1: measure it, then the size above it (fits and the next does not: the answer, in two trials); if it
     does not fit, the size below it; when neither brackets the boundary, steps 1-5 go on from what was measured.
     Only measurements decide: a wrong seed costs trials, never the answer.

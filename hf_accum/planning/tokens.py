@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ..probe_loop import ProbeResult
+from ..probing.loop import ProbeResult
 from ..token_budget import TokenBudget, cost_model, predicted_peak
 from .data_scan import probe_batches
 from .plan import Plan
@@ -49,7 +49,7 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
         trials = [(t, length) for length, r in measured.items() for t in r.measured_trials]
         rows_model = _usable(model, trials, result.budget_bytes, rows_at)
         rows_model["forward_tokens"] = _forward_tokens(trials)
-    tokens = TokenBudget(budget, rows_model, rows_model["forward_tokens"] if rows_model else None)
+    tokens = TokenBudget(budget, rows_model)
     result.extra["expected"] = _expected_cuts(lengths, per_rank, tokens, result.max_micro_batch_size)
     short = min(measured)
     result.extra["token_budget"] = {
@@ -65,11 +65,11 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
 
 
 def _forward_tokens(trials: list) -> float | None:
-    """What a forward costs beyond its tokens, in tokens: at each probed length, the intercept over the slope of
-    the step times against the tokens each step held; the largest of them (a noisy, shared machine can shrink one
-    line's intercept, and an under-estimate would cut windows into needlessly many forwards). The trials' steps
-    include the optimizer step, so this over-estimates a forward's cost: one more forward is taken only where it
-    clearly pays. None when some length lacks two timed sizes or a positive per-token time: fewest forwards."""
+    """What a forward costs beyond its tokens, in tokens (recorded in the plan file, not read by the cut: step
+    times differ between two runs of the same command, and the cut must not, see token_budget.py): at each probed
+    length, the intercept over the slope of the step times against the tokens each step held; the largest of them.
+    The trials' steps include the optimizer step, so this over-estimates a forward's cost. None when some length
+    lacks two timed sizes or a positive per-token time."""
     by_length: dict[int, list[tuple[int, float]]] = {}
     for t, length in trials:
         if t.seconds:

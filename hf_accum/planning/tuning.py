@@ -3,7 +3,7 @@ plan, save the plan file and show the plan (its line at once, its figures throug
 
 measure (probe.py, meters.py) -> plan (plan.py) -> train (`Planner.apply`). Nothing here changes the trainer; the
 plan is applied by the planner alone. The pieces it orchestrates live beside it: the scan of the data
-(`data_scan.py`), the token budget's measurement (`tokens.py`), the plan line and figures (`probe_report.py`).
+(`data_scan.py`), the token budget's measurement (`tokens.py`), the plan line and figures (`probing/report.py`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from transformers import Trainer
 
 from .. import allocator, levers
 from ..compat import trainer_internals
-from ..estimating.seed import probe_with_estimate, trainer_reason
-from ..meters import CpuMeter, CudaMeter, Meter
-from ..probe import probe_model, resolve_budget
-from ..probe_loop import ProbeResult
-from ..probe_report import plan_figures, plan_line
+from ..fused_loss import loss_path
+from ..probing.loop import ProbeResult
+from ..probing.meters import CpuMeter, CudaMeter, Meter
+from ..probing.probe import probe_model, resolve_budget
+from ..probing.report import plan_figures, plan_line
+from ..probing.seed import probe_with_estimate, trainer_reason
 from ..settings import Settings
 from ..units import detect_unit, make_cutter
 from .data_scan import probe_batches, train_lengths
@@ -80,7 +81,7 @@ def tune(trainer, prepared: Prepared | None = None, probe: Probe | None = None, 
          store: bool = True) -> tuple[Plan, ProbeResult | None, dict[str, Any]]:
     """Returns the plan, what the probe measured (None when the stored plan was reused) and the plan's key.
     ``probe``: how to measure one length (default: `probe_model` on the unwrapped model, before training; under
-    DeepSpeed, `engine_probe.probe_through_engine` inside the loop, whose figures are logged at once). ``store``:
+    DeepSpeed, `probing.engine.probe_through_engine` inside the loop, whose figures are logged at once). ``store``:
     False where the caller saves the plan itself (`hf-accum probe RECIPE`)."""
     args = trainer.args
     prepared = prepared or prepare(trainer)
@@ -88,7 +89,7 @@ def tune(trainer, prepared: Prepared | None = None, probe: Probe | None = None, 
     if prepared.stored is not None:
         plan, record = prepared.stored
         figures = plan_figures(plan, prepared.budget, record.get("probe"), reused=True)
-        _show("%s (reused %s: nothing that changes memory changed)", args, plan_line(plan, figures),
+        _show("%s (reused %s: nothing that changes memory changed)", args, plan_line(plan, figures, loss_path(trainer)),
               os.path.join(args.output_dir, PLAN_FILE))
         _log_in_trainer(trainer, figures)
         return plan, None, prepared.key
@@ -110,7 +111,7 @@ def tune(trainer, prepared: Prepared | None = None, probe: Probe | None = None, 
     where = ""
     if args.should_save and store:
         where = f" (details: {save_plan(args.output_dir, prepared.key, plan, result.to_dict())})"
-    _show("%s%s", args, plan_line(plan, figures), where)
+    _show("%s%s", args, plan_line(plan, figures, loss_path(trainer)), where)
     _log_in_trainer(trainer, figures)
     return plan, result, prepared.key
 
@@ -189,7 +190,7 @@ def _stored_plan(output_dir: str, key: dict[str, Any]):
         return None
 
 
-# --- what the user sees (the line and figures themselves: probe_report.py) --------------------------------
+# --- what the user sees (the line and figures themselves: probing/report.py) --------------------------------
 def _show(message: str, args, *values) -> None:
     """Once per run at warning level, so it is seen without any logging setup (other ranks: info)."""
     (logger.warning if args.should_log else logger.info)(message, *values)

@@ -382,7 +382,7 @@ def _plan_in_force(trainer) -> dict[str, Any]:
 
 
 def _say_plan(say, built: Built, plan: dict[str, Any]) -> None:
-    """The plan line, unless the tuner just showed it (`probe_report.plan_line`, the same line), then tokens per step."""
+    """The plan line, unless the tuner just showed it (`probing.report.plan_line`, the same line), then tokens per step."""
     if built.trainer.probe_result is None and not built.args.tunes:
         say(f"hf_accum plan: {describe(plan)}")
     unit = _unit(built.recipe)

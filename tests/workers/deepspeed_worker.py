@@ -102,7 +102,7 @@ class AfterProbe(TrainerCallback):
         self.trainer, self.record = None, None
 
     def on_step_begin(self, args, state, control, **kwargs):
-        from hf_accum.planning.engine_probe import SCRATCH
+        from hf_accum.probing.engine import SCRATCH
 
         if self.record is None:
             self.record = {"weights": full_weights(self.trainer), "engine_steps": self.trainer.deepspeed.global_steps,
@@ -112,7 +112,7 @@ class AfterProbe(TrainerCallback):
 def real_step_peak(trainer):
     """The CPU meter around one real optimizer step at the plan, through the window engine and DeepSpeed's engine
     (after training: the weights recorded before it are not affected; the baseline then also holds those records)."""
-    from hf_accum.meters import CpuMeter, all_live_tensor_bytes
+    from hf_accum.probing.meters import CpuMeter, all_live_tensor_bytes
 
     batch = next(iter(trainer.get_train_dataloader()))
     # a whole window, which the window engine cuts into the plan's forwards
@@ -287,7 +287,7 @@ def defaults_mode(out, rank):
     with a message naming the bucket keys."""
     import logging
 
-    from hf_accum.probe_loop import NothingFitsError
+    from hf_accum.probing.loop import NothingFitsError
 
     records = []
     handler = logging.Handler()

@@ -60,7 +60,7 @@ def local_storage_bytes(tensors):
 
 
 def train_mode(src, out, rank):
-    from hf_accum.meters import live_tensor_bytes
+    from hf_accum.probing.meters import live_tensor_bytes
     from tests.exactness import lm_examples, pad_collate
 
     result = {}

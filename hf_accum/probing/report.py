@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..planning.plan import Plan
+from .loop import ProbeResult
 from .meters import MiB, format_bytes
-from .planning.plan import Plan
-from .probe_loop import ProbeResult
 
 
 def _mib(n: float | None) -> str:  # a table cell under a "MiB" header
@@ -49,9 +49,10 @@ def summary(result: ProbeResult, plan: Plan, seq_len: int, budget_source: str | 
                          f"{level['largest_fit']}")
         if "chosen" in levels:
             chosen = levels["chosen"]
+            seconds = levels["step_seconds"]  # None on paper: chosen by memory, the fewest forwards then layers
+            how = "by memory (no step times)" if seconds is None else f"~{seconds:.3f} s per optimizer step"
             lines.append(f"chosen: checkpointing {chosen['k']} of {levels['num_layers']} layers, {chosen['forwards']} "
-                         f"forwards of <= {chosen['micro']} rows, ~{levels['step_seconds']:.3f} s per optimizer step "
-                         f"({levels['verify_steps']} verifying steps)")
+                         f"forwards of <= {chosen['micro']} rows, {how} ({levels['verify_steps']} verifying steps)")
     lines.append(f"largest micro-batch that fits: {result.max_micro_batch_size}")
     if result.next_size:
         lines.append(f"next usable size {result.next_size} does not fit ({result.next_verdict})")
@@ -136,7 +137,7 @@ def plot(result: ProbeResult, plan: Plan, *, seq_len: int | None = None, model: 
     return fig
 
 
-# --- the estimate beside the measurement (a probe started from the estimate: `estimating.seed`) ----------------------
+# --- the estimate beside the measurement (a probe started from the estimate: `seed.py`) ----------------------
 def predicted_vs_measured(result: ProbeResult) -> list[tuple[int, float, int, str]]:
     """``(micro, predicted bytes, measured peak bytes, how predicted)`` for every size the probe measured, when the
     probe recorded an estimate (``result.extra["estimate"]``): the estimate's own peak at that size ("ran"), else its
@@ -196,7 +197,7 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
             if model:
                 figures[f"hf_accum/cost_{name}"] = model[name]
     if plan.levers:
-        from .levers import get_lever  # lazily: the report is imported without torch's models
+        from ..levers import get_lever  # lazily: the report is imported without torch's models
 
         for name, record in plan.levers.items():
             figures.update(get_lever(name).figures(record))
@@ -218,10 +219,10 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
     return figures
 
 
-def plan_line(plan: Plan, figures: dict[str, float]) -> str:
+def plan_line(plan: Plan, figures: dict[str, float], loss: str | None = None) -> str:
     """The one plan line, the same in the log, the recipes and `hf-accum probe`: the plan (`Plan.describe`), the
-    peak measured against the budget, and how it was found. Everything else is in the plan file and the logged
-    figures (`plan_figures`)."""
+    loss path where the plan's levers do not name it (``loss``, `fused_loss.loss_path`), the peak measured against
+    the budget, and how it was found. Everything else is in the plan file and the logged figures (`plan_figures`)."""
     peak = figures.get("hf_accum/peak_bytes_per_step")
     at = figures.get("hf_accum/peak_measured_at_micro_batch")
     memory = f"budget {format_bytes(figures['hf_accum/budget_bytes'])}"
@@ -230,4 +231,15 @@ def plan_line(plan: Plan, figures: dict[str, float]) -> str:
     if plan.step_seconds is not None:
         memory += f"; {plan.step_seconds:.2f} s per optimizer step measured"
     found = "stored plan" if figures.get("hf_accum/plan_reused") else f"{figures['hf_accum/probe_trials']} probe trials"
-    return f"hf_accum plan: {plan.describe()}; {memory}; {found}"
+    loss = f"{loss}; " if loss else ""
+    return f"hf_accum plan: {plan.describe()}; {loss}{_cuts(figures)}{memory}; {found}"
+
+
+def _cuts(figures: dict[str, float]) -> str:
+    """A token budget's cuts of the user's data, per optimizer step, next to "samples" mode's (`_expected_cuts`)."""
+    padded = figures.get("hf_accum/expected_padded_over_real")
+    if padded is None:
+        return ""
+    return (f"per step {figures['hf_accum/expected_forwards_per_step']:.1f} forwards, padded/real {padded:.2f} "
+            f"(samples mode {figures['hf_accum/samples_mode_forwards_per_step']:.1f}, "
+            f"{figures['hf_accum/samples_mode_padded_over_real']:.2f}); ")

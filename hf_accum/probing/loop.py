@@ -2,7 +2,7 @@
 meter (`probe_micro_batches`), what it measured (`Trial`, `ProbeResult`), and the ranks' agreement on it.
 
 One warm-up step (not a trial: it creates the optimizer's state), then the trials the search proposes; an
-out-of-memory error means "does not fit". `probe.py` builds the step and calls this; `level_probe.py` runs it at
+out-of-memory error means "does not fit". `probe.py` builds the step and calls this; `levels.py` runs it at
 several checkpointing levels.
 """
 
@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from .fit_hints import fit_hints
-from .meters import Meter, format_bytes
-from .oom import guarded
-from .planning.plan import (
+from ..fit_hints import fit_hints
+from ..oom import guarded
+from ..planning.plan import (
     choose_fastest,
 )
-from .planning.search import MicroBatchSearch
+from ..planning.search import MicroBatchSearch
+from .meters import Meter, format_bytes
 
 StepFn = Callable[[int], Any]
 MakeBatch = Callable[[int], dict[str, Any]]  # micro_batch_size -> collated batch at the worst-case length

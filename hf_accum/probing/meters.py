@@ -1,5 +1,5 @@
 """How peak memory is read: one interface, three implementations (CUDA, CPU, fake; the fourth, on fake tensors, is
-estimating/paper_meter.py); and how a number of bytes is written (`format_bytes`, the one byte formatter).
+paper_meter.py); and how a number of bytes is written (`format_bytes`, the one byte formatter).
 
 A meter runs a callable once and reports the peak memory it reached, including what was already live
 when it started (weights, optimizer state), so every implementation answers the same question: "how
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .compat import parallel, torch_features
+from ..compat import parallel, torch_features
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -328,7 +328,7 @@ class CudaMeter(Meter):
             self.device = torch.device("cuda", torch.cuda.current_device())
 
     def measure(self, fn: Callable[[], Any], *, micro_batch_size: int | None = None) -> Measurement:
-        from .oom import free_memory
+        from ..oom import free_memory
 
         free_memory()  # drop the previous trial's cached segments: reserved must reflect this run only
         torch.cuda.synchronize(self.device)
