@@ -5,6 +5,7 @@ LoRA, and a classification head, like for like with the probe."""
 import json
 
 import pytest
+import torch
 
 from hf_accum.probing.estimate import estimate_model
 from hf_accum.probing.estimate_check import against_probe
@@ -63,6 +64,8 @@ def test_grpo_is_refused_in_one_line_naming_why():
     (["optim=adamw_torch"], "optimizer", {}),
     (["bf16=true"], "bf16", True),
     (["model.quantization.bnb_4bit_quant_type=fp4"], None, "NF4 4-bit bases"),
+    (["model.quantization.bnb_4bit_use_double_quant=false"], "quantization_options",
+     {"compute_dtype": torch.bfloat16, "double_quant": False}),
 ])
 def test_overrides_reach_the_keywords(overrides, key, value):
     name = "qlora_sft" if any("quantization" in o for o in overrides) else "lora_sft"
