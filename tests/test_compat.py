@@ -229,6 +229,16 @@ def test_trl_fused_lm_head_contract():
     assert float(fused.loss) == pytest.approx(float(plain.loss), rel=1e-6)
 
 
+def test_trls_fused_head_is_read_off_the_model():
+    """`trl_internals.fused_lm_head_outputs`: TRL keeps no marker of its head, only the closure it patches in."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = tiny_llama(torch.float32)
+    assert trl_internals.fused_lm_head_outputs(model) is None
+    add_fused_lm_head(model, outputs=("log_probs", "is_top1"))
+    assert trl_internals.fused_lm_head_outputs(model) == ("log_probs", "is_top1")
+
+
 def test_the_loop_counts_tokens_and_flops_per_loaded_batch_through_overridable_methods():
     # AccumulationMixin overrides both to count the tokens its forwards held (see add_input_tokens_seen)
     import inspect

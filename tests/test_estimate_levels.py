@@ -239,13 +239,6 @@ def test_the_trainers_default_level_search_is_seeded_and_plans_as_the_unseeded_o
 
 
 # --- the recipes' default probe (checkpoint_layers "auto": their gradient_checkpointing pin removed) ----------------
-NOT_YET = ("AccumSFTTrainer's loss is TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head` on the model, "
-           "`model(..., fused_lm_head=True)`), which the estimate's rebuilt model does not carry yet, so "
-           "`seed.trainer_reason` keeps the recipes' probe unseeded (one log line); qlora_sft's NF4 base also needs "
-           "est41b's quantized estimate. Strict: passes (and fails as XPASS) once both are modelled")
-
-
-@pytest.mark.xfail(strict=True, reason=NOT_YET)
 @pytest.mark.parametrize("recipe", ["lora_sft", "qlora_sft"])
 def test_the_recipes_default_probe_is_seeded_and_plans_as_the_unseeded_one(recipe, formula_times, monkeypatch):
     from hf_accum.planning import tuning
@@ -257,7 +250,7 @@ def test_the_recipes_default_probe_is_seeded_and_plans_as_the_unseeded_one(recip
                                                                                 _real(model, *a, **k))[1])
     auto = ["gradient_checkpointing=false", "checkpoint_layers=auto"]
     seeded = probe_recipe(recipe, auto, say=lambda _line: None)
-    assert "estimate" in seeded.result.extra  # the estimate seeded it (fails here until the step is modelled)
+    assert "estimate" in seeded.result.extra  # the estimate seeded it: TRL's fused LM head (and NF4) on paper
     plain = probe_recipe(recipe, [*auto, "probe_from_estimate=false"], say=lambda _line: None)
     assert seeded.plan == plain.plan and _levels(seeded.result) == _levels(plain.result)
     per_anchor = _per_anchor(seeded.result)

@@ -2,10 +2,10 @@
 trains, like for like with the recipe's real probe on CPU; bare Qwen2-, GPT-NeoX- and Phi-3-style configs, full and
 LoRA, and a classification head, like for like with the probe."""
 
-import inspect
 import json
 
 import pytest
+import torch
 
 from hf_accum.probing.estimate import estimate_model
 from hf_accum.probing.estimate_check import against_probe
@@ -64,6 +64,8 @@ def test_grpo_is_refused_in_one_line_naming_why():
     (["optim=adamw_torch"], "optimizer", {}),
     (["bf16=true"], "bf16", True),
     (["model.quantization.bnb_4bit_quant_type=fp4"], None, "NF4 4-bit bases"),
+    (["model.quantization.bnb_4bit_use_double_quant=false"], "quantization_options",
+     {"compute_dtype": torch.bfloat16, "double_quant": False}),
 ])
 def test_overrides_reach_the_keywords(overrides, key, value):
     name = "qlora_sft" if any("quantization" in o for o in overrides) else "lora_sft"
@@ -106,14 +108,6 @@ def test_fused_loss_false_is_the_models_own_loss_and_probe_seq_len_wins():
 
 
 # --- like for like with the recipe's real probe (CPU) ---------------------------------------------------------
-def _takes(*names):
-    """xfail (strict) until this build's estimate_model takes ``names`` (est41b's quantization/pairs, est41c's
-    checkpoint_layers): those recipes' estimates are refused in one line until then."""
-    missing = [n for n in names if n not in inspect.signature(estimate_model).parameters]
-    return pytest.mark.xfail(bool(missing), strict=True, raises=ValueError,
-                             reason=f"estimate_model does not take {missing} yet")
-
-
 def _like_for_like(name, *overrides):
     from hf_accum.probing.recipe_paper import estimate_recipe
     from hf_accum.recipes.run import probe_recipe
@@ -137,23 +131,16 @@ def test_recipe_estimate_matches_its_probe_without_checkpointing(name):
     assert est.plan.micro_batch_size == probed.plan.micro_batch_size
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param("lora_sft", marks=_takes("checkpoint_layers")),
-    pytest.param("lora_classification", marks=_takes("checkpoint_layers")),
-    pytest.param("lora_dpo", marks=_takes("checkpoint_layers", "pairs")),
-    pytest.param("qlora_sft", marks=_takes("checkpoint_layers", "quantization")),
-])
+@pytest.mark.parametrize("name", ["lora_sft", "lora_classification", "lora_dpo", "qlora_sft"])
 def test_recipe_estimate_matches_its_probe_as_the_recipe_pins_it(name):
     """The recipes' own settings: gradient checkpointing pinned on every layer (and NF4, pairs)."""
     _like_for_like(name)
 
 
-@_takes("quantization")
 def test_qlora_estimate_matches_its_probe_without_checkpointing():
     _like_for_like("qlora_sft", "gradient_checkpointing=false")
 
 
-@_takes("pairs")
 def test_dpo_estimate_matches_its_probe_without_checkpointing():
     _like_for_like("lora_dpo", "gradient_checkpointing=false")
 
@@ -236,19 +223,6 @@ def test_classification_head_estimate_within_5_percent_of_the_cpu_probe(lora):
 def test_estimate_refuses_an_unknown_task():
     with pytest.raises(ValueError, match="task='seq2seq': give one of causal_lm, classification"):
         estimate_model(lambda: None, seq_len=8, target_batch_size=2, device_memory=2**30, task="seq2seq")
-
-
-def test_a_keyword_this_build_does_not_take_is_refused_in_one_line_naming_the_override(monkeypatch):
-    from hf_accum.probing import estimate, recipe_paper
-
-    def older(build, *, seq_len, target_batch_size, device_memory, task="causal_lm"):  # no checkpoint_layers
-        raise AssertionError("not called")
-
-    monkeypatch.setattr(estimate, "estimate_model", older)
-    line = recipe_paper.unsupported({"task": "classification", "checkpoint_layers": "all"})
-    assert line == ("--estimate does not model gradient checkpointing (the recipe's gradient_checkpointing / "
-                    "checkpoint_layers) yet: add gradient_checkpointing=false to estimate without it")
-    assert recipe_paper.unsupported({"task": "classification"}) is None
 
 
 def test_a_recipe_on_a_config_folder_builds_from_the_config_at_max_length(tmp_path, monkeypatch):

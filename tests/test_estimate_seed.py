@@ -84,14 +84,16 @@ def test_a_failing_estimate_says_so_in_one_line_and_searches_as_before(monkeypat
     assert seeded.max_micro_batch_size == plain.max_micro_batch_size and "estimate" not in seeded.extra
 
 
-def test_a_quantized_base_is_not_estimated_one_line_and_todays_search():
+def test_a_quantization_not_modelled_is_not_estimated_one_line_and_todays_search():
+    """NF4 and int8 bases are estimated (`paper_quantized.py`); a 4-bit load's default FP4 is not."""
     model = _llama()
-    model.config.quantization_config = {"load_in_4bit": True}  # what a 4-bit load leaves on the config
+    model.config.quantization_config = {"load_in_4bit": True}  # what a 4-bit FP4 load leaves on the config
     plain, _ = probe_model(model, **PROBE)
     said = []
     seeded, _ = probe_with_estimate(model, log=said.append, **PROBE)
     assert [line for line in said if line.startswith("estimate")] == [
-        "estimate skipped (a quantized (4-bit/8-bit) base is not modelled): the search starts from micro-batch 1"]
+        "estimate skipped (a fp4 4-bit base is not modelled (bitsandbytes' NF4 and int8 are)): the search starts "
+        "from micro-batch 1"]
     assert [t.micro_batch_size for t in seeded.trials] == [t.micro_batch_size for t in plain.trials]
     assert "estimate" not in seeded.extra
 
@@ -201,3 +203,39 @@ def test_a_trainer_with_its_own_loss_is_not_seeded(tmp_path, caplog):
         probe = json.load(f)["probe"]
     assert "estimate" not in probe["extra"] and trainer.probe_result.trials[0].micro_batch_size == 1
     assert sum("estimate skipped (OwnLoss.compute_loss" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_rebuilt_model_carries_trls_fused_head_and_the_trainers_dtypes():
+    """As AccumSFTTrainer runs a QLoRA model: TRL's fused LM head on the base (its outputs), the adapters and the
+    lm_head copy cast to bfloat16 (TRL on a quantized base); the rebuild has the same, and its step calls the head."""
+    from peft import LoraConfig, get_peft_model
+    from trl.trainer.utils import add_fused_lm_head
+
+    from hf_accum.compat.trl_internals import fused_lm_head_outputs
+
+    model = get_peft_model(_llama(), LoraConfig(r=8, target_modules="all-linear", modules_to_save=["lm_head"],
+                                                task_type="CAUSAL_LM"))
+    add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy"))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    built = seed_module.builder_like(model)()
+    assert fused_lm_head_outputs(built.get_base_model()) == ("log_probs", "entropy")
+    assert {n: p.dtype for n, p in built.named_parameters()} == {n: p.dtype for n, p in model.named_parameters()}
+    ids = torch.randint(0, 256, (1, 8))
+    out = built(input_ids=ids, labels=ids)  # the fused head: per-token log-probs of the shifted labels, no logits
+    assert out.log_probs.shape == (1, 7) and "logits" not in out
+
+
+@pytest.mark.parametrize("config, keywords", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+      "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16"}, {"quantization": "nf4"}),
+    ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+     {"quantization": "nf4", "quantization_options": {"compute_dtype": torch.float32, "double_quant": False}}),
+    ({"load_in_8bit": True}, {"quantization": "int8"}),
+])
+def test_the_estimate_quantizes_as_the_models_quantization_config(config, keywords):
+    model = _llama()
+    model.config.quantization_config = config
+    assert seed_module.quantization_of(model) == keywords
+    assert seed_module.unsupported_reason(model, None) is None

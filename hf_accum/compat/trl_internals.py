@@ -5,6 +5,8 @@ and whether TRL fuses the LM head. Pinned by tests/test_trl.py and tests/test_co
 from __future__ import annotations
 
 import contextlib
+import functools
+from pathlib import Path
 
 
 @contextlib.contextmanager
@@ -60,6 +62,25 @@ def trl_fuses_lm_head() -> bool:
     except ImportError:
         return False
     return hasattr(utils, "add_fused_lm_head")
+
+
+def fused_lm_head_outputs(model) -> tuple[str, ...] | None:
+    """The fields TRL's fused LM head computes on ``model`` (a transformers model, not a peft wrapper) when
+    `add_fused_lm_head` patched it, else None. TRL keeps no marker: its patched ``forward`` is the closure
+    ``_fused_forward`` (wrapped to look like the original), holding ``outputs`` among its free variables; a paper
+    model calls it through a `functools.partial` (`recipe_paper.add_trl_fused_head`)."""
+    forward = model.__dict__.get("forward")
+    while isinstance(forward, functools.partial):
+        forward = forward.func
+    func = getattr(forward, "__func__", None)
+    code = getattr(func, "__code__", None)
+    if code is None or code.co_name != "_fused_forward" or not code.co_filename.endswith(
+            str(Path("trl", "trainer", "utils.py"))):
+        return None
+    cells = dict(zip(code.co_freevars, func.__closure__ or ()))
+    if "outputs" not in cells:
+        return None
+    return tuple(cells["outputs"].cell_contents)
 
 
 def grpo_generated_slices(trainer, loaded, rows_per_forward=contextlib.nullcontext) -> list[dict]:

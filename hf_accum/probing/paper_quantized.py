@@ -188,8 +188,6 @@ def quantize(model: torch.nn.Module, quantization: str | None, *, compute_dtype:
     return model
 
 
-
-
 def quantized_model(model: torch.nn.Module, quantization: str | None, **options: Any) -> torch.nn.Module:
     """``model`` (just built on the meta device, LoRA or not) with its base quantized on paper. A peft model is
     unwrapped, its base quantized and wrapped again with the same config, so that peft dispatches the bitsandbytes
@@ -206,6 +204,13 @@ def quantized_model(model: torch.nn.Module, quantization: str | None, **options:
     if len(configs) != 1:
         raise ValueError(f"quantization on paper: a peft model with one adapter, not {len(configs)}")
     (name, config), = configs.items()
+    # the dtypes the build gave the trainable weights (TRL's trainers cast a quantized base's adapters and
+    # modules_to_save copies to bfloat16): get_peft_model makes the adapters anew, in float32
+    dtypes = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
     base = quantize(model.unload(), quantization, **options)
     with peft_reads_quietly():
-        return get_peft_model(base, config, adapter_name=name)
+        wrapped = get_peft_model(base, config, adapter_name=name)
+    for n, p in wrapped.named_parameters():
+        if n in dtypes and p.dtype != dtypes[n]:
+            p.data = p.data.to(dtypes[n])
+    return wrapped

@@ -11,7 +11,6 @@ trainer tokenizes it; else the truncation length), and the plan line the trainer
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,9 +74,8 @@ def settings(recipe, args) -> PaperRecipe:
     checkpoint = "all" if want is True else None if want is False or want == 0 else want
     if checkpoint is not None:
         keywords["checkpoint_layers"] = checkpoint
-    quantization = quantization_name(m.quantization)
-    if quantization is not None:
-        keywords["quantization"] = quantization
+    keywords.update(quantization_keywords(m.quantization))
+    quantization = keywords.get("quantization")
     if task == "dpo":
         keywords["pairs"] = "dpo"
     lora = dict(recipe.lora)
@@ -106,26 +104,30 @@ def quantization_name(quantization: dict[str, Any] | None) -> str | None:
     return "nf4"
 
 
+def quantization_keywords(quantization: dict[str, Any] | None) -> dict[str, Any]:
+    """`estimate_model`'s ``quantization`` and, where they differ from its defaults (bfloat16 compute, double
+    quantization), ``quantization_options``, from BitsAndBytesConfig keywords (a recipe's model.quantization, or a
+    loaded model's ``config.quantization_config.to_dict()``); {} for none. Absent keys are BitsAndBytesConfig's
+    defaults (float32 compute, no double quantization)."""
+    import torch
+
+    name = quantization_name(quantization)
+    if name is None:
+        return {}
+    keywords: dict[str, Any] = {"quantization": name}
+    if name == "nf4":
+        dtype = quantization.get("bnb_4bit_compute_dtype") or torch.float32
+        dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+        options = {"compute_dtype": dtype, "double_quant": bool(quantization.get("bnb_4bit_use_double_quant"))}
+        if options != {"compute_dtype": torch.bfloat16, "double_quant": True}:
+            keywords["quantization_options"] = options
+    return keywords
+
+
 def _trl_fuses() -> bool:
     from ..compat.trl_internals import trl_fuses_lm_head
 
     return trl_fuses_lm_head()
-
-
-def unsupported(keywords: dict[str, Any]) -> str | None:
-    """The one line refusing a keyword this build's `estimate_model` does not take yet, None when all are taken."""
-    from .estimate import estimate_model
-
-    taken = inspect.signature(estimate_model).parameters
-    fixes = {"checkpoint_layers": ("gradient checkpointing (the recipe's gradient_checkpointing / "
-                                   "checkpoint_layers)", ": add gradient_checkpointing=false to estimate without it"),
-             "quantization": ("a quantized base (model.quantization)",
-                              ": add model.quantization=null to estimate the unquantized base"),
-             "pairs": ("preference pairs (model.task=dpo)", "")}
-    for name, (what, fix) in fixes.items():
-        if name in keywords and name not in taken:
-            return f"--estimate does not model {what} yet{fix}"
-    return None
 
 
 # --- the data: the length the probe measures at ----------------------------------------------------------------
@@ -198,11 +200,7 @@ def builder(paper: PaperRecipe, tokenizer=None, revision: str | None = None, tru
 
         model = base()
         if paper.trl_fused_head:
-            from trl.trainer.utils import add_fused_lm_head
-
-            add_fused_lm_head(model, outputs=SFT_HEAD_OUTPUTS)
-            # AccumSFTTrainer calls the model with fused_lm_head=True: the estimate's step calls model(**batch)
-            model.forward = functools.partial(model.forward, fused_lm_head=True)
+            add_trl_fused_head(model)
         model = add_lora(model, LoraConfig(**paper.lora), quantized="quantization" in paper.keywords,
                          kbit_preparation=paper.kbit_preparation,
                          checkpointing="checkpoint_layers" in paper.keywords)
@@ -213,6 +211,16 @@ def builder(paper: PaperRecipe, tokenizer=None, revision: str | None = None, tru
         return model
 
     return build
+
+
+def add_trl_fused_head(model, outputs: tuple[str, ...] = SFT_HEAD_OUTPUTS) -> None:
+    """TRL's fused LM head on ``model`` (a transformers model, before LoRA wraps it) as AccumSFTTrainer runs it:
+    `add_fused_lm_head` computing ``outputs``, and every call with ``fused_lm_head=True`` (the trainer passes it; the
+    estimate's step calls ``model(**batch)``). One way for a recipe on paper and for the seed of a trainer's probe."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, outputs=outputs)
+    model.forward = functools.partial(model.forward, fused_lm_head=True)
 
 
 def _from_config(paper, kind, num_labels, dtype, tokenizer, revision, trust_remote_code):
@@ -256,9 +264,6 @@ def estimate_recipe(recipe_name: str, overrides=(), *, device: str | None = None
     from .paper import machine_device, machine_memory
 
     recipe, args, paper, tokenizer = prepare(recipe_name, overrides)
-    why = unsupported(paper.keywords)
-    if why is not None:
-        raise ValueError(why)
     if recipe.model.name == "tiny" and tokenizer is None:
         raise ValueError("the tiny model's tokenizer could not be built")
     device = device or paper.device or machine_device()

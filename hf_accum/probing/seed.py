@@ -5,8 +5,11 @@ lever's level search (`levels.probe_levels`, ``checkpoint_layers="auto"``) the e
 paper and each anchor's search starts from the estimate's largest fit at that level.
 
 The plan is always the measured one: the estimate only says where to look first (`MicroBatchSearch`'s ``seed``).
-When the estimate cannot be made (a quantized base, a lever other than checkpointing, a model not built from its config, ...) the probe
-searches as before, and says why in one log line. What the estimate predicted is kept in
+The paper model is the model as the trainer runs it: rebuilt from its config and LoRA config, its bitsandbytes
+quantization (NF4 / int8, from ``config.quantization_config``) and TRL's fused LM head where the model carries it
+(AccumSFTTrainer's loss), each weight in the dtype the trainer gave it.
+When the estimate cannot be made (another quantization, a lever other than checkpointing, a model not built from its
+config, ...) the probe searches as before, and says why in one log line. What the estimate predicted is kept in
 ``result.extra["estimate"]``, so the plan file records it beside what was measured.
 """
 
@@ -45,10 +48,11 @@ def seeder_for(model: torch.nn.Module, *, seq_len: int, target_batch_size: int, 
 
     def seeder(budget_bytes: int, meter: Meter) -> tuple[int | dict[int, int] | None, dict[str, Any] | None]:
         device = "cuda" if next(model.parameters()).device.type == "cuda" else "cpu"
-        build = None
+        build, quantized = None, {}
         try:
             why = unsupported_reason(model, autocast_dtype) or lever_reason(lever)
-            build = None if why is not None else builder_like(model)
+            if why is None:
+                build, quantized = builder_like(model), quantization_of(model)
         except Exception as exc:  # noqa: BLE001 -- any failure means: search as before
             why = f"cannot rebuild it from its config ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
         if build is None:
@@ -60,7 +64,7 @@ def seeder_for(model: torch.nn.Module, *, seq_len: int, target_batch_size: int, 
                                  device_memory=meter.capacity_bytes(), device=device, world_size=world_size,
                                  budget_bytes=budget_bytes, bf16=autocast_dtype is torch.bfloat16,
                                  max_micro_batch=max_micro_batch, all_peaks=False,
-                                 levels=lever)
+                                 levels=lever, **quantized)
             result = est.result
         except NothingFitsError as exc:
             result = exc.result
@@ -119,15 +123,30 @@ def estimate_record(result: ProbeResult, device: str, seconds: float) -> dict[st
 
 def trainer_reason(trainer) -> str | None:
     """Why the estimate cannot stand for ``trainer``'s step, None when it can: it models the model's own loss
-    (``model(**batch).loss``), so a ``compute_loss`` override (TRL's SFT loss also builds entropy and accuracy from
-    the logits) or a ``compute_loss_func`` is a different step."""
+    (``model(**batch).loss``), or AccumSFTTrainer's (TRL's fused LM head, which `builder_like` puts on the paper
+    model as the trainer's model carries it; the nll loss, no label smoothing); any other ``compute_loss`` override
+    or a ``compute_loss_func`` is a different step."""
     from ..compat.trainer_internals import computes_own_loss
 
     if not computes_own_loss(trainer):
         return None
     if trainer.compute_loss_func is not None:
         return "compute_loss_func is set: the estimate models the model's own loss"
+    if _sft_step(trainer):
+        if trainer.args.loss_type != "nll" or trainer.label_smoother is not None:
+            return (f"AccumSFTTrainer with loss_type={trainer.args.loss_type!r} / label smoothing: the estimate "
+                    "models TRL's nll loss")
+        return None
     return f"{type(trainer).__name__}.compute_loss is its own loss, not the model's, which is what the estimate models"
+
+
+def _sft_step(trainer) -> bool:
+    """Whether ``trainer``'s loss is AccumSFTTrainer's own (not overridden again)."""
+    try:
+        from ..trl import AccumSFTTrainer
+    except ImportError:  # TRL is not installed: no trainer of its kind
+        return False
+    return type(trainer).compute_loss is AccumSFTTrainer.compute_loss
 
 
 def unsupported_reason(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> str | None:
@@ -135,9 +154,10 @@ def unsupported_reason(model: torch.nn.Module, autocast_dtype: torch.dtype | Non
     config = getattr(model, "config", None)
     if config is None or getattr(config, "vocab_size", None) is None:
         return "not a transformers causal LM with a config"
-    if getattr(config, "quantization_config", None) is not None or any(
-            getattr(model, f"is_loaded_in_{b}bit", False) for b in (4, 8)):
-        return "a quantized (4-bit/8-bit) base is not modelled"
+    try:
+        quantization_of(model)
+    except ValueError as exc:
+        return str(exc)
     if autocast_dtype is not None and autocast_dtype is not torch.bfloat16:
         return f"{autocast_dtype} autocast is not modelled (bf16 is)"
     return None
@@ -151,18 +171,55 @@ def _fused_patch(model: torch.nn.Module):
     return patch if patch is not None and patch.active else None
 
 
+def quantization_of(model: torch.nn.Module) -> dict[str, Any]:
+    """`estimate_model`'s quantization keywords for ``model``'s base (`recipe_paper.quantization_keywords` of its
+    ``config.quantization_config``): {} when not quantized; ValueError for a quantization the estimate does not
+    model (another method than bitsandbytes, FP4)."""
+    from transformers.utils.quantization_config import QuantizationMethod
+
+    from .recipe_paper import quantization_keywords
+
+    quantization = getattr(model.config, "quantization_config", None)
+    if quantization is None:
+        if any(getattr(model, f"is_loaded_in_{b}bit", False) for b in (4, 8)):
+            raise ValueError("a quantized base without its quantization_config is not modelled")
+        return {}
+    quantization = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    method = quantization.get("quant_method", QuantizationMethod.BITS_AND_BYTES)
+    if method != QuantizationMethod.BITS_AND_BYTES:  # a str enum: equal to its value, "bitsandbytes"
+        raise ValueError(f"a {method} quantized base is not modelled (bitsandbytes' NF4 and int8 are)")
+    kind = quantization.get("bnb_4bit_quant_type", "fp4")  # BitsAndBytesConfig's default
+    if quantization.get("load_in_4bit") and kind != "nf4":
+        raise ValueError(f"a {kind} 4-bit base is not modelled (bitsandbytes' NF4 and int8 are)")
+    keywords = quantization_keywords(quantization)
+    if not keywords:
+        raise ValueError("a quantized base that is neither bitsandbytes 4-bit nor 8-bit is not modelled")
+    return keywords
+
+
 def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
-    """A callable building ``model`` again from its config (and its LoRA config), in its weights' dtype, with the
-    same parameters trainable, the same layers checkpointed (non-reentrant) and the fused loss where ``model`` has
-    it; ValueError where the names differ."""
+    """A callable building ``model`` again from its config (and its LoRA config), unquantized (`quantization_of`
+    gives the estimate the quantization), with the same parameters trainable and in the same dtypes (TRL's bfloat16
+    adapters on a quantized base), the same layers checkpointed (non-reentrant), TRL's fused LM head
+    (`recipe_paper.add_trl_fused_head`, the same outputs) or the fused loss where ``model`` has it; ValueError where
+    the names differ."""
+    import copy
+
     from transformers import AutoModelForCausalLM
 
+    from ..compat.trl_internals import fused_lm_head_outputs
     from ..levers.checkpointing import enable_checkpointing
+    from .recipe_paper import add_trl_fused_head
 
     peft_config = _peft_config(model)
     base = model.get_base_model() if peft_config is not None else model
     dtype = model.get_input_embeddings().weight.dtype
+    config = copy.deepcopy(base.config)
+    if hasattr(config, "quantization_config"):  # the base as it is before quantizing: the estimate quantizes it
+        del config.quantization_config
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
+    dtypes = {name: p.dtype for name, p in model.named_parameters() if p.dtype.is_floating_point}
+    trl_head = fused_lm_head_outputs(base)
     patch = _fused_patch(model)
     fused, kernel = patch is not None, patch.kernel if patch is not None else None  # a pinned kernel, on paper too
     checkpointed = {name: m.gradient_checkpointing for name, m in model.named_modules()
@@ -171,10 +228,12 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
         from ..fused_loss import patch_model
 
-        built = AutoModelForCausalLM.from_config(base.config, dtype=dtype)
+        built = AutoModelForCausalLM.from_config(config, dtype=dtype)
         if any(checkpointed.values()):
             enable_checkpointing(built, SimpleNamespace(gradient_checkpointing=True,
                                                         gradient_checkpointing_kwargs={"use_reentrant": False}))
+        if trl_head is not None:  # as SFTTrainer adds it: on the base, before (under) the adapters
+            add_trl_fused_head(built, trl_head)
         if peft_config is not None:
             from peft import get_peft_model
 
@@ -184,6 +243,8 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
             raise ValueError("its parameters differ from those of a model built from its config")
         for name, p in names.items():
             p.requires_grad_(trainable[name])
+            if name in dtypes and p.dtype != dtypes[name]:
+                p.data = p.data.to(dtypes[name])
         for name, m in built.named_modules():  # the layers the model checkpoints, and only those
             if name in checkpointed and isinstance(getattr(m, "gradient_checkpointing", None), bool):
                 m.gradient_checkpointing = checkpointed[name]
