@@ -1,0 +1,267 @@
+"""What fits where: one table of the largest micro-batch per card size and sequence length, before anything loads.
+
+`hf-accum probe --estimate --model M --device-memory 24GiB,48GiB,80GiB --seq-len 512,2048,8192`. The peak of a step
+does not depend on the card, so each sequence length (and checkpointing lever) is estimated ONCE, for the largest
+card: its search measures the sizes around that card's edge, and every smaller card is read off the same peaks
+(`largest_fit`). A card where micro-batch 1 does not fit without checkpointing is read off the peaks with every
+layer checkpointed (the only lever tried, and only where needed); one where nothing fits names the smallest card of
+`STANDARD_CARDS_GIB` that would (`smallest_card`).
+
+Everything but `measure` is pure: the grid (`plan_cells`), the reading of peaks, the table and the JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+GIB = 2**30
+#: Card sizes (GiB) "the smallest card that would" is chosen from: the common sizes of NVIDIA's data-centre and
+#: consumer cards (8, 16, 24, 40, 48, 80, 96 GB; 141 GB for the H200).
+STANDARD_CARDS_GIB = (8, 16, 24, 40, 48, 80, 96, 141)
+LEVERS = (None, "all")  # checkpointing: none, else every layer (`checkpoint_layers="all"`)
+
+
+def parse_list(text: str, parse: Callable[[str], Any], flag: str) -> list:
+    """The comma-separated values of ``text`` through ``parse`` (its ValueError names ``flag``), duplicates dropped,
+    in the order given."""
+    items = [item.strip() for item in str(text).split(",")]
+    if any(not item for item in items):
+        raise ValueError(f"{flag}={text!r}: an empty value in the list; give e.g. {flag} 512,2048,8192")
+    out = []
+    for item in items:
+        value = parse(item)
+        if value not in out:
+            out.append(value)
+    return out
+
+
+def largest_fit(peaks: dict[int, int], budget: int, cap: int) -> int:
+    """The largest micro-batch up to ``cap`` whose peak fits ``budget``, from the peaks measured at some sizes
+    (0: not even 1). Above the largest size measured nothing is claimed unless that size is ``cap`` itself; between
+    measured sizes the peak is `peak_at`'s."""
+    sizes = sorted(m for m in peaks if 1 <= m <= cap)
+    if not sizes or peaks[sizes[0]] > budget:
+        return 0
+    best = sizes[0]
+    for m in range(sizes[0] + 1, sizes[-1] + 1):
+        if peak_at(peaks, m) > budget:
+            break
+        best = m
+    return best
+
+
+def peak_at(peaks: dict[int, int], micro: int) -> int:
+    """The peak at ``micro``: measured, else read off a straight line, as `estimate.interpolate` does: a step's
+    memory grows linearly with its rows from micro-batch 2 on. Micro-batch 1 is off that line (a single row has no
+    padding mask), so where the sizes around ``micro`` are 1 and ``hi``, the line through ``hi`` and the next
+    measured size above it is used, never lower than the peak at 1 (a peak set by the optimizer step, not the rows,
+    stays flat); with no size above ``hi``, the line from 1 to ``hi``."""
+    if micro in peaks:
+        return peaks[micro]
+    xs = sorted(peaks)
+    lo = max(x for x in xs if x < micro)
+    hi = min(x for x in xs if x > micro)
+    above = [x for x in xs if x > hi]
+    if lo == 1 and above:
+        lo, hi = hi, above[0]
+        return max(peaks[1], round(peaks[lo] + (peaks[hi] - peaks[lo]) * (micro - lo) / (hi - lo)))
+    return round(peaks[lo] + (peaks[hi] - peaks[lo]) * (micro - lo) / (hi - lo))
+
+
+def smallest_card(peak_one: int | None, fraction: float, cards: Sequence[int] = STANDARD_CARDS_GIB) -> int | None:
+    """The smallest card (GiB) of ``cards`` whose budget (``fraction`` of it) holds ``peak_one``, the peak at
+    micro-batch 1; None when none does or the peak is unknown."""
+    if peak_one is None:
+        return None
+    return next((c for c in sorted(cards) if int(fraction * c * GIB) >= peak_one), None)
+
+
+@dataclass
+class Cell:
+    """One card x sequence length: ``micro_batch`` the largest that fits (0: none), at ``checkpointing`` ("none" or
+    "all" layers), ``capped`` when it reached the cap (--target-batch / --max-micro-batch: more may fit),
+    ``peak_bytes`` its predicted peak; where nothing fits, ``smallest_card_gib`` (None: no standard card, or unknown)
+    and ``needs`` (the checkpointing that card needs)."""
+
+    card_bytes: int
+    seq_len: int
+    micro_batch: int
+    checkpointing: str | None
+    capped: bool = False
+    peak_bytes: int | None = None
+    smallest_card_gib: int | None = None
+    needs: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.micro_batch > 0
+
+
+def _label(lever: str | int | None) -> str:
+    return "none" if lever is None else str(lever)
+
+
+def plan_cells(cards: Sequence[int], seq_lens: Sequence[int], measure: Callable[[int, str | None], dict[int, int]],
+               *, fraction: float, cap: int, levers: Sequence[str | None] = LEVERS) -> list[Cell]:
+    """The grid: per sequence length, ``measure(seq_len, lever)`` (peaks by micro-batch, for the largest card) is
+    called for no checkpointing, then, only where some card fits not even micro-batch 1, for the next lever."""
+    cells = []
+    for seq in seq_lens:
+        peaks_by_lever: dict[str | None, dict[int, int]] = {}
+        for card in cards:
+            budget = int(fraction * card)
+            for lever in levers:
+                if lever not in peaks_by_lever:
+                    peaks_by_lever[lever] = measure(seq, lever)
+                peaks = peaks_by_lever[lever]
+                micro = largest_fit(peaks, budget, cap)
+                if micro:
+                    cells.append(Cell(card, seq, micro, _label(lever), micro == cap, peak_at(peaks, micro)))
+                    break
+            else:
+                best = min(((peaks.get(1), lever) for lever, peaks in peaks_by_lever.items() if 1 in peaks),
+                           key=lambda pair: pair[0], default=(None, None))
+                card_gib = smallest_card(best[0], fraction)
+                cells.append(Cell(card, seq, 0, None, smallest_card_gib=card_gib,
+                                  needs=_label(best[1]) if card_gib is not None else None))
+    return cells
+
+
+def card_name(nbytes: int) -> str:
+    if nbytes < GIB:
+        return f"{nbytes / 2**20:g} MiB"
+    return f"{nbytes / GIB:g} GiB" if nbytes % (GIB // 10) == 0 else f"{nbytes / GIB:.2f} GiB"
+
+
+def cell_text(cell: Cell) -> str:
+    if cell.fits:
+        checkpointing = "" if cell.checkpointing == "none" else f", checkpointing {cell.checkpointing} layers"
+        return f"{cell.micro_batch}{'+' if cell.capped else ''}{checkpointing}"
+    if cell.smallest_card_gib is None:
+        return f"does not fit (none up to {STANDARD_CARDS_GIB[-1]} GiB)"
+    how = "" if cell.needs == "none" else f", checkpointing {cell.needs}"
+    return f"does not fit ({cell.smallest_card_gib} GiB would{how})"
+
+
+def table(cells: Sequence[Cell], cards: Sequence[int], seq_lens: Sequence[int]) -> str:
+    """A Markdown table: a row per sequence length, a column per card, each cell the largest micro-batch and the
+    levers it needs, or "does not fit" with the smallest card that would."""
+    by = {(c.seq_len, c.card_bytes): c for c in cells}
+    rows = ["| seq len | " + " | ".join(card_name(c) for c in cards) + " |",
+            "|---:|" + "---|" * len(cards)]
+    for seq in seq_lens:
+        rows.append(f"| {seq} | " + " | ".join(cell_text(by[seq, c]) for c in cards) + " |")
+    return "\n".join(rows)
+
+
+def to_json(cells: Sequence[Cell], settings: dict[str, Any]) -> dict[str, Any]:
+    return {"what_fits_where": True, **settings,
+            "cells": [{**asdict(c), "card_gib": c.card_bytes / GIB, "fits": c.fits} for c in cells]}
+
+
+# --- the estimate behind one function ------------------------------------------------------------------------
+@dataclass
+class Measured:
+    peaks: dict[int, int]  # micro-batch -> predicted peak bytes, at the sizes the search ran
+    loss: str | None  # the loss the estimate assumed (None where micro-batch 1 did not fit: no plan was made)
+
+
+def measure(model, *, seq_len: int, card_bytes: int, cap: int, target_batch_size: int, device: str, bf16: bool,
+            fraction: float, lora_r: int | None, lora_target_modules: str | None, fused_loss: bool | None,
+            quantization: str | None, checkpoint_layers: str | int | None, log=None) -> Measured:
+    """The predicted peak per micro-batch size the estimate's search ran, for the card ``card_bytes`` (the largest:
+    its search brackets every smaller card's edge). ``quantization`` ("nf4", "int8") and ``checkpoint_layers``
+    ("all") are passed to `hf_accum.estimate` only when set. Micro-batch 1 not fitting is an answer, not an error:
+    its peak is returned."""
+    from .loop import NothingFitsError
+    from .paper import estimate
+
+    levers = {k: v for k, v in (("quantization", quantization), ("checkpoint_layers", checkpoint_layers))
+              if v is not None}
+    try:
+        est = estimate(model, seq_len=seq_len, target_batch_size=target_batch_size, device=device,
+                       device_memory=card_bytes, lora_r=lora_r, lora_target_modules=lora_target_modules,
+                       fused_loss=fused_loss, bf16=bf16, budget_fraction=fraction, max_micro_batch=cap,
+                       all_peaks=False, log=log, **levers)
+    except NothingFitsError as exc:
+        return Measured({t.micro_batch_size: t.peak_bytes for t in exc.result.trials if t.peak_bytes is not None},
+                        None)
+    return Measured(dict(est.peaks), est.loss)
+
+
+def run(args: Any, say=print) -> int:
+    """`hf-accum probe --estimate` with a comma list in --device-memory or --seq-len: the table."""
+    import json
+    import time
+
+    from . import paper
+
+    cards = sorted(parse_list(args.device_memory, paper.parse_size, "--device-memory")) if args.device_memory else []
+    seq_lens = args.seq_len if isinstance(args.seq_len, list) else [args.seq_len]
+    device = args.device or ("cuda" if len(cards) > 1 else paper.machine_device())
+    if not cards:
+        cards = [paper.machine_memory(device, "--device-memory")]
+    if args.budget_bytes is not None and len(cards) > 1:
+        raise ValueError("--budget-bytes is one budget for one card; with a list of --device-memory give --budget "
+                         "(the fraction of each card, default 0.9)")
+    fraction = args.budget if args.budget is not None else 0.9
+    if args.budget_bytes is not None:
+        fraction = args.budget_bytes / cards[0]
+    per_rank = args.target_batch // args.world_size
+    cap = min(args.max_micro_batch or per_rank, per_rank)
+    quantization = "nf4" if args.load_in_4bit else "int8" if args.load_in_8bit else None
+    lora_r = args.lora_r if args.lora or quantization else None
+    levers = _levers(args)
+    config = paper.load_config(args.model)
+    build = paper.config_builder(config)
+    what = ("QLoRA (" + quantization + f" base, LoRA r={lora_r})" if quantization else
+            f"LoRA r={lora_r}" if lora_r else "full fine-tuning")
+    say(f"what fits where: {args.model}, {what}, {'bf16 autocast' if args.bf16 else 'no autocast'}, weights "
+        f"{paper.weights_dtype(config)}, for {device} (fake tensors: nothing loaded); budget {fraction:g} of each "
+        f"card; micro-batch up to {cap}")
+    began = time.perf_counter()
+    losses: list[str] = []
+
+    def one(seq: int, lever):
+        t0 = time.perf_counter()
+        out = measure(build, seq_len=seq, card_bytes=cards[-1], cap=cap, target_batch_size=args.target_batch,
+                      device=device, bf16=args.bf16, fraction=fraction, lora_r=lora_r,
+                      lora_target_modules=args.lora_target_modules, fused_loss=args.fused_loss,
+                      quantization=quantization, checkpoint_layers=lever)
+        losses.extend([out.loss] if out.loss else [])
+        say(f"  seq {seq}, checkpointing {_label(lever)}: {len(out.peaks)} sizes estimated for the {card_name(cards[-1])}"
+            f" card ({time.perf_counter() - t0:.0f} s)")
+        return out.peaks
+
+    cells = plan_cells(cards, seq_lens, one, fraction=fraction, cap=cap, levers=levers)
+    seconds = time.perf_counter() - began
+    say("")
+    say(table(cells, cards, seq_lens))
+    say("")
+    say(f"N+: micro-batch N, the cap (--target-batch {args.target_batch} / --max-micro-batch), fits: more may. "
+        "Smaller cards are read off the peaks estimated for the largest (the peaks do not depend on the card).")
+    loss = losses[0] if losses else "loss: not estimated (micro-batch 1 fit on no card)"
+    say(f"assumed: {loss}")
+    assumptions = paper.CUDA_ASSUMPTIONS if device == "cuda" else ()
+    for line in assumptions:
+        say(f"assumed: {line}")
+    say(f"estimated in {seconds:.0f} s")
+    if args.json:
+        settings = {"model": args.model, "training": what, "device": device, "bf16": args.bf16,
+                    "budget_fraction": fraction, "max_micro_batch": cap, "card_bytes": cards, "seq_lens": seq_lens,
+                    "loss": loss, "assumptions": list(assumptions), "seconds": round(seconds, 1)}
+        with open(args.json, "w") as f:
+            json.dump(to_json(cells, settings), f, indent=2)
+        say(f"wrote {args.json}")
+    return 0
+
+
+def _levers(args: Any) -> tuple[str | int | None, ...]:
+    """The checkpointing tried, in order: none, then every layer; a lever the user set is obeyed alone."""
+    if args.gradient_checkpointing:
+        return ("all",)
+    if args.checkpoint_layers not in (None, "auto"):
+        return ("all",) if args.checkpoint_layers == "all" else (int(args.checkpoint_layers),)
+    return LEVERS
