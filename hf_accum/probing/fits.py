@@ -41,11 +41,11 @@ def largest_fit(peaks: dict[int, int], budget: int, cap: int) -> int:
     """The largest micro-batch up to ``cap`` whose peak fits ``budget``, from the peaks measured at some sizes
     (0: not even 1). Above the largest size measured nothing is claimed unless that size is ``cap`` itself; between
     measured sizes the peak is `peak_at`'s."""
-    sizes = sorted(m for m in peaks if 1 <= m <= cap)
-    if not sizes or peaks[sizes[0]] > budget:
+    sizes = sorted(m for m in peaks if m >= 1)
+    if not sizes or sizes[0] > cap or peaks[sizes[0]] > budget:
         return 0
     best = sizes[0]
-    for m in range(sizes[0] + 1, sizes[-1] + 1):
+    for m in range(sizes[0] + 1, min(cap, sizes[-1]) + 1):
         if peak_at(peaks, m) > budget:
             break
         best = m
@@ -121,18 +121,26 @@ def plan_cells(cards: Sequence[int], seq_lens: Sequence[int], measure: Callable[
                     cells.append(Cell(card, seq, micro, _label(lever), micro == cap, peak_at(peaks, micro)))
                     break
             else:
-                best = min(((peaks.get(1), lever) for lever, peaks in peaks_by_lever.items() if 1 in peaks),
-                           key=lambda pair: pair[0], default=(None, None))
-                card_gib = smallest_card(best[0], fraction)
-                cells.append(Cell(card, seq, 0, None, smallest_card_gib=card_gib,
-                                  needs=_label(best[1]) if card_gib is not None else None))
+                card_gib, lever = _smallest_card_and_lever(peaks_by_lever, levers, fraction)
+                cells.append(Cell(card, seq, 0, None, smallest_card_gib=card_gib, needs=lever))
     return cells
+
+
+def _smallest_card_and_lever(peaks_by_lever, levers, fraction) -> tuple[int | None, str | None]:
+    """The smallest standard card any lever fits micro-batch 1 on, and the first lever (fewest) that does."""
+    found = [(smallest_card(peaks.get(1), fraction), levers.index(lever), lever)
+             for lever, peaks in peaks_by_lever.items()]
+    found = [f for f in found if f[0] is not None]
+    if not found:
+        return None, None
+    card_gib, _, lever = min(found)
+    return card_gib, _label(lever)
 
 
 def card_name(nbytes: int) -> str:
     if nbytes < GIB:
         return f"{nbytes / 2**20:g} MiB"
-    return f"{nbytes / GIB:g} GiB" if nbytes % (GIB // 10) == 0 else f"{nbytes / GIB:.2f} GiB"
+    return f"{nbytes // GIB} GiB" if nbytes % GIB == 0 else f"{nbytes / GIB:.3g} GiB"
 
 
 def cell_text(cell: Cell) -> str:

@@ -1,0 +1,243 @@
+"""What fits where (`hf-accum probe --estimate` with comma lists): the grid, the reading of peaks, the smallest card
+that would, the table and the JSON, and the table against one estimate per card."""
+
+import json
+
+import pytest
+
+from hf_accum.probing import fits
+from hf_accum.probing.fits import Cell, largest_fit, parse_list, peak_at, plan_cells, smallest_card
+from hf_accum.probing.paper import parse_size
+
+GiB = 2**30
+MiB = 2**20
+
+
+# --- pure logic ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [
+    ("512", [512]), ("512,2048,8192", [512, 2048, 8192]), (" 512 , 2048 ", [512, 2048]), ("512,512,64", [512, 64]),
+])
+def test_parse_list(text, expected):
+    assert parse_list(text, int, "--seq-len") == expected
+
+
+@pytest.mark.parametrize("text", ["512,,2048", "512,", ",512"])
+def test_parse_list_refuses_an_empty_value_naming_the_flag(text):
+    with pytest.raises(ValueError, match="--seq-len"):
+        parse_list(text, int, "--seq-len")
+
+
+LINEAR = {1: 95, 2: 200, 3: 300, 8: 800, 9: 900}  # 100 per row from 2 on; 1 below the line (no padding mask)
+
+
+@pytest.mark.parametrize("peaks, budget, cap, expected", [
+    (LINEAR, 90, 32, 0),        # not even 1
+    (LINEAR, 95, 32, 1),
+    (LINEAR, 199, 32, 1),
+    (LINEAR, 200, 32, 2),
+    (LINEAR, 550, 32, 5),       # between 3 and 8: on the line
+    (LINEAR, 899, 32, 8),
+    (LINEAR, 10_000, 32, 9),    # above the largest size measured nothing is claimed
+    (LINEAR, 10_000, 9, 9),
+    (LINEAR, 550, 4, 4),        # the cap
+    ({1: 95, 8: 800, 9: 900}, 550, 32, 5),  # 1 and 8 around: the line through 8 and 9, not the chord from 1
+    ({1: 95, 8: 800}, 500, 32, 5),          # no size above 8: the chord from 1 (95 + 705/7 per row)
+    ({1: 700, 4: 700, 5: 750}, 720, 32, 4),  # flat where the optimizer step sets the peak: never below the peak at 1
+    ({}, 100, 32, 0),
+])
+def test_largest_fit(peaks, budget, cap, expected):
+    assert largest_fit(peaks, budget, cap) == expected
+
+
+def test_peak_at_is_measured_where_measured_and_on_the_line_from_2_on():
+    assert peak_at(LINEAR, 2) == 200
+    assert peak_at(LINEAR, 5) == 500
+    assert peak_at({1: 95, 8: 800, 9: 900}, 2) == 200
+
+
+@pytest.mark.parametrize("peak_one, fraction, expected", [
+    (5 * GiB, 0.9, 8), (int(0.9 * 8 * GiB), 0.9, 8), (int(0.9 * 8 * GiB) + 1, 0.9, 16), (30 * GiB, 0.9, 40),
+    (75 * GiB, 0.9, 96), (100 * GiB, 0.9, 141), (127 * GiB, 0.9, None), (30 * GiB, 0.5, 80), (None, 0.9, None),
+])
+def test_smallest_card(peak_one, fraction, expected):
+    assert smallest_card(peak_one, fraction) == expected
+
+
+def _recording(tables):
+    calls = []
+
+    def measure(seq, lever):
+        calls.append((seq, lever))
+        return tables[seq, lever]
+
+    return measure, calls
+
+
+def test_the_grid_checkpoints_only_where_micro_batch_1_does_not_fit_and_names_the_smallest_card():
+    per_row = {512: 1 * GiB, 8192: 16 * GiB}
+    base = 20 * GiB
+    tables = {(s, None): {m: base + m * r for m in (1, 2, 3, 4)} for s, r in per_row.items()}
+    tables[8192, "all"] = {m: base + m * 2 * GiB for m in (1, 2, 3, 4)}
+    measure, calls = _recording(tables)
+    cards = [24 * GiB, 48 * GiB]
+    cells = plan_cells(cards, [512, 8192], measure, fraction=0.9, cap=4)
+    by = {(c.seq_len, c.card_bytes // GiB): c for c in cells}
+    # seq 512: budget 21.6 GiB on 24 GiB holds 1 row; 43.2 GiB on 48 GiB holds 4 (the cap): no lever tried
+    assert (by[512, 24].micro_batch, by[512, 24].checkpointing) == (1, "none")
+    assert (by[512, 48].micro_batch, by[512, 48].capped) == (4, True)
+    # seq 8192: 36 GiB at 1 row without checkpointing; with every layer checkpointed 22 GiB (24 GiB: no) ...
+    assert not by[8192, 24].fits and (by[8192, 24].smallest_card_gib, by[8192, 24].needs) == (40, "none")
+    # ... 48 GiB: 1 row without checkpointing fits, so no lever is needed there
+    assert (by[8192, 48].micro_batch, by[8192, 48].checkpointing) == (1, "none")
+    assert calls == [(512, None), (8192, None), (8192, "all")]  # each at most once, the lever only where needed
+
+
+def test_the_grid_uses_the_lever_where_it_is_what_fits():
+    tables = {(512, None): {1: 30 * GiB, 2: 40 * GiB}, (512, "all"): {m: (8 + 2 * m) * GiB for m in (1, 2, 8, 9)}}
+    measure, calls = _recording(tables)
+    cells = plan_cells([16 * GiB, 24 * GiB], [512], measure, fraction=0.9, cap=8)
+    # budgets 14.4 and 21.6 GiB: 3 and 6 rows with every layer checkpointed (read off the line from 2 on)
+    assert [(c.micro_batch, c.checkpointing) for c in cells] == [(3, "all"), (6, "all")]
+    assert calls == [(512, None), (512, "all")]
+    assert "checkpointing all layers" in fits.cell_text(cells[0])
+
+
+def test_the_grid_without_levers_tries_none():
+    measure, calls = _recording({(512, None): {1: 30 * GiB}})
+    cells = plan_cells([8 * GiB], [512], measure, fraction=0.9, cap=8, levers=(None,))
+    assert calls == [(512, None)]
+    assert fits.cell_text(cells[0]) == "does not fit (40 GiB would)"
+
+
+@pytest.mark.parametrize("cell, text", [
+    (Cell(24 * GiB, 512, 3, "none"), "3"),
+    (Cell(24 * GiB, 512, 32, "none", capped=True), "32+"),
+    (Cell(24 * GiB, 512, 2, "all"), "2, checkpointing all layers"),
+    (Cell(24 * GiB, 512, 0, None, smallest_card_gib=80, needs="none"), "does not fit (80 GiB would)"),
+    (Cell(24 * GiB, 512, 0, None, smallest_card_gib=40, needs="all"),
+     "does not fit (40 GiB would, checkpointing all)"),
+    (Cell(24 * GiB, 512, 0, None), "does not fit (none up to 141 GiB)"),
+])
+def test_cell_text(cell, text):
+    assert fits.cell_text(cell) == text
+
+
+def test_table_and_json():
+    cells = [Cell(24 * GiB, 512, 3, "none"), Cell(80 * GiB, 512, 9, "none"),
+             Cell(24 * GiB, 2048, 0, None, smallest_card_gib=40, needs="none"), Cell(80 * GiB, 2048, 2, "none")]
+    assert fits.table(cells, [24 * GiB, 80 * GiB], [512, 2048]).splitlines() == [
+        "| seq len | 24 GiB | 80 GiB |", "|---:|---|---|", "| 512 | 3 | 9 |",
+        "| 2048 | does not fit (40 GiB would) | 2 |"]
+    data = fits.to_json(cells, {"model": "m"})
+    assert data["model"] == "m" and data["what_fits_where"] is True
+    assert [(c["card_gib"], c["seq_len"], c["micro_batch"], c["fits"]) for c in data["cells"]] == [
+        (24, 512, 3, True), (80, 512, 9, True), (24, 2048, 0, False), (80, 2048, 2, True)]
+    assert fits.card_name(int(1.5 * GiB)) == "1.5 GiB" and fits.card_name(40 * MiB) == "40 MiB"
+
+
+# --- the command, against one estimate per card ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("llama")
+    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096).save_pretrained(folder)
+    return str(folder)
+
+
+CARDS = ["40MiB", "80MiB", "200MiB"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_table_is_each_cards_own_estimate(llama_folder, tmp_path, capsys, lora):
+    """Each card read off the peaks estimated once for the largest is the largest fit of that card's own estimate."""
+    from hf_accum import estimate
+    from hf_accum.cli import main
+
+    out = tmp_path / "fits.json"
+    flags = ["--lora"] if lora else []
+    code = main(["probe", "--estimate", "--model", llama_folder, "--device-memory", ",".join(CARDS),
+                 "--seq-len", "64,512,2048", *flags, "--json", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "| seq len | 40 MiB | 80 MiB | 200 MiB |" in text
+    assert "for cuda" in text and "assumed: allocator" in text  # a list of cards is a card-size question: CUDA
+    assert "assumed: loss:" in text and "estimated in" in text
+    data = json.loads(out.read_text())
+    assert data["device"] == "cuda" and data["max_micro_batch"] == 32
+    got = {(c["card_bytes"], c["seq_len"]): c["micro_batch"] for c in data["cells"]}
+    assert len(got) == 9 and all(c["checkpointing"] in ("none", None) for c in data["cells"])
+    assert len(set(got.values())) >= 4  # the grid discriminates: not one answer everywhere
+    for card in CARDS:
+        for seq in (64, 512, 2048):
+            own = estimate(llama_folder, seq_len=seq, target_batch_size=32, device="cuda", device_memory=card,
+                           lora_r=8 if lora else None, all_peaks=False)
+            assert got[parse_size(card), seq] == own.result.max_micro_batch_size, (card, seq)
+
+
+def test_one_value_each_keeps_the_single_estimate(llama_folder, capsys):
+    from hf_accum.cli import main
+
+    args = ["probe", "--estimate", "--model", llama_folder, "--device", "cpu", "--device-memory", "80MiB",
+            "--seq-len", "64", "--target-batch", "4"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "predicted peak per micro-batch" in text and "what fits where" not in text
+
+
+def test_a_seq_len_list_with_one_card_is_a_table_for_this_device(llama_folder, capsys):
+    from hf_accum.cli import main
+
+    assert main(["probe", "--estimate", "--model", llama_folder, "--device", "cpu", "--device-memory", "80MiB",
+                 "--seq-len", "64,512", "--target-batch", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "for cpu" in text and "| seq len | 80 MiB |" in text and "| 64 | 4+ |" in text
+    assert "assumed: allocator" not in text
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--seq-len", "64,512"], "--seq-len: a comma list is for --estimate"),
+    (["--estimate", "--seq-len", "64,0"], "--seq-len=0 must be a positive integer"),
+    (["--estimate", "--device-memory", "24GiB,lots"], "--device-memory='lots'"),
+    (["--estimate", "--device-memory", "24GiB,,80GiB"], "an empty value"),
+    (["--estimate", "--device-memory", "24GiB,80GiB", "--budget-bytes", "100"], "--budget-bytes is one budget"),
+])
+def test_bad_lists_are_one_line(llama_folder, capsys, flags, words):
+    from hf_accum.cli import main
+
+    model = [] if flags[0] == "--seq-len" else ["--model", llama_folder]
+    assert main(["probe", *model, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1
+
+
+def test_a_seq_len_that_is_not_a_list_of_integers_is_a_usage_error(capsys):
+    from hf_accum.cli import main
+
+    assert main(["probe", "--estimate", "--seq-len", "64,x"]) == 2
+    assert "--seq-len: '64,x': give an integer or a comma list such as 512,2048,8192" in capsys.readouterr().err
+
+
+# --- once est41b's `quantization=` and est41c's `checkpoint_layers=` exist (issue 41 items 2 and 4) -------------
+def test_qlora_table_passes_quantization_nf4(llama_folder, capsys):
+    """--load-in-4bit: each estimate is of an NF4 base with LoRA adapters (needs `quantization=` in the estimate)."""
+    from hf_accum.cli import main
+
+    assert main(["probe", "--estimate", "--model", llama_folder, "--device-memory", ",".join(CARDS),
+                 "--seq-len", "64,512", "--load-in-4bit"]) == 0
+    text = capsys.readouterr().out
+    assert "QLoRA (nf4 base, LoRA r=8)" in text and "| 512 |" in text
+
+
+def test_the_checkpointing_lever_is_estimated_where_micro_batch_1_does_not_fit(llama_folder, tmp_path):
+    """A card too small without checkpointing is read off the estimate with every layer checkpointed (needs
+    `checkpoint_layers=` in the estimate): the lever lowers the peak at micro-batch 1."""
+    kwargs = dict(seq_len=2048, card_bytes=200 * MiB, cap=32, target_batch_size=32, device="cuda", bf16=False,
+                  fraction=0.9, lora_r=None, lora_target_modules=None, fused_loss=None, quantization=None)
+    plain = fits.measure(llama_folder, checkpoint_layers=None, **kwargs)
+    levered = fits.measure(llama_folder, checkpoint_layers="all", **kwargs)
+    assert levered.peaks[1] < plain.peaks[1]
+    cells = plan_cells([plain.peaks[1] - 1], [2048], lambda s, lever: (plain if lever is None else levered).peaks,
+                       fraction=1.0, cap=32)
+    assert cells[0].fits and cells[0].checkpointing == "all"
