@@ -102,6 +102,23 @@ def test_the_grid_uses_the_lever_where_it_is_what_fits():
     assert "checkpointing all layers" in fits.cell_text(cells[0])
 
 
+def test_a_lever_that_fit_nothing_is_not_estimated_again_at_a_longer_sequence():
+    """Full fine-tuning of an 8B model: micro-batch 1 fits no card at 512 without checkpointing, so at 2048 only the
+    lever is estimated; the lever fitting nothing either is still estimated, its peak naming the card that would."""
+    tables = {(512, None): {1: 80 * GiB}, (512, "all"): {1: 76 * GiB},
+              (2048, "all"): {1: 77 * GiB}, (8192, "all"): {1: 100 * GiB}}
+    measure, calls = _recording(tables)
+    cells = plan_cells([80 * GiB, 24 * GiB], [8192, 512, 2048], measure, fraction=0.9, cap=8)
+    assert calls == [(512, None), (512, "all"), (2048, "all"), (8192, "all")]
+    assert [(c.seq_len, c.card_bytes // GiB, fits.cell_text(c)) for c in cells] == [
+        (512, 24, "does not fit (96 GiB would)"),  # 96 GiB holds micro-batch 1 without the lever: fewest levers
+        (512, 80, "does not fit (96 GiB would)"),
+        (2048, 24, "does not fit (96 GiB would, checkpointing all)"),
+        (2048, 80, "does not fit (96 GiB would, checkpointing all)"),
+        (8192, 24, "does not fit (141 GiB would, checkpointing all)"),
+        (8192, 80, "does not fit (141 GiB would, checkpointing all)")]
+
+
 def test_the_grid_without_levers_tries_none():
     measure, calls = _recording({(512, None): {1: 30 * GiB}})
     cells = plan_cells([8 * GiB], [512], measure, fraction=0.9, cap=8, levers=(None,))

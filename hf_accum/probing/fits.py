@@ -106,15 +106,25 @@ def _label(lever: str | int | None) -> str:
 def plan_cells(cards: Sequence[int], seq_lens: Sequence[int], measure: Callable[[int, str | None], dict[int, int]],
                *, fraction: float, cap: int, levers: Sequence[str | None] = LEVERS) -> list[Cell]:
     """The grid: per sequence length, ``measure(seq_len, lever)`` (peaks by micro-batch, for the largest card) is
-    called for no checkpointing, then, only where some card fits not even micro-batch 1, for the next lever."""
+    called for no checkpointing, then, only where some card fits not even micro-batch 1, for the next lever.
+
+    A lever whose micro-batch 1 did not fit the largest card at a shorter sequence is not estimated again at a longer
+    one (a longer sequence never needs less), unless it is the last lever left: its peak names the smallest card."""
     cells = []
-    for seq in seq_lens:
-        peaks_by_lever: dict[str | None, dict[int, int]] = {}
-        for card in cards:
+    largest_budget = int(fraction * max(cards))
+    too_long: dict[str | int | None, int] = {}  # lever -> the shortest sequence at which micro-batch 1 did not fit
+    for seq in sorted(seq_lens):
+        peaks_by_lever: dict[str | int | None, dict[int, int]] = {}
+        for card in sorted(cards):
             budget = int(fraction * card)
-            for lever in levers:
+            for i, lever in enumerate(levers):
                 if lever not in peaks_by_lever:
+                    if lever in too_long and seq > too_long[lever] and i < len(levers) - 1:
+                        peaks_by_lever[lever] = {}
+                        continue
                     peaks_by_lever[lever] = measure(seq, lever)
+                    if peaks_by_lever[lever].get(1, largest_budget + 1) > largest_budget:
+                        too_long.setdefault(lever, seq)
                 peaks = peaks_by_lever[lever]
                 micro = largest_fit(peaks, budget, cap)
                 if micro:
@@ -129,7 +139,7 @@ def plan_cells(cards: Sequence[int], seq_lens: Sequence[int], measure: Callable[
 def _smallest_card_and_lever(peaks_by_lever, levers, fraction) -> tuple[int | None, str | None]:
     """The smallest standard card any lever fits micro-batch 1 on, and the first lever (fewest) that does."""
     found = [(smallest_card(peaks.get(1), fraction), levers.index(lever), lever)
-             for lever, peaks in peaks_by_lever.items()]
+             for lever, peaks in peaks_by_lever.items() if peaks]
     found = [f for f in found if f[0] is not None]
     if not found:
         return None, None
