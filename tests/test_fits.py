@@ -247,14 +247,33 @@ def test_qlora_table_passes_quantization_nf4(llama_folder, capsys):
     assert "QLoRA (nf4 base, LoRA r=8)" in text and "| 512 |" in text
 
 
-def test_the_checkpointing_lever_is_estimated_where_micro_batch_1_does_not_fit(llama_folder, tmp_path):
+@pytest.fixture(scope="module")
+def deep_folder(tmp_path_factory):
+    """Eight layers: checkpointing them saves more than their recomputation costs at seq 2048."""
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("deep")
+    LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096).save_pretrained(folder)
+    return str(folder)
+
+
+def test_the_checkpointing_lever_is_estimated_where_micro_batch_1_does_not_fit(deep_folder, tmp_path, capsys):
     """A card too small without checkpointing is read off the estimate with every layer checkpointed (needs
-    `checkpoint_layers=` in the estimate): the lever lowers the peak at micro-batch 1."""
+    `checkpoint_layers=` in the estimate): 242 MiB at micro-batch 1 without it, 95 MiB with it (merged tree)."""
+    from hf_accum.cli import main
+
     kwargs = dict(seq_len=2048, card_bytes=200 * MiB, cap=32, target_batch_size=32, device="cuda", bf16=False,
                   fraction=0.9, lora_r=None, lora_target_modules=None, fused_loss=None, quantization=None)
-    plain = fits.measure(llama_folder, checkpoint_layers=None, **kwargs)
-    levered = fits.measure(llama_folder, checkpoint_layers="all", **kwargs)
-    assert levered.peaks[1] < plain.peaks[1]
-    cells = plan_cells([plain.peaks[1] - 1], [2048], lambda s, lever: (plain if lever is None else levered).peaks,
-                       fraction=1.0, cap=32)
-    assert cells[0].fits and cells[0].checkpointing == "all"
+    plain = fits.measure(deep_folder, checkpoint_layers=None, **kwargs)
+    levered = fits.measure(deep_folder, checkpoint_layers="all", **kwargs)
+    assert levered.peaks[1] < 0.9 * 200 * MiB < plain.peaks[1]
+    out = tmp_path / "fits.json"
+    assert main(["probe", "--estimate", "--model", deep_folder, "--device-memory", "100MiB,200MiB,400MiB",
+                 "--seq-len", "512,2048", "--json", str(out)]) == 0
+    cells = {(c["card_bytes"] // MiB, c["seq_len"]): c for c in json.loads(out.read_text())["cells"]}
+    assert (cells[200, 2048]["checkpointing"], cells[200, 2048]["micro_batch"]) == (
+        "all", largest_fit(levered.peaks, int(0.9 * 200 * MiB), 32))
+    assert cells[400, 2048]["checkpointing"] == "none"  # 360 MiB holds micro-batch 1 without the lever
+    assert cells[100, 512]["checkpointing"] == "none"
+    assert "checkpointing all layers" in capsys.readouterr().out

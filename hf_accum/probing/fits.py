@@ -239,7 +239,7 @@ def run(args: Any, say=print) -> int:
     say(f"what fits where: {args.model}, {what}, {'bf16 autocast' if args.bf16 else 'no autocast'}, weights "
         f"{paper.weights_dtype(config)}, for {device} (fake tensors: nothing loaded); budget {fraction:g} of each "
         f"card; micro-batch up to {cap}")
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     losses: list[str] = []
 
     def one(seq: int, lever):
@@ -254,7 +254,7 @@ def run(args: Any, say=print) -> int:
         return out.peaks
 
     cells = plan_cells(cards, seq_lens, one, fraction=fraction, cap=cap, levers=levers)
-    seconds = time.perf_counter() - began
+    seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - cpu
     say("")
     say(table(cells, cards, seq_lens))
     say("")
@@ -265,11 +265,11 @@ def run(args: Any, say=print) -> int:
     assumptions = paper.CUDA_ASSUMPTIONS if device == "cuda" else ()
     for line in assumptions:
         say(f"assumed: {line}")
-    say(f"estimated in {seconds:.0f} s")
+    say(f"estimated in {seconds:.0f} s ({cpu_seconds:.0f} s of CPU time)")
     if args.json:
         settings = {"model": args.model, "training": what, "device": device, "bf16": args.bf16,
                     "budget_fraction": fraction, "max_micro_batch": cap, "card_bytes": cards, "seq_lens": seq_lens,
-                    "loss": loss, "assumptions": list(assumptions), "seconds": round(seconds, 1)}
+                    "loss": loss, "assumptions": list(assumptions), "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1)}
         with open(args.json, "w") as f:
             json.dump(to_json(cells, settings), f, indent=2)
         say(f"wrote {args.json}")
