@@ -87,8 +87,11 @@ def test_the_grid_checkpoints_only_where_micro_batch_1_does_not_fit_and_names_th
     assert (by[512, 48].micro_batch, by[512, 48].capped) == (4, True)
     # seq 8192: 36 GiB at 1 row without checkpointing; with every layer checkpointed 22 GiB (24 GiB: no) ...
     assert not by[8192, 24].fits and (by[8192, 24].smallest_card_gib, by[8192, 24].needs) == (40, "none")
-    # ... 48 GiB: 1 row without checkpointing fits, so no lever is needed there
-    assert (by[8192, 48].micro_batch, by[8192, 48].checkpointing) == (1, "none")
+    # ... 48 GiB: 1 row without checkpointing fits, so no lever is needed there; the lever, estimated for 24 GiB
+    # anyway, fits 4 (the cap) and the cell says so
+    assert (by[8192, 48].micro_batch, by[8192, 48].checkpointing, by[8192, 48].more) == (1, "none", (4, "all", True))
+    assert fits.cell_text(by[8192, 48]) == "1 (4+ checkpointing all layers)"
+    assert by[512, 24].more is None  # the lever was not estimated at 512: nothing is claimed for it
     assert calls == [(512, None), (8192, None), (8192, "all")]  # each at most once, the lever only where needed
 
 
@@ -130,6 +133,7 @@ def test_the_grid_without_levers_tries_none():
     (Cell(24 * GiB, 512, 3, "none"), "3"),
     (Cell(24 * GiB, 512, 32, "none", capped=True), "32+"),
     (Cell(24 * GiB, 512, 2, "all"), "2, checkpointing all layers"),
+    (Cell(24 * GiB, 512, 1, "none", more=(5, "all", False)), "1 (5 checkpointing all layers)"),
     (Cell(24 * GiB, 512, 0, None, smallest_card_gib=80, needs="none"), "does not fit (80 GiB would)"),
     (Cell(24 * GiB, 512, 0, None, smallest_card_gib=40, needs="all"),
      "does not fit (40 GiB would, checkpointing all)"),
@@ -183,6 +187,7 @@ def test_the_table_is_each_cards_own_estimate(llama_folder, tmp_path, capsys, lo
     assert "assumed: loss:" in text and "estimated in" in text
     data = json.loads(out.read_text())
     assert data["device"] == "cuda" and data["max_micro_batch"] == 32
+    assert sorted(data["peaks"]) == ["2048/none", "512/none", "64/none"]  # one estimate per sequence length
     got = {(c["card_bytes"], c["seq_len"]): c["micro_batch"] for c in data["cells"]}
     assert len(got) == 9 and all(c["checkpointing"] in ("none", None) for c in data["cells"])
     assert len(set(got.values())) >= 4  # the grid discriminates: not one answer everywhere

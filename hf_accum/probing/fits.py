@@ -93,6 +93,7 @@ class Cell:
     peak_bytes: int | None = None
     smallest_card_gib: int | None = None
     needs: str | None = None
+    more: tuple[int, str, bool] | None = None  # (micro-batch, checkpointing, capped): a lever estimated anyway
 
     @property
     def fits(self) -> bool:
@@ -128,12 +129,24 @@ def plan_cells(cards: Sequence[int], seq_lens: Sequence[int], measure: Callable[
                 peaks = peaks_by_lever[lever]
                 micro = largest_fit(peaks, budget, cap)
                 if micro:
-                    cells.append(Cell(card, seq, micro, _label(lever), micro == cap, peak_at(peaks, micro)))
+                    cells.append(Cell(card, seq, micro, _label(lever), micro == cap, peak_at(peaks, micro),
+                                      more=_more(peaks_by_lever, levers[i + 1:], budget, cap, micro)))
                     break
             else:
                 card_gib, lever = _smallest_card_and_lever(peaks_by_lever, levers, fraction)
                 cells.append(Cell(card, seq, 0, None, smallest_card_gib=card_gib, needs=lever))
     return cells
+
+
+def _more(peaks_by_lever, later, budget: int, cap: int, micro: int) -> tuple[int, str, bool] | None:
+    """A later lever's larger fit on this card, where that lever was estimated for this sequence anyway (for a
+    smaller card): never an estimate of its own."""
+    for lever in later:
+        peaks = peaks_by_lever.get(lever)
+        more = largest_fit(peaks, budget, cap) if peaks else 0
+        if more > micro:
+            return more, _label(lever), more == cap
+    return None
 
 
 def _smallest_card_and_lever(peaks_by_lever, levers, fraction) -> tuple[int | None, str | None]:
@@ -156,7 +169,9 @@ def card_name(nbytes: int) -> str:
 def cell_text(cell: Cell) -> str:
     if cell.fits:
         checkpointing = "" if cell.checkpointing == "none" else f", checkpointing {cell.checkpointing} layers"
-        return f"{cell.micro_batch}{'+' if cell.capped else ''}{checkpointing}"
+        more = ("" if cell.more is None else
+                f" ({cell.more[0]}{'+' if cell.more[2] else ''} checkpointing {cell.more[1]} layers)")
+        return f"{cell.micro_batch}{'+' if cell.capped else ''}{checkpointing}{more}"
     if cell.smallest_card_gib is None:
         return f"does not fit (none up to {STANDARD_CARDS_GIB[-1]} GiB)"
     how = "" if cell.needs == "none" else f", checkpointing {cell.needs}"
@@ -241,6 +256,7 @@ def run(args: Any, say=print) -> int:
         f"card; micro-batch up to {cap}")
     began, cpu = time.perf_counter(), time.process_time()
     losses: list[str] = []
+    measured: dict[str, dict[str, int]] = {}  # "seq/checkpointing" -> the peaks estimated (for the JSON)
 
     def one(seq: int, lever):
         t0 = time.perf_counter()
@@ -249,6 +265,7 @@ def run(args: Any, say=print) -> int:
                       lora_target_modules=args.lora_target_modules, fused_loss=args.fused_loss,
                       quantization=quantization, checkpoint_layers=lever)
         losses.extend([out.loss] if out.loss else [])
+        measured[f"{seq}/{_label(lever)}"] = {str(m): v for m, v in sorted(out.peaks.items())}
         say(f"  seq {seq}, checkpointing {_label(lever)}: {len(out.peaks)} sizes estimated for the {card_name(cards[-1])}"
             f" card ({time.perf_counter() - t0:.0f} s)")
         return out.peaks
@@ -269,7 +286,8 @@ def run(args: Any, say=print) -> int:
     if args.json:
         settings = {"model": args.model, "training": what, "device": device, "bf16": args.bf16,
                     "budget_fraction": fraction, "max_micro_batch": cap, "card_bytes": cards, "seq_lens": seq_lens,
-                    "loss": loss, "assumptions": list(assumptions), "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1)}
+                    "loss": loss, "assumptions": list(assumptions), "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
+                    "peaks": measured}
         with open(args.json, "w") as f:
             json.dump(to_json(cells, settings), f, indent=2)
         say(f"wrote {args.json}")
