@@ -95,7 +95,9 @@ def _seq_lens(text: str) -> int | list[int]:
     try:
         values = [int(item) for item in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give an integer or a comma list such as 512,2048,8192") from None
+        raise argparse.ArgumentTypeError(  # one value: argparse's own words for an int flag, as before lists
+            f"{text!r}: give an integer or a comma list such as 512,2048,8192" if "," in text
+            else f"invalid int value: {text!r}") from None
     return values[0] if len(values) == 1 else values
 
 
@@ -252,14 +254,16 @@ def _estimate(args: argparse.Namespace) -> int:
 
     why = command.refusal(args)
     try:
+        if args.device_memory:  # each size checked first, as ever: a bad one is the line, whatever else
+            for size in args.device_memory.split(","):
+                if size.strip():
+                    command.parse_size(size)
         if why is not None:
             raise ValueError(why)
         if _is_grid(args):
             from .probing import fits
 
             return fits.run(args)
-        if args.device_memory:
-            command.parse_size(args.device_memory)
         return command.run(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
