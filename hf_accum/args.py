@@ -12,13 +12,19 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .arg_checks import (
+    DEFAULT_MAX_NONFINITE_STEPS,
+    check_intervals,
+    is_number,
+    parse_nonfinite_limit,
+    require_bool,
+    require_positive,
+    suggest_accumulation,
+)
 from .kernels import liger
 from .levers.checkpointing import parse_layers
 from .loss import NORMALIZATIONS
 from .settings import Settings, field_default
-
-DEFAULT_MAX_NONFINITE_STEPS = 3  # max_nonfinite_steps="auto" where hf_accum takes the optimizer step
-
 
 # transformers 5.17 declares `gradient_checkpointing: bool = False`, so an explicit False cannot be told from the default;
 # 5.24 declares `activation_checkpointing: bool | None = None` (and the old name as its alias, also None). Where the
@@ -240,19 +246,19 @@ class AccumTrainingArguments(TrainingArguments):
         if self.use_liger_kernel:  # now, not in transformers' ImportError after the probe
             liger.refuse_missing_package()
         for name in ("check_accumulation", "auto_tune", "probe_from_estimate"):
-            _require_bool(name, getattr(self, name))
+            require_bool(name, getattr(self, name))
         if not isinstance(self.loss_normalization, str) or self.loss_normalization not in NORMALIZATIONS:
             raise ValueError(
                 f"loss_normalization={self.loss_normalization!r} is not one of {list(NORMALIZATIONS)}. "
                 "Use 'tokens' for language modelling, 'samples' for one target per sample, 'model' to keep "
                 "transformers' behaviour."
             )
-        _require_positive("per_device_train_batch_size", self.per_device_train_batch_size)
-        _require_positive("gradient_accumulation_steps", self.gradient_accumulation_steps)
+        require_positive("per_device_train_batch_size", self.per_device_train_batch_size)
+        require_positive("gradient_accumulation_steps", self.gradient_accumulation_steps)
         if self.target_batch_size is not None:
-            _require_positive("target_batch_size", self.target_batch_size)
+            require_positive("target_batch_size", self.target_batch_size)
         if self.check_accumulation_tolerance is not None and not (
-            _is_number(self.check_accumulation_tolerance) and self.check_accumulation_tolerance > 0
+            is_number(self.check_accumulation_tolerance) and self.check_accumulation_tolerance > 0
         ):
             raise ValueError(
                 f"check_accumulation_tolerance={self.check_accumulation_tolerance!r} must be > 0 "
@@ -261,7 +267,7 @@ class AccumTrainingArguments(TrainingArguments):
         self._check_tuner_fields()
         if not isinstance(self.grow_back_steps, int) or isinstance(self.grow_back_steps, bool) or self.grow_back_steps < 0:
             raise ValueError(f"grow_back_steps={self.grow_back_steps!r} must be an integer >= 0 (0: never grow back).")
-        self.max_nonfinite_steps = _parse_nonfinite_limit(self.max_nonfinite_steps)
+        self.max_nonfinite_steps = parse_nonfinite_limit(self.max_nonfinite_steps)
         if isinstance(self.max_steps, int) and (self.max_steps < -1 or self.max_steps == 0):
             # transformers trains num_train_epochs epochs for any max_steps <= 0, without a word
             raise ValueError(
@@ -269,11 +275,11 @@ class AccumTrainingArguments(TrainingArguments):
                 "many optimizer steps, or -1 (the default) to train num_train_epochs epochs."
             )
         self._check_schedule()
-        _check_intervals(self)
+        check_intervals(self)
         if self.micro_batching not in ("samples", "tokens"):
             raise ValueError(f"micro_batching={self.micro_batching!r} must be 'samples' or 'tokens'.")
         if self.max_tokens_per_forward is not None:
-            _require_positive("max_tokens_per_forward", self.max_tokens_per_forward)
+            require_positive("max_tokens_per_forward", self.max_tokens_per_forward)
         if self.micro_batching == "tokens" and not self.tunes and self.max_tokens_per_forward is None:
             raise ValueError("micro_batching='tokens' needs a token budget: set target_batch_size (the probe measures "
                              "it) or, with auto_tune off, max_tokens_per_forward.")
@@ -293,11 +299,11 @@ class AccumTrainingArguments(TrainingArguments):
 
     def _check_schedule(self) -> None:
         """Values transformers accepts and then trains nothing with, or torch refuses after the model is built."""
-        if self.max_steps == -1 and _is_number(self.num_train_epochs) and self.num_train_epochs <= 0:
+        if self.max_steps == -1 and is_number(self.num_train_epochs) and self.num_train_epochs <= 0:
             raise ValueError(f"num_train_epochs={self.num_train_epochs} with max_steps=-1 trains nothing (0 optimizer "
                              "steps, an untrained model saved): set num_train_epochs > 0, or max_steps=N.")
-        if not (_is_number(self.learning_rate) and math.isfinite(self.learning_rate)) or self.learning_rate < 0:
-            what = "is negative" if _is_number(self.learning_rate) and self.learning_rate < 0 else \
+        if not (is_number(self.learning_rate) and math.isfinite(self.learning_rate)) or self.learning_rate < 0:
+            what = "is negative" if is_number(self.learning_rate) and self.learning_rate < 0 else \
                 "is not a finite number"
             raise ValueError(f"learning_rate={self.learning_rate!r} {what}: set a positive learning_rate, e.g. 2e-4.")
 
@@ -342,17 +348,17 @@ class AccumTrainingArguments(TrainingArguments):
         return self.auto_tune and self.target_batch_size is not None
 
     def _check_tuner_fields(self) -> None:
-        if not (_is_number(self.memory_budget) and 0 < self.memory_budget <= 1):
+        if not (is_number(self.memory_budget) and 0 < self.memory_budget <= 1):
             raise ValueError(
                 f"memory_budget={self.memory_budget!r} must be a fraction in (0, 1] of the memory this process can "
                 "use when training starts (e.g. 0.9); for an absolute budget set memory_budget_bytes."
             )
         if self.memory_budget_bytes is not None:
-            _require_positive("memory_budget_bytes", self.memory_budget_bytes)
+            require_positive("memory_budget_bytes", self.memory_budget_bytes)
         if self.probe_seq_len is not None:
-            _require_positive("probe_seq_len", self.probe_seq_len)
+            require_positive("probe_seq_len", self.probe_seq_len)
         if self.probe_max_micro_batch is not None:
-            _require_positive("probe_max_micro_batch", self.probe_max_micro_batch)
+            require_positive("probe_max_micro_batch", self.probe_max_micro_batch)
         if not isinstance(self.auto_tune_optimize, str) or self.auto_tune_optimize not in ("memory", "throughput"):
             raise ValueError(f"auto_tune_optimize={self.auto_tune_optimize!r} must be 'memory' or 'throughput'.")
 
@@ -431,86 +437,3 @@ class AccumTrainingArguments(TrainingArguments):
     def effective_batch_size(self) -> int:
         """Samples per optimizer step over all ranks, as configured now."""
         return Settings(self).given_batch()
-
-
-def _parse_nonfinite_limit(value):
-    """``max_nonfinite_steps`` as given in Python, YAML or on the command line (where HfArgumentParser passes a
-    string): "auto", None or an integer >= 0."""
-    if isinstance(value, str) and value.strip().lower() in ("none", "null"):
-        return None
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
-    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        return value
-    raise ValueError(f"max_nonfinite_steps={value!r} must be 'auto' (the engine's default), an integer >= 0 (0: stop "
-                     "at the first non-finite loss) or None (no check).")
-
-
-def resolve_nonfinite_limit(value, engine_steps_in_backward: bool) -> tuple[int | None, str | None]:
-    """The limit a run uses and, for "auto", the one line saying what non-finite losses do on this engine. A number
-    set explicitly where the engine steps inside backward (DeepSpeed) is refused: hf_accum could not drop the
-    window's gradients before the step."""
-    if value == "auto" and engine_steps_in_backward:
-        return None, ("hf_accum: max_nonfinite_steps is off under DeepSpeed (its engine steps the optimizer inside "
-                      "backward, before hf_accum could drop a window's gradients): a non-finite loss is left to "
-                      "DeepSpeed's optimizer, whose overflow check skips the step or not depending on its precision "
-                      "and config; watch the logged loss.")
-    if value == "auto":
-        return DEFAULT_MAX_NONFINITE_STEPS, (
-            f"hf_accum: a window with a non-finite loss is skipped (its gradients dropped); more than "
-            f"{DEFAULT_MAX_NONFINITE_STEPS} in a row stop training with a checkpoint (max_nonfinite_steps).")
-    if value is not None and engine_steps_in_backward:
-        raise ValueError(
-            f"max_nonfinite_steps={value} is set, but DeepSpeed steps the optimizer inside backward, before hf_accum "
-            "could drop a non-finite window's gradients. Leave max_nonfinite_steps unset ('auto': off under "
-            "DeepSpeed) or set it to None."
-        )
-    return value, None
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _require_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} must be True or False.")
-
-
-# Step intervals transformers takes as a count (>= 1) or a ratio of the run's steps (< 1); a negative one passes its
-# checks and then saves, evaluates or logs never or at every step, without a word.
-INTERVALS = ("save_steps", "eval_steps", "logging_steps")
-INTERVAL_FIX = "give a number of optimizer steps (e.g. {name}=500), or a ratio of the run's steps in (0, 1)"
-SAVE_TOTAL_LIMIT_FIX = "give how many checkpoints to keep (e.g. save_total_limit=2), or leave it unset to keep all"
-
-
-def _check_intervals(args) -> None:
-    for name in INTERVALS:
-        value = getattr(args, name)
-        if _is_number(value) and value < 0:
-            raise ValueError(f"{name}={value!r} is negative: {INTERVAL_FIX.format(name=name)}.")
-    if _is_number(args.save_total_limit) and args.save_total_limit < 0:
-        raise ValueError(f"save_total_limit={args.save_total_limit!r} is negative: {SAVE_TOTAL_LIMIT_FIX}.")
-
-
-def _require_positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer.")
-
-
-def suggest_accumulation(target: int, micro: int, world: int) -> str:
-    """The sentence telling the user which setting makes micro x accumulation x world equal the target."""
-    if target % (micro * world) == 0:
-        return f"Set gradient_accumulation_steps={target // (micro * world)}."
-    per_rank = target // world if target % world == 0 else None
-    if per_rank is None:
-        return f"target_batch_size must be a multiple of the world size {world}."
-    return (
-        f"{target} is not a multiple of per_device_train_batch_size x world size = {micro * world}; "
-        f"pick a per_device_train_batch_size that divides {per_rank} (e.g. {_largest_divisor_le(per_rank, micro)}) "
-        "and set gradient_accumulation_steps accordingly."
-    )
-
-
-def _largest_divisor_le(n: int, cap: int) -> int:
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)

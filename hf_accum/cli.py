@@ -80,7 +80,9 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimize", choices=["memory", "throughput"], default="memory")
     p.add_argument("--json", default=None, help="write the measurements and plan to this JSON file")
     e = p.add_argument_group("estimate (no weights loaded: the model from its config, on fake tensors)")
-    e.add_argument("--estimate", action="store_true", help="plan without loading the model or using a device")
+    e.add_argument("--estimate", action="store_true",
+                   help="plan without loading the model or using a device: a bare --model, or RECIPE with its "
+                        "overrides (what `hf-accum train RECIPE` trains; the plan line marked 'estimated')")
     e.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="the device to estimate for (default: this machine's, cuda where torch sees one)")
     e.add_argument("--device-memory", default=None, metavar="SIZE[,SIZE...]",

@@ -10,7 +10,7 @@ import weakref
 from transformers import Trainer, TrainerCallback
 
 from . import levers, lora_targets
-from .args import resolve_nonfinite_limit
+from .arg_checks import resolve_nonfinite_limit
 from .compat import bitsandbytes_cpu
 from .settings import Settings
 

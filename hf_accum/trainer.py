@@ -14,27 +14,27 @@ pieces, each calling `super()`:
 - `train` checks, has the planner plan (probe, stored or given plan), optionally checks accumulation, then calls
   `super().train()`; what a stopped run says is in `stopping.py`, what is refused at construction in
   `construction.py`;
-- `evaluation_loop` / `prediction_step` hand each evaluation batch to `evaluation.EvalLoss` (an exact eval_loss in
-  training's unit, and OOM re-runs of the failed batch alone); `evaluate` first has the planner measure the eval
-  batch once (`auto_eval_batch_size`, planning/eval_batch.py).
+- after each optimizer step, at each checkpoint and in the first log entry: `step_hooks.StepHooks`;
+- in evaluation: `eval_hooks.EvaluationHooks` (an exact eval_loss in training's unit, OOM re-runs of the failed
+  batch alone, the eval batch measured once).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-import logging
 import os
 import weakref
 
 from transformers import Trainer
 
-from . import accumulation_check, construction, engines, evaluation, finite_grads, levers, scaled_loss, stopping
+from . import accumulation_check, construction, engines, finite_grads, levers, scaled_loss, stopping
 from .accumulation_check import AccumulationCheck, run_accumulation_check
 from .adapter import NO_ADAPTER
 from .args import AccumTrainingArguments
 from .checkpoints import check_resume
 from .compat import trainer_internals, trl_internals
+from .eval_hooks import EvaluationHooks
 from .evaluation import EvalLoss
 from .fused_loss import with_fused_loss
 from .loss import LabelSpec, label_spec
@@ -45,13 +45,12 @@ from .preemption import StopRequest
 from .preflight import check_output_dir_writable, check_training_data
 from .protocol import Local, StopTraining, TorchDistributed, WindowProtocol
 from .settings import Settings
+from .step_hooks import StepHooks
 from .units import detect_unit, make_cutter
 from .window import WindowEngine
 
-logger = logging.getLogger(__name__)
 
-
-class AccumulationMixin:
+class AccumulationMixin(StepHooks, EvaluationHooks):
     """The overrides, as a mixin so other `Trainer` subclasses get them too (e.g. TRL's `SFTTrainer`:
     `class AccumSFTTrainer(AccumulationMixin, SFTTrainer)`). Must come before the Trainer class in the bases.
 
@@ -107,73 +106,6 @@ class AccumulationMixin:
         self._window_ended = False  # a window ran since `_after_step` last acted
         self._figures_logged = False  # the plan's figures went with this run's first log entry
         self._check_figures: dict[str, float] = {}  # check_accumulation's figure, for the same entry
-
-    # --- after each optimizer step, at each checkpoint, in the first log entry ---------------------------------
-    def _maybe_log_save_evaluate(self, *args, **kwargs):
-        # The Trainer's loop calls this right after the callbacks' on_step_end (and again at an epoch's end): the
-        # step control acts once per optimizer step whose window ran, before the Trainer logs and saves.
-        if self._controls_steps and self._window_ended:
-            self._window_ended = False
-            self._after_step()
-        return super()._maybe_log_save_evaluate(*args, **kwargs)
-
-    def _after_step(self) -> None:
-        """Ends the Trainer's loop, with a checkpoint, after a step the ranks agreed to stop at (a signal) or after
-        too many non-finite steps in a row; then tells the planner the step ended and whether an OOM re-ran its
-        window (growing back a lowered plan: `Planner.step_ended`)."""
-        outcome = self._engine.outcome
-        if not outcome.skip:
-            self._nonfinite_streak = 0
-        limit = self._nonfinite_limit
-        if outcome.stop or (limit is not None and self._nonfinite_streak > limit):
-            self.control.should_save = True
-            self.control.should_training_stop = True
-        self._planner.step_ended(outcome.reran)
-
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self._plans_in_checkpoints:  # each checkpoint carries the plan in force: a resume knows its target
-            self._save_plan_with_checkpoint()
-
-    def _save_plan_with_checkpoint(self) -> None:
-        planner, args = self._planner, self.args
-        plan = None if planner.plan_given else planner.plan  # a recorded given plan: as before, from the args
-        if plan is None and self.settings.target_batch_size:
-            plan = planner.given_plan()
-        folder = os.path.join(args.output_dir, f"checkpoint-{self.state.global_step}")
-        if plan is not None and args.should_save and os.path.isdir(folder):
-            planner.save(folder, probe=False, plan=plan, figures=self._first_entry_figures())
-
-    def _first_entry_figures(self) -> dict[str, float]:
-        """What this run's first log entry carries: a resumed run's, the stored ones of the run that wrote its
-        checkpoint (its history may hold no entry yet: the uninterrupted run's first entry had those, not the
-        resumed run's plan_reused, budget or check); a fresh run's, the plan's and `check_accumulation`'s."""
-        if self._planner.resumed_figures is not None:
-            return self._planner.resumed_figures
-        return {**(self._planner.figures or {}), **self._check_figures}
-
-    def log(self, logs, *args, **kwargs):
-        """The plan's figures (`hf_accum/...`) go with the first entry a run logs, whatever it is (a training loss,
-        an evaluation, the run's summary): no entry of their own, so `log_history[i]` and the `on_log` events are
-        the Trainer's. A resumed run's history is its checkpoint's, which holds them already, or is empty (saved
-        before the first entry): then the stored figures of the run that wrote it go with it
-        (`_first_entry_figures`); its own plan is in `trainer.plan` and the plan file. Recorded for `report_to`,
-        not printed (the plan line said them). `check_accumulation`'s figure goes with them (its line said it)."""
-        figures = self._first_entry_figures()
-        if self._figures_logged or not figures or not self.is_in_train:
-            return super().log(logs, *args, **kwargs)
-        self._figures_logged = True
-        if self.state.log_history:  # resumed
-            return super().log(logs, *args, **kwargs)
-        merged = {**logs, **figures}
-        with trainer_internals.printers_without(self, figures):
-            returned = super().log(merged, *args, **kwargs)
-        # what the Trainer (and TRL) add to or take from the caller's dict, as without the figures (TRL's eval
-        # metrics reach the dict `evaluate()` returns this way)
-        for key in [k for k in logs if k not in merged]:
-            del logs[key]
-        logs.update({k: v for k, v in merged.items() if k not in figures})
-        return returned
 
     @property
     def plan(self) -> Plan | None:
@@ -250,14 +182,6 @@ class AccumulationMixin:
             trainer_internals.add_input_tokens_seen(self, self._forwarded_tokens)
         else:
             super()._track_num_input_tokens(inputs)
-
-    def _skip_step(self, model) -> None:
-        """A non-finite window loss on some rank: every rank drops the window's gradients (None, not zero: zero
-        gradients still move AdamW's moments and weights); `_after_step` stops after too many in a row."""
-        model.zero_grad(set_to_none=True)
-        self._nonfinite_streak += 1
-        logger.warning("hf_accum: the loss or gradients of the window of optimizer step %d are not finite; that step "
-                       "is skipped (gradients dropped; %d in a row)", self.state.global_step + 1, self._nonfinite_streak)
 
     def _gradients_finite(self):
         return finite_grads.gradients_finite(self.model.parameters())
@@ -401,41 +325,6 @@ class AccumulationMixin:
             tolerance = self.settings.check_accumulation_tolerance
         return run_accumulation_check(self, num_micro_batches=num_micro_batches, tolerance=tolerance)
 
-    # --- evaluation: an exact eval_loss, OOM re-runs of the failed batch alone (evaluation.py) ---------------------
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
-        if not self._adapter.exact_eval:
-            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                           metric_key_prefix)
-        self._eval_loss = evaluation.eval_loss_for(self)
-        try:
-            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                             metric_key_prefix)
-        finally:
-            tally, self._eval_loss = self._eval_loss, None
-        self._eval_cap = tally.cap
-        tally.finish(output.metrics, metric_key_prefix, self._collective())
-        return output
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        step = super().prediction_step
-        if self._eval_loss is None:  # called outside evaluation_loop
-            return step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        return self._eval_loss.step(lambda batch, loss_only: step(model, batch, loss_only, ignore_keys=ignore_keys),
-                                    inputs, prediction_loss_only)
-
-    def evaluate(self, eval_dataset=None, *args, **kwargs):
-        # Measured on the trainer's own eval set (a TRL trainer prepares a dataset passed here only in its evaluate).
-        if self._adapter.exact_eval and self._planner.wants_eval_batch(self.collectives_in_compute_loss) and self.eval_dataset is not None and (eval_dataset is None
-                                                                            or isinstance(eval_dataset, str)):
-            self._plan_eval_batch(eval_dataset)
-        return super().evaluate(eval_dataset, *args, **kwargs)
-
-    @trl_internals.trl_metrics_kept  # the measuring steps are not evaluation: TRL's eval metrics must not average them
-    def _plan_eval_batch(self, dataset) -> None:
-        """`auto_eval_batch_size`: measured with the Trainer's own prediction_step (`Planner.plan_eval_batch`)."""
-        self._planner.plan_eval_batch(dataset, lambda model, batch, loss_only: super(
-            AccumulationMixin, self).prediction_step(model, batch, loss_only))
 
 
 def _weakly(method):

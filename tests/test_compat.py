@@ -518,8 +518,8 @@ def test_peft_still_reads_the_renamed_checkpointing_property_and_our_wraps_say_n
 
     from peft import LoraConfig, get_peft_model
 
-    from hf_accum.loading import add_lora
     from hf_accum import estimate
+    from hf_accum.loading import add_lora
 
     from .exactness import tiny_llama
 

@@ -65,6 +65,12 @@ def _accelerate_figures(ran, cwd):  # the figures the page quotes are the ones t
     assert "float16 total 14.96 GB training using Adam 59.83 GB" in ran.output
 
 
+def _recipe_on_paper(ran, cwd):
+    assert "seq 16 (the longest of 2000 training examples)" in ran.output, ran.output
+    last = ran.output.strip().splitlines()[-1]
+    assert last.startswith("hf_accum plan: micro 2 × accumulation 8 × world 1 = 16; peak ") and "(estimated)" in last
+
+
 CHECKS = {  # a line of the block -> what its result must show
     "for window in windows(loader, 4):": _loop_losses,
     "trainer = AccumTrainer(model=model, args=args, train_dataset=ds, data_collator=collator)": _trained(3),
@@ -75,6 +81,7 @@ CHECKS = {  # a line of the block -> what its result must show
     "hf-accum probe --estimate --model small --device-memory 40MiB,80MiB,200MiB --seq-len 64,512,2048 --json fits.json":
         _fits_table,
     "total, _ = calculate_maximum_sizes(model)": _accelerate_figures,
+    "hf-accum probe --estimate lora_classification gradient_checkpointing=false": _recipe_on_paper,
 }
 
 

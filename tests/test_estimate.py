@@ -108,8 +108,7 @@ def test_cuda_estimate_on_a_cpu_build_says_its_assumptions(gpt2_folder):
 
 @pytest.mark.parametrize("flags, words", [
     (["--device-memory", "lots"], "--device-memory"),
-    (["--load-in-4bit"], "4-bit"),
-    (["--gradient-checkpointing"], "checkpointing"),
+    (["--gradient-checkpointing", "--checkpoint-layers", "1"], "contradict"),  # checkpointing itself is estimated
 ])
 def test_cli_estimate_refuses_in_one_line(gpt2_folder, capsys, flags, words):
     from hf_accum.cli import main

@@ -145,7 +145,7 @@ def test_the_report_shows_predicted_beside_measured():
 
 @pytest.mark.parametrize("from_estimate", [True, False])
 def test_the_trainer_starts_from_the_estimate_and_the_plan_file_records_it(tmp_path, from_estimate):
-    # checkpoint_layers fixed: with "auto" the level search (probing/levels.py) chooses k and is not seeded
+    # checkpoint_layers fixed: the plain micro-batch search (with "auto" each level is seeded: test_estimate_levels.py)
     import json
 
     from hf_accum import AccumTrainer, AccumTrainingArguments

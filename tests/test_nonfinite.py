@@ -129,7 +129,7 @@ def test_the_default_elsewhere_is_three_and_the_callers_arguments_keep_auto(tmp_
     ("auto", False, 3), ("auto", True, None), (None, False, None), (None, True, None), (0, False, 0), (5, False, 5),
 ])
 def test_resolve_nonfinite_limit(given, engine_steps_in_backward, limit):
-    from hf_accum.args import resolve_nonfinite_limit
+    from hf_accum.arg_checks import resolve_nonfinite_limit
 
     got, line = resolve_nonfinite_limit(given, engine_steps_in_backward)
     assert got == limit and (line is not None) == (given == "auto")
@@ -137,7 +137,7 @@ def test_resolve_nonfinite_limit(given, engine_steps_in_backward, limit):
 
 @pytest.mark.parametrize("given", [0, 4])
 def test_an_explicit_limit_under_deepspeed_is_refused(given):
-    from hf_accum.args import resolve_nonfinite_limit
+    from hf_accum.arg_checks import resolve_nonfinite_limit
 
     with pytest.raises(ValueError, match=f"max_nonfinite_steps={given} is set, but DeepSpeed"):
         resolve_nonfinite_limit(given, True)

@@ -72,3 +72,21 @@ def grpo_prompt_lengths(trainer, prompts: list) -> list[int]:
     """Tokens of each prompt as GRPOTrainer generates from it (`_tokenize_prompts`: its chat template, tools)."""
     prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
     return [len(ids) for ids in prompt_ids]
+
+
+def prepared_dataset(task: str, dataset, tokenizer, args):
+    """``dataset`` tokenized (and truncated, packed) as TRL's SFTTrainer (``task`` "causal_lm") or DPOTrainer ("dpo")
+    prepares its train dataset, without a model: their `_prepare_dataset`, run on a stand-in holding only what it
+    reads of the trainer (the tokenizer; SFT's chat template and completion-only switch, as its __init__ sets them).
+    The estimate reads the longest example from it, as the probe reads it from the trainer's own."""
+    from types import SimpleNamespace
+
+    from trl import DPOTrainer, SFTTrainer
+
+    if task == "dpo":
+        return DPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tokenizer), dataset, tokenizer, args, "train")
+    first = dataset[0]
+    completion_only = (args.completion_only_loss if args.completion_only_loss is not None
+                       else "prompt" in first and "completion" in first)
+    stand_in = SimpleNamespace(_tokenizer=tokenizer, chat_template=None, completion_only_loss=completion_only)
+    return SFTTrainer._prepare_dataset(stand_in, dataset, tokenizer, args, args.packing, None, "train")

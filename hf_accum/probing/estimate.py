@@ -9,6 +9,8 @@ happens rather than by formula.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,11 +18,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..planning.plan import Plan
+from . import paper_pairs
 from .loop import MakeBatch, ProbeResult
 from .paper_meter import PaperMeter, StorageCounter
+from .paper_quantized import quantized_model
 from .probe import make_step_fn, probe_model
+from .reserved import CachingAllocator, expandable_from_env
 
 DEVICES = ("cpu", "cuda")
+TASKS = ("causal_lm", "classification")  # the head and its labels: one per token, or one per sample
 CUDA_GRANULE = 512  # the CUDA caching allocator's smallest block: every allocation is a multiple of it
 
 #: What `--device cuda` assumes of the card, said in every report (the estimate runs on CPU kernels).
@@ -28,10 +34,15 @@ CUDA_ASSUMPTIONS = (
     "attention: SDPA with a fused kernel (flash / memory-efficient: no seq x seq scores kept), as CPU SDPA",
     "bf16: CPU autocast's op lists stand in for CUDA's (weights keep the dtype the config builds them in)",
     "AdamW: the foreach kernels, torch's default on CUDA (their temporaries span all parameters of a dtype)",
-    f"allocator: every block rounded up to {CUDA_GRANULE} bytes; cached, fragmented segments not modelled "
-    "(reserved memory can be a few percent higher)",
     "CUDA context and cuBLAS workspaces not counted: the budget is a fraction of --device-memory",
 )
+
+
+def cuda_assumptions(expandable: bool) -> tuple[str, ...]:
+    """`CUDA_ASSUMPTIONS` and the one line saying how reserved bytes (what the plan fits by) are predicted."""
+    from .reserved import describe
+
+    return (*CUDA_ASSUMPTIONS, describe(expandable))
 
 
 @dataclass
@@ -46,13 +57,31 @@ class Estimate:
     peaks: dict[int, int] = field(default_factory=dict)
     assumptions: tuple[str, ...] = ()
     loss: str = ""  # the loss the estimate assumed: the model's own (full logits) or the fused loss's kernel
+    #: checkpointed layers -> {micro-batch -> predicted peak}: every level the estimate ran (``checkpoint_layers``
+    #: "auto": the level search's anchors and its choice; a pinned level: that one; None: the model as built)
+    level_peaks: dict[int, dict[int, int]] = field(default_factory=dict)
+    checkpointed_layers: int | None = None  # the level ``peaks`` and the plan are at (None: as built)
+    #: how reserved bytes (what a CUDA probe fits by) were predicted: "allocator model" (`reserved.py`), None on CPU
+    reserved: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         from .report import to_json
 
         return {**to_json(self.result, self.plan, self.seq_len), "estimated": True, "estimate_device": self.device,
                 "peaks": {str(k): v for k, v in sorted(self.peaks.items())}, "assumptions": list(self.assumptions),
-                "loss": self.loss}
+                "loss": self.loss, "checkpointed_layers": self.checkpointed_layers, "reserved": self.reserved,
+                "level_peaks": {str(k): {str(m): v for m, v in sorted(p.items())}
+                                for k, p in sorted(self.level_peaks.items())}}
+
+
+def batches(model: torch.nn.Module, seq_len: int, pair_step, task: str = "causal_lm") -> MakeBatch:
+    """The batches of the step: the task's (a causal LM's or a classification head's), or the pairs'
+    (`paper_pairs.py`)."""
+    return batch_for(task)(model, seq_len) if pair_step is None else pair_step.make_batch
+
+
+def forward_of(pair_step):
+    return None if pair_step is None else pair_step.forward
 
 
 def estimate_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
@@ -73,6 +102,22 @@ def estimate_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
     return make_batch
 
 
+def classification_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
+    """`estimate_batch` for a sequence-classification head: one label per sample (as the recipes' padding collator
+    gives it), the same ids and padding mask."""
+    tokens = estimate_batch(model, seq_len)
+    classes = int(model.config.num_labels)
+
+    def make_batch(micro: int) -> dict[str, Any]:
+        return {**tokens(micro), "labels": torch.randint(0, classes, (micro,))}
+
+    return make_batch
+
+
+def batch_for(task: str) -> Callable[[torch.nn.Module, int], MakeBatch]:
+    return classification_batch if task == "classification" else estimate_batch
+
+
 def to_fake(model: torch.nn.Module, device: str = "cpu") -> None:
     """Replace every meta parameter and buffer by a fake tensor on ``device`` (run under the fake mode), keeping
     tied weights tied. Direct assignment, not ``module.to_empty``: ``_apply`` swaps tensors, which fake ones refuse."""
@@ -82,6 +127,7 @@ def to_fake(model: torch.nn.Module, device: str = "cpu") -> None:
             if p is not None:
                 if id(p) not in made:
                     made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+                    made[id(p)].__dict__.update(p.__dict__)  # what a stand-in notes on its weight (paper_quantized)
                 module._parameters[name] = made[id(p)]
         for name, b in module._buffers.items():
             if b is not None:
@@ -91,9 +137,10 @@ def to_fake(model: torch.nn.Module, device: str = "cpu") -> None:
 
 
 @contextlib.contextmanager
-def fake_session(granule: int = 1):
-    """Fake tensors and the counter, for building the model and running its steps (one counter sees both)."""
-    counter = StorageCounter(granule)
+def fake_session(granule: int = 1, allocator: CachingAllocator | None = None):
+    """Fake tensors and the counter, for building the model and running its steps (one counter sees both);
+    ``allocator``: the caching allocator's model the counter replays every storage through (CUDA)."""
+    counter = StorageCounter(granule, allocator)
     with FakeTensorMode(), counter:
         yield counter
 
@@ -114,6 +161,13 @@ def estimate_model(
     also: tuple[int, ...] = (),
     all_peaks: bool = True,
     optimizer: dict[str, Any] | None = None,
+    quantization: str | None = None,
+    pairs: str | None = None,
+    precompute_ref_log_probs: bool = False,
+    quantization_options: dict[str, Any] | None = None,
+    checkpoint_layers: str | int | None = None,
+    levels: Any = None,
+    task: str = "causal_lm",
 ) -> Estimate:
     """Estimate the plan of ``build()`` (a callable returning the model, run under fake tensors so no weights exist).
 
@@ -121,37 +175,138 @@ def estimate_model(
     ``device_memory``: the card's memory in bytes; the budget is ``budget_bytes`` or a fraction of it (0.9).
     ``also``: further micro-batch sizes to predict (a comparison with sizes a real probe measured).
     ``all_peaks=False``: ``peaks`` holds only the sizes the search ran (no further steps: the seed of a real probe).
-    ``optimizer``: AdamW's keywords where they differ from the device's default (e.g. ``{"foreach": True}``)."""
+    ``optimizer``: AdamW's keywords where they differ from the device's default (e.g. ``{"foreach": True}``).
+    ``quantization``: "nf4" or "int8", the base's linear layers as bitsandbytes stores and runs them
+    (`paper_quantized.py`; a LoRA model's adapters become peft's bitsandbytes LoRA layers); NF4 computes in
+    bfloat16 with double quantization (the QLoRA recipe's) unless ``quantization_options`` says otherwise
+    (``compute_dtype``, ``double_quant``; `paper_quantized.quantize`).
+    ``pairs``: "dpo" or "reward", the step of TRL's DPO / reward trainer on preference pairs (`paper_pairs.py`):
+    a micro-batch of m pairs is 2m rows of ``seq_len``; ``precompute_ref_log_probs`` as DPOConfig's (the
+    reference log-probs read from the batch, no reference forward).
+    ``checkpoint_layers``: as `AccumTrainingArguments.checkpoint_layers`: None (the model as built: no
+    checkpointing unless ``build`` sets it), "all" (every decoder layer recomputes), an int k (the first k), or
+    "auto": the probe's level search (`levels.probe_levels`) on paper; with no step times there, its chooser takes
+    the fewest forwards per optimizer step (the largest micro-batch), then the fewest checkpointed layers reaching
+    it. ``level_peaks`` holds each level's peaks (non-reentrant checkpointing, as the trainer and the CLI set it).
+    ``levels``: instead, the level search of another model's lever levels (a `levers.base.Levels` dataclass with a
+    ``model`` field: the ones a trainer's probe searches, e.g. the selective chain), run on the paper model.
+    ``task``: "causal_lm" (a label per token) or "classification" (``build`` gives a sequence-classification head:
+    a label per sample)."""
     if device not in DEVICES:
         raise ValueError(f"device={device!r}: give one of {', '.join(DEVICES)}")
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}: give one of {', '.join(TASKS)}")
     if device_memory <= 0:
         raise ValueError(f"device_memory={device_memory} must be positive, e.g. 80GiB")
     if budget_bytes is None:
         budget_bytes = int((0.9 if budget_fraction is None else budget_fraction) * device_memory)
+    checkpoint_setting(checkpoint_layers)
     autocast = torch.bfloat16 if bf16 else None
     with torch.device("meta"):
-        model = build()
-    loss_line = on_paper(model, device, autocast is not None)
-    with fake_session(CUDA_GRANULE if device == "cuda" else 1) as counter:
+        model = quantized_model(build(), quantization, **(quantization_options or {}))
+        pair_step = paper_pairs.step_for(pairs, model, seq_len, precompute_ref_log_probs=precompute_ref_log_probs,
+                                         reference=lambda: quantized_model(build(), quantization,
+                                                                           **(quantization_options or {})))
+    lever = checkpoint_lever(model, checkpoint_layers) if levels is None else dataclasses.replace(levels, model=model)
+    loss_line = on_paper(model, device, autocast is not None) if pair_step is None else pair_step.loss_line
+    expandable = expandable_from_env()
+    with fake_session(CUDA_GRANULE if device == "cuda" else 1,
+                      CachingAllocator(expandable) if device == "cuda" else None) as counter:
         to_fake(model)
-        meter = PaperMeter(counter, model, device_memory, device)
+        if pair_step is not None and pair_step.reference is not None:
+            to_fake(pair_step.reference)
+        meter = PaperMeter(counter, model, device_memory, device, also_held=paper_pairs.reference_tensors(pair_step))
         try:
             result, plan = probe_model(
                 model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
-                budget_bytes=budget_bytes, make_batch=estimate_batch(model, seq_len), autocast_dtype=autocast,
-                max_micro_batch=max_micro_batch, meter=meter, log=log,
+                budget_bytes=budget_bytes, make_batch=batches(model, seq_len, pair_step, task), autocast_dtype=autocast,
+                max_micro_batch=max_micro_batch, meter=meter, log=log, lever=lever, forward=forward_of(pair_step),
                 optimizer_kwargs={**optimizer_kwargs(device), **(optimizer or {})})
-            peaks = (every_peak(model, meter, seq_len, result.max_micro_batch_size, autocast, also, device)
-                     if all_peaks else dict(sorted(meter.peaks.items())))
+            chosen = None if lever is None else result.extra["checkpointing"]["chosen_k"]
+            level_peaks = _level_peaks(result, lever, chosen)
+            if all_peaks:
+                level_peaks = {k: _at(lever, k, lambda k=k, known=known: every_peak(
+                    model, meter, seq_len, _largest(result, k, chosen), autocast,
+                    also if k == chosen or lever is None else (), device, known, pair_step, task))
+                    for k, known in level_peaks.items()}
+            peaks = dict(sorted(level_peaks.get(chosen, {}).items()))
         finally:
             meter.close()
     for trial in result.trials:  # a step on fake tensors takes no device time: its seconds would mislead
         trial.seconds = None
     result.warmup_seconds = None
     result.extra.update({"estimated": True, "peaks": peaks})
-    assumptions = CUDA_ASSUMPTIONS if device == "cuda" else ()
+    assumptions = cuda_assumptions(expandable) if device == "cuda" else ()
     result.extra["loss"] = loss_line
-    return Estimate(result, plan, seq_len, device, peaks, assumptions, loss_line)
+    level = chosen if lever is not None else checkpointed_now(model)
+    if lever is None:
+        level_peaks = {level: peaks}
+    level_peaks = {k: dict(sorted(p.items())) for k, p in sorted(level_peaks.items())}
+    return Estimate(result, plan, seq_len, device, peaks, assumptions, loss_line, level_peaks, level,
+                    "allocator model" if device == "cuda" else None)
+
+
+CHECKPOINT_KWARGS = {"use_reentrant": False}  # what the trainer's "auto" and the CLI set: the LoRA-safe kind
+
+
+def checkpoint_setting(value: str | int | None) -> None:
+    """ValueError naming ``checkpoint_layers`` and its forms unless ``value`` is one."""
+    if value is None or value in ("auto", "all") or (isinstance(value, int) and not isinstance(value, bool)
+                                                     and value >= 0):
+        return
+    raise ValueError(f"checkpoint_layers={value!r}: give None (no checkpointing), 'auto' (the level search), 'all' "
+                     "or an integer k >= 0 (the first k decoder layers)")
+
+
+def checkpoint_lever(model: torch.nn.Module, value: str | int | None):
+    """The levels the estimate searches ("auto"; None when the model cannot checkpoint), after setting a pinned
+    level ("all", k) on ``model`` as the trainer does; None for no search."""
+    from ..compat import gradient_checkpointing as gc
+    from ..levers.checkpointing import Levels
+
+    if value is None:
+        return None
+    levels = gc.checkpoint_levels(model)
+    if levels == 0:
+        if value in ("auto", 0):
+            return None
+        raise ValueError(f"checkpoint_layers={value!r}, but {type(model).__name__} cannot checkpoint activations: "
+                         "give None")
+    if value == "auto":
+        return Levels(model, levels, CHECKPOINT_KWARGS)
+    k = levels if value == "all" else value
+    if k > levels:
+        raise ValueError(f"checkpoint_layers={value}, but {type(model).__name__} has {levels} checkpointable "
+                         f"layers: give 0..{levels}, 'all' or 'auto'")
+    gc.set_checkpointed_layers(model, k, CHECKPOINT_KWARGS)
+    return None
+
+
+def checkpointed_now(model: torch.nn.Module) -> int:
+    from ..compat import gradient_checkpointing as gc
+
+    return gc.checkpointed_count(model) if gc.checkpoint_levels(model) else 0
+
+
+def _level_peaks(result: ProbeResult, lever, chosen: int | None) -> dict[int, dict[int, int]]:
+    """The peaks the search measured, per level (without a lever: one level, the model's own)."""
+    out: dict[int, dict[int, int]] = {} if lever is None else {chosen: {}}
+    for t in result.trials:
+        if t.peak_bytes is not None:
+            out.setdefault(t.checkpointed_layers if lever is not None else None, {})[t.micro_batch_size] = t.peak_bytes
+    return out if out else {None: {}}
+
+
+def _largest(result: ProbeResult, k: int | None, chosen: int | None) -> int:
+    """The largest micro-batch measured to fit at level ``k`` (the plan's at the chosen one)."""
+    if k == chosen:
+        return result.max_micro_batch_size
+    return max((t.micro_batch_size for t in result.trials if t.fits and t.checkpointed_layers == k), default=0)
+
+
+def _at(lever, k: int | None, fn):
+    with contextlib.nullcontext() if lever is None else lever.at(k):
+        return fn()
 
 
 def on_paper(model: torch.nn.Module, device: str, autocast: bool) -> str:
@@ -173,7 +328,7 @@ def on_paper(model: torch.nn.Module, device: str, autocast: bool) -> str:
 
 
 def estimate_peaks(build, sizes: tuple[int, ...], *, seq_len: int, device: str = "cuda",
-                   bf16: bool = False) -> dict[int, int]:
+                   bf16: bool = False, task: str = "causal_lm") -> dict[int, int]:
     """Only the predicted peaks at ``sizes`` (no search, no plan): one warm-up step, then one step per size, as
     a benchmark measures the real ones."""
     with torch.device("meta"):
@@ -183,7 +338,7 @@ def estimate_peaks(build, sizes: tuple[int, ...], *, seq_len: int, device: str =
         to_fake(model)
         meter = PaperMeter(counter, model, 1, device)
         try:
-            peaks = every_peak(model, meter, seq_len, 0, torch.bfloat16 if bf16 else None, tuple(sizes), device)
+            peaks = every_peak(model, meter, seq_len, 0, torch.bfloat16 if bf16 else None, tuple(sizes), device, task)
             return {m: peaks[m] for m in sizes}
         finally:
             meter.close()
@@ -199,20 +354,22 @@ MEASURE_EVERY_UP_TO = 16  # above this many sizes, the sizes between measured on
 
 
 def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest: int,
-               autocast: torch.dtype | None, also: tuple[int, ...] = (), device: str = "cpu") -> dict[int, int]:
+               autocast: torch.dtype | None, also: tuple[int, ...] = (), device: str = "cpu",
+               known: dict[int, int] | None = None, pair_step=None, task: str = "causal_lm") -> dict[int, int]:
     """The predicted peak at every micro-batch 1 .. largest + 1 (the probe measured only the sizes its search
     proposed). Up to `MEASURE_EVERY_UP_TO` sizes each is run; beyond, 1, 2, the probe's sizes and the last two are
     run and those between are interpolated: a step's memory grows linearly with its rows between the sizes measured
     (the estimates of tests/test_estimate.py differ by the same bytes per row from micro 2 on)."""
     last = max(largest, 0) + 1
-    known = {m: v for m, v in meter.peaks.items() if m <= last}  # the probe's own trials: the same step and size
+    known = {m: v for m, v in (meter.peaks if known is None else known).items() if m <= last}  # the probe's own trials
     wanted = set(range(1, last + 1)) if last <= MEASURE_EVERY_UP_TO else {1, 2, last - 1, last} | set(known)
     wanted |= set(also)
     missing = sorted(m for m in wanted if m not in known and m >= 1)
     if missing:
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, **optimizer_kwargs(device))
-        step = make_step_fn(model, opt, estimate_batch(model, seq_len), autocast_dtype=autocast)
+        step = make_step_fn(model, opt, batches(model, seq_len, pair_step, task), autocast_dtype=autocast,
+                            forward=forward_of(pair_step))
         step(1)  # creates the optimizer state, as the probe's warm-up does
         for micro in missing:
             known[micro] = meter.measure(lambda m=micro: step(m)).peak_bytes

@@ -33,7 +33,8 @@ MAX_VERIFY_STEPS = 3  # verifying steps before the chooser falls back to a measu
 
 
 def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per_rank: int, lever: Any, *,
-                 must_resolve: Sequence[int] = (), log: Log | None = None) -> ProbeResult:
+                 must_resolve: Sequence[int] = (), log: Log | None = None,
+                 seeds: dict[int, int] | None = None) -> ProbeResult:
     """Choose the micro-batch and how many of the ``lever.num_layers`` layers recompute, by measurement.
 
     1. the micro-batch search without checkpointing (k = 0); when the whole per-rank window (or the cap) fits, that
@@ -43,6 +44,8 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
        instrumentation) at the cheapest level's largest fit levels them all (`_levels`);
     4. `levers.CheckpointChooser` proposes the fastest predicted (rows, k); a proposal no measurement covers is
        verified by a real step (at most `MAX_VERIFY_STEPS`, then the best measured point).
+    ``seeds``: position -> an estimate of its largest fit (`seed.py`, the level search on paper): that anchor's
+    micro-batch search starts there (`MicroBatchSearch`'s ``seed``); an anchor without one starts from 1.
     Ranks agree on every measured figure (the most constrained rank's), so all make the same choice. The result's
     ``max_micro_batch_size`` is the chosen rows per forward (0: nothing fits even with every layer checkpointed);
     ``extra["checkpointing"]`` records the levels, the choice and its predicted seconds per optimizer step."""
@@ -54,7 +57,7 @@ def probe_levels(step_fn: StepFn, meter: Meter, budget_bytes: int, cap: int, per
         with lever.at(position):
             results[position] = probe_micro_batches(
                 step_fn, meter, budget_bytes, cap, must_resolve=must_resolve, log=log,
-                warmup=not results or results[0].warmup_seconds is None)
+                warmup=not results or results[0].warmup_seconds is None, seed=(seeds or {}).get(position))
         if agree_max_micro_batch(results[position].max_micro_batch_size) >= cap:
             break
     trials: list[Trial] = []
@@ -122,8 +125,9 @@ def _record(accepted: Choice | None, seconds: float, checked: dict[str, Any] | N
     if accepted is not None:
         record["step_seconds"] = accepted.forwards * seconds if seconds else accepted.predicted_seconds
         record["chosen"] = dataclasses.asdict(accepted)
+        timed = "" if record["step_seconds"] is None else f", ~{record['step_seconds']:.3f} s per optimizer step"
         say(f"chosen: {accepted.micro} rows per forward, {accepted.forwards} forwards, {lever.name} level {accepted.k} of "
-            f"{num_layers} ({_words(lever, accepted.k)}), ~{record['step_seconds'] or 0.0:.3f} s per optimizer step")
+            f"{num_layers} ({_words(lever, accepted.k)}){timed}")
     return record
 
 

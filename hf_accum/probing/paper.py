@@ -42,11 +42,13 @@ def load_config(name: str):
         raise not_loadable("--model", name, exc) from None
 
 
-def config_builder(config):
-    """A callable building the model of ``config`` from the config alone (no weights)."""
-    from transformers import AutoModelForCausalLM
+def config_builder(config, task: str = "causal_lm"):
+    """A callable building the model of ``config`` from the config alone (no weights): its causal-LM head, or with
+    ``task="classification"`` its sequence-classification head (``config.num_labels`` classes)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    return lambda: AutoModelForCausalLM.from_config(config)
+    auto = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
+    return lambda: auto.from_config(config)
 
 
 def weights_dtype(config) -> str:
@@ -78,11 +80,11 @@ def with_fused_loss(build, setting: bool | None):
     return built
 
 
-def with_lora(build, r: int, targets: str | None):
+def with_lora(build, r: int, targets: str | None, task: str = "causal_lm"):
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets.split(",") if targets else "all-linear",
-                      lora_dropout=0.0, task_type="CAUSAL_LM")
+                      lora_dropout=0.0, task_type="SEQ_CLS" if task == "classification" else "CAUSAL_LM")
     return lambda: _wrap(get_peft_model, build(), lora)
 
 
@@ -115,14 +117,11 @@ def machine_memory(device: str, flag: str) -> int:
 
 
 def refusal(args: Any) -> str | None:
-    """The one line refusing what the estimate does not model, None when it can run."""
+    """The one line refusing what the estimate does not model, None when it can run (a recipe: `recipe_paper`)."""
     if args.recipe is not None:
-        return "--estimate works on a bare model (--model); recipes are not estimated yet"
-    if args.load_in_4bit or args.load_in_8bit:
-        return "--estimate does not model quantized (4-bit/8-bit) bases yet; estimate without --load-in-4bit/8bit"
-    if args.gradient_checkpointing or args.checkpoint_layers is not None:
-        return ("--estimate does not model checkpointing yet; drop --gradient-checkpointing and "
-                "--checkpoint-layers")
+        return None  # the bare model's flags are refused with a recipe; what a recipe sets: recipe_paper.settings
+    if args.gradient_checkpointing and args.checkpoint_layers is not None:
+        return ("--checkpoint-layers and --gradient-checkpointing (every layer) contradict each other: give one")
     if args.model == "tiny":  # also what --model tiny gives: the built-in model has no config.json to build from
         return ("--estimate builds the model from its config.json and the built-in tiny model has none: give --model "
                 "a folder holding config.json or a hub id, or probe tiny itself (drop --estimate: it is small)")
@@ -131,23 +130,59 @@ def refusal(args: Any) -> str | None:
     return None
 
 
+def cli_checkpoint_layers(args: Any) -> str | int | None:
+    """``checkpoint_layers`` from --gradient-checkpointing ("all") / --checkpoint-layers (auto or K); None: neither."""
+    from ..levers.checkpointing import parse_layers
+
+    if args.gradient_checkpointing:
+        return "all"
+    if args.checkpoint_layers is None:
+        return None
+    return parse_layers(args.checkpoint_layers, "--checkpoint-layers")
+
+
+def level_lines(est: Estimate) -> list[str]:
+    """Each checkpointing level the estimate ran, its predicted peaks (one line per level); [] without checkpointing."""
+    if est.checkpointed_layers is None or (len(est.level_peaks) == 1 and not est.checkpointed_layers):
+        return []
+    lines = []
+    for k, peaks in est.level_peaks.items():
+        chosen = " (the plan's)" if k == est.checkpointed_layers else ""
+        lines.append(f"checkpointing {k} layers{chosen}: " + ", ".join(f"{m}: {v / 2**20:.1f} MiB"
+                                                                       for m, v in peaks.items()))
+    return lines
+
+
 def run(args: Any, say=print) -> int:
+    import torch
+
     from .estimate import estimate_model
     from .report import summary, table
 
+    if args.recipe is not None:
+        from . import recipe_paper
+
+        return recipe_paper.run(args, say)
     device = args.device or machine_device()
     memory = parse_size(args.device_memory) if args.device_memory else machine_memory(device, "--device-memory")
     config = load_config(args.model)
     build = config_builder(config)
-    if args.lora:
+    if args.lora or args.load_in_4bit or args.load_in_8bit:  # a quantized base trains LoRA, as the probe's
         build = with_lora(build, args.lora_r, args.lora_target_modules)
     build = with_fused_loss(build, args.fused_loss)
+    base = (" (linear layers NF4, bitsandbytes' storage)" if args.load_in_4bit else
+            " (linear layers int8, bitsandbytes' storage)" if args.load_in_8bit else "")
     say(f"estimating {args.model} for {device} with {memory / 2**30:.1f} GiB (fake tensors: nothing loaded; "
-        f"weights {weights_dtype(config)}) ...")
+        f"weights {weights_dtype(config)}{base}) ...")
+    quantization = "nf4" if args.load_in_4bit else "int8" if args.load_in_8bit else None
     est = estimate_model(build, seq_len=args.seq_len, target_batch_size=args.target_batch, device_memory=memory,
                          device=device, world_size=args.world_size, budget_bytes=args.budget_bytes,
                          budget_fraction=args.budget, bf16=args.bf16, max_micro_batch=args.max_micro_batch,
-                         log=lambda msg: say(f"  {msg}"))
+                         log=lambda msg: say(f"  {msg}"), quantization=quantization,
+                         checkpoint_layers=cli_checkpoint_layers(args),
+                         # the probe's --load-in-4bit: NF4 without double quantization, computing in the autocast dtype
+                         quantization_options={"compute_dtype": torch.bfloat16 if args.bf16 else torch.float32,
+                                               "double_quant": False})
     say("")
     say(table(est.result, args.seq_len))
     say("")
@@ -155,6 +190,8 @@ def run(args: Any, say=print) -> int:
               f"of this machine's {device} memory")
     say(summary(est.result, est.plan, args.seq_len, source))
     say("predicted peak per micro-batch: " + ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in est.peaks.items()))
+    for line in level_lines(est):
+        say(line)
     say(f"assumed: {est.loss}")
     for line in est.assumptions:
         say(f"assumed: {line}")
@@ -167,24 +204,30 @@ def run(args: Any, say=print) -> int:
 
 def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size: int, device: str | None = None,
              device_memory: int | str | None = None, lora_r: int | None = None, lora_target_modules: str | None = None,
-             fused_loss: bool | None = None, **kwargs: Any) -> Estimate:
+             fused_loss: bool | None = None, task: str = "causal_lm", **kwargs: Any) -> Estimate:
     """The plan for ``model`` (a folder holding config.json, a hub id, or a callable building the model; nothing is
     loaded) on ``device`` (default: this machine's) with ``device_memory`` (bytes or "80GiB"; default: this
     machine's, and required for cuda on a machine without a GPU: no card size is assumed); ``lora_r``: train LoRA
-    adapters of that rank. ``fused_loss``: as the trainer's (None: the fused loss where the model allows it, its
-    kernel's memory model). Other keywords as `estimate_model` (world_size, budget_bytes, budget_fraction, bf16,
-    max_micro_batch, log)."""
+    adapters of that rank. ``quantization`` ("nf4", "int8": bitsandbytes' storage and dequantization,
+    `paper_quantized.py`) and ``pairs`` ("dpo", "reward": TRL's pair step, `paper_pairs.py`) pass to
+    `estimate_model`. ``fused_loss``: as the trainer's (None: the fused loss where the model allows it, its
+    kernel's memory model). ``task``: "causal_lm", or "classification" (the config's sequence-classification head,
+    ``config.num_labels`` classes, one label per sample). Other keywords as `estimate_model` (world_size,
+    budget_bytes, budget_fraction, bf16, max_micro_batch, log, checkpoint_layers: None, "auto", "all" or K)."""
     device = device or machine_device()
     if device_memory is None:
         device_memory = machine_memory(device, "device_memory")
 
-    build = config_builder(load_config(model)) if isinstance(model, str) else model
+    build = config_builder(load_config(model), task) if isinstance(model, str) else model
     if lora_r is not None:
-        build = with_lora(build, lora_r, lora_target_modules)
-    build = with_fused_loss(build, fused_loss)
+        build = with_lora(build, lora_r, lora_target_modules, task)
+    if kwargs.get("pairs") is not None and fused_loss:
+        raise ValueError(f"fused_loss=True with pairs={kwargs['pairs']!r}: the pairs' step has its own loss (TRL's); "
+                         "leave fused_loss unset")
+    build = with_fused_loss(build, False if kwargs.get("pairs") is not None else fused_loss)
     memory = parse_size(device_memory) if isinstance(device_memory, str) else int(device_memory)
     return estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size, device_memory=memory,
-                          device=device, **kwargs)
+                          device=device, task=task, **kwargs)
 
 
 __all__ = ["CUDA_ASSUMPTIONS", "Estimate", "estimate", "estimate_model"]

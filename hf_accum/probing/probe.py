@@ -38,7 +38,9 @@ from .loop import (
 )
 from .meters import CpuMeter, CudaMeter, Meter, format_bytes, live_tensor_bytes
 
-Seeder = Callable[[int, Meter], tuple[int | None, dict[str, Any] | None]]  # (budget, meter) -> (seed, record)
+# (budget, meter) -> (seed, record); the seed: an int (the micro-batch search's), or with a lever a dict of its
+# positions' seeds (the level search's anchors)
+Seeder = Callable[[int, Meter], tuple[int | dict[int, int] | None, dict[str, Any] | None]]
 
 
 # --- the step -----------------------------------------------------------------------------------------------
@@ -171,7 +173,7 @@ def probe_model(
     ``lever`` (`levers.base.Levels` of a registered lever: ``count``, ``anchors``, ``at(position)``, ``record``): also
     choose its level (:func:`probe_levels`); the plan then records it, and the caller applies it.
     ``seeder(budget_bytes, meter)``: ``(seed, record)``, an estimate of the largest fit to start the search from and
-    what to record of it in ``result.extra["estimate"]`` (`seed.py`; not with a lever).
+    what to record of it in ``result.extra["estimate"]`` (`seed.py`; with a lever, a seed per anchor position).
 
     The probe steps a fresh optimizer (``optimizer_cls(trainable params, **optimizer_kwargs)``, or one
     like ``optimizer`` if given, whose own state is never touched) and leaves the model, its gradients
@@ -191,7 +193,7 @@ def probe_model(
         budget = resolve_budget(meter, budget_bytes, budget_fraction, names=budget_names)
         step_fn = make_step_fn(model, opt, make_batch or random_token_batch(model, seq_len), forward=forward,
                                autocast_dtype=autocast_dtype, max_grad_norm=max_grad_norm)
-        seed, estimated = seeder(budget, meter) if seeder is not None and lever is None else (None, None)
+        seed, estimated = seeder(budget, meter) if seeder is not None else (None, None)
         try:
             result = _search(step_fn, meter, budget, cap, per_rank, optimize=optimize, log=log, lever=lever,
                              seed=seed)
@@ -265,16 +267,17 @@ def _meter_for(model: torch.nn.Module, opt: torch.optim.Optimizer, meter: Meter 
 
 
 def _search(step_fn: StepFn, meter: Meter, budget: int, cap: int, per_rank: int, *, optimize: str, log: Log | None,
-            lever: Any, seed: int | None = None) -> ProbeResult:
-    """The micro-batch search (from ``seed`` when given), or with ``lever`` the search across its levels."""
+            lever: Any, seed: int | dict[int, int] | None = None) -> ProbeResult:
+    """The micro-batch search (from ``seed`` when given), or with ``lever`` the search across its levels (each
+    anchor from its seed when ``seed`` is a dict)."""
     if lever is None:
         return probe_micro_batches(step_fn, meter, budget, cap, must_resolve=forward_breakpoints(per_rank),
-                                   optimize=optimize, log=log, seed=seed)
+                                   optimize=optimize, log=log, seed=seed if isinstance(seed, int) else None)
     if optimize == "throughput" and log is not None:  # said, not silently dropped
         log("auto_tune_optimize='throughput': the checkpointing lever already chooses rows and layers by "
             "measured step time; no separate timing of every size")
     return probe_levels(step_fn, meter, budget, cap, per_rank, lever, must_resolve=forward_breakpoints(per_rank),
-                        log=log)
+                        log=log, seeds=seed if isinstance(seed, dict) else None)
 
 
 def plan_from_result(result: ProbeResult, target_batch_size: int, world_size: int) -> Plan:

@@ -49,9 +49,10 @@ def summary(result: ProbeResult, plan: Plan, seq_len: int, budget_source: str | 
                          f"{level['largest_fit']}")
         if "chosen" in levels:
             chosen = levels["chosen"]
+            seconds = levels["step_seconds"]  # None on paper: chosen by memory, the fewest forwards then layers
+            how = "by memory (no step times)" if seconds is None else f"~{seconds:.3f} s per optimizer step"
             lines.append(f"chosen: checkpointing {chosen['k']} of {levels['num_layers']} layers, {chosen['forwards']} "
-                         f"forwards of <= {chosen['micro']} rows, ~{levels['step_seconds']:.3f} s per optimizer step "
-                         f"({levels['verify_steps']} verifying steps)")
+                         f"forwards of <= {chosen['micro']} rows, {how} ({levels['verify_steps']} verifying steps)")
     lines.append(f"largest micro-batch that fits: {result.max_micro_batch_size}")
     if result.next_size:
         lines.append(f"next usable size {result.next_size} does not fit ({result.next_verdict})")

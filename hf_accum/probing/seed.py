@@ -1,9 +1,11 @@
 """The real probe started from the estimate: `probe_with_estimate` runs the estimate on the model's own config
 (fake tensors, the same settings, the device the run uses) and seeds the probe's micro-batch search with the
-estimated largest fit, so a right estimate leaves two trials (the fit and the size above it).
+estimated largest fit, so a right estimate leaves two trials (the fit and the size above it). With the checkpointing
+lever's level search (`levels.probe_levels`, ``checkpoint_layers="auto"``) the estimate runs the same level search on
+paper and each anchor's search starts from the estimate's largest fit at that level.
 
 The plan is always the measured one: the estimate only says where to look first (`MicroBatchSearch`'s ``seed``).
-When the estimate cannot be made (a quantized base, checkpointing, a model not built from its config, ...) the probe
+When the estimate cannot be made (a quantized base, a lever other than checkpointing, a model not built from its config, ...) the probe
 searches as before, and says why in one log line. What the estimate predicted is kept in
 ``result.extra["estimate"]``, so the plan file records it beside what was measured.
 """
@@ -28,21 +30,24 @@ def probe_with_estimate(model: torch.nn.Module, **kwargs: Any):
     docstring). ``kwargs["log"]`` says whether the estimate ran and what it predicted."""
     seeder = seeder_for(model, seq_len=kwargs["seq_len"], target_batch_size=kwargs["target_batch_size"],
                         world_size=kwargs.get("world_size", 1), autocast_dtype=kwargs.get("autocast_dtype"),
-                        max_micro_batch=kwargs.get("max_micro_batch"), log=kwargs.get("log"))
+                        max_micro_batch=kwargs.get("max_micro_batch"), log=kwargs.get("log"),
+                        lever=kwargs.get("lever"))
     return probe_model(model, seeder=seeder, **kwargs)
 
 
 def seeder_for(model: torch.nn.Module, *, seq_len: int, target_batch_size: int, world_size: int = 1,
                autocast_dtype: torch.dtype | None = None, max_micro_batch: int | None = None,
-               log: Callable[[str], None] | None = None) -> Seeder:
-    """The ``seeder`` of `probe.probe_model`: the estimate of ``model`` under the probe's budget and meter."""
+               log: Callable[[str], None] | None = None, lever: Any = None) -> Seeder:
+    """The ``seeder`` of `probe.probe_model`: the estimate of ``model`` under the probe's budget and meter. With
+    ``lever`` (the levels the probe searches: checkpointing, or the selective chain) the estimate runs the same level
+    search on paper (`estimate_model`'s ``levels``) and seeds each anchor with the estimate's largest fit there."""
     say = log or (lambda _msg: None)
 
-    def seeder(budget_bytes: int, meter: Meter) -> tuple[int | None, dict[str, Any] | None]:
+    def seeder(budget_bytes: int, meter: Meter) -> tuple[int | dict[int, int] | None, dict[str, Any] | None]:
         device = "cuda" if next(model.parameters()).device.type == "cuda" else "cpu"
         build = None
         try:
-            why = unsupported_reason(model, autocast_dtype)
+            why = unsupported_reason(model, autocast_dtype) or lever_reason(lever)
             build = None if why is not None else builder_like(model)
         except Exception as exc:  # noqa: BLE001 -- any failure means: search as before
             why = f"cannot rebuild it from its config ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
@@ -54,7 +59,8 @@ def seeder_for(model: torch.nn.Module, *, seq_len: int, target_batch_size: int, 
             est = estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size,
                                  device_memory=meter.capacity_bytes(), device=device, world_size=world_size,
                                  budget_bytes=budget_bytes, bf16=autocast_dtype is torch.bfloat16,
-                                 max_micro_batch=max_micro_batch, all_peaks=False)
+                                 max_micro_batch=max_micro_batch, all_peaks=False,
+                                 levels=lever)
             result = est.result
         except NothingFitsError as exc:
             result = exc.result
@@ -63,19 +69,52 @@ def seeder_for(model: torch.nn.Module, *, seq_len: int, target_batch_size: int, 
                 "from micro-batch 1")
             return None, None
         record = estimate_record(result, device, time.perf_counter() - began)
-        say(f"estimate ({device}, fake tensors, {record['seconds']:.1f} s): largest fit {record['largest_fit']}; "
-            f"the search starts there")
-        return max(1, record["largest_fit"]), record
+        if lever is None:
+            say(f"estimate ({device}, fake tensors, {record['seconds']:.1f} s): largest fit {record['largest_fit']}; "
+                f"the search starts there")
+            return max(1, record["largest_fit"]), record
+        levels = result.extra.get("checkpointing", {}).get("num_layers")
+        if levels != lever.count:
+            say(f"estimate skipped (it has {levels} checkpointing levels, the model {lever.count}): the search "
+                "starts from micro-batch 1")
+            return None, None
+        seeds = {int(k): max(1, fit) for k, fit in record["levels"].items()}
+        say(f"estimate ({device}, fake tensors, {record['seconds']:.1f} s): largest fit per {lever.name} level "
+            + ", ".join(f"{k}: {fit}" for k, fit in record["levels"].items())
+            + "; each level's search starts there")
+        return seeds, record
 
     return seeder
 
 
+def lever_reason(lever: Any) -> str | None:
+    """Why the estimate cannot run the level search of ``lever`` on paper, None when it can: its levels must be a
+    dataclass over the model (``model`` field: the checkpointing and selective levers'), set again on the paper one."""
+    import dataclasses
+
+    if lever is None or (dataclasses.is_dataclass(lever) and "model" in {f.name for f in dataclasses.fields(lever)}):
+        return None
+    return f"the {lever.name} lever's levels cannot be set on the estimate's model"
+
+
 def estimate_record(result: ProbeResult, device: str, seconds: float) -> dict[str, Any]:
     """What the plan file keeps of the estimate: its largest fit, its peak at every size it ran, its line."""
-    peaks = {t.micro_batch_size: t.peak_bytes for t in result.trials if t.peak_bytes is not None}
-    return {"largest_fit": result.max_micro_batch_size, "device": device, "seconds": round(seconds, 3),
-            "peaks": {str(k): v for k, v in sorted(peaks.items())},
-            "fitted": None if result.fitted is None else [result.fitted[0], result.fitted[1]]}
+    checkpointing = result.extra.get("checkpointing")
+    chosen = None if checkpointing is None else checkpointing["chosen_k"]
+    peaks = {t.micro_batch_size: t.peak_bytes for t in result.trials
+             if t.peak_bytes is not None and t.checkpointed_layers == chosen}
+    record = {"largest_fit": result.max_micro_batch_size, "device": device, "seconds": round(seconds, 3),
+              "peaks": {str(k): v for k, v in sorted(peaks.items())},
+              "fitted": None if result.fitted is None else [result.fitted[0], result.fitted[1]]}
+    if checkpointing is not None:  # the level search on paper: each level's largest fit and peaks, and its choice
+        record["chosen_k"] = chosen
+        record["levels"] = {str(lv["k"]): lv["largest_fit"] for lv in checkpointing["levels"]}
+        level_peaks: dict[str, dict[str, int]] = {}
+        for t in result.trials:
+            if t.peak_bytes is not None:
+                level_peaks.setdefault(str(t.checkpointed_layers), {})[str(t.micro_batch_size)] = t.peak_bytes
+        record["level_peaks"] = level_peaks
+    return record
 
 
 def trainer_reason(trainer) -> str | None:

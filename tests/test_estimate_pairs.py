@@ -1,0 +1,153 @@
+"""Preference pairs on paper (issue 41 item 3): TRL's DPO and reward steps on fake tensors, against the trainers' own
+probes (real training steps through `compute_loss`) on the same settings, on CPU. Checkpointing is off on both sides
+(the lora_dpo recipe pins it on; checkpointing on paper is a separate lever)."""
+
+import pytest
+
+pytest.importorskip("trl")
+
+from hf_accum import tiny  # noqa: E402
+from hf_accum.probing.estimate import estimate_model  # noqa: E402
+
+MiB = 2**20
+DPO_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"]
+
+
+def _measured(result):
+    return {t.micro_batch_size: t.peak_bytes for t in result.measured_trials if t.peak_bytes}
+
+
+def _tiny_config(num_labels=2):
+    return tiny.build_model(tokenizer=tiny.build_tokenizer(), num_labels=num_labels).config
+
+
+def _dpo_build(lora=True):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = _tiny_config()
+
+    def build():
+        model = AutoModelForCausalLM.from_config(config)
+        if not lora:
+            return model
+        return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                target_modules=DPO_TARGETS))
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def dpo_probe():
+    """The lora_dpo recipe's own probe (its trainer, data, collator, LoRA and 50 MiB budget), checkpointing off."""
+    from hf_accum.recipes.run import probe_recipe
+
+    run = probe_recipe("lora_dpo", ["gradient_checkpointing=false"], say=lambda _msg: None)
+    return run.result
+
+
+def test_the_lora_dpo_recipe_is_within_5_percent_of_its_probe(dpo_probe):
+    measured = _measured(dpo_probe)
+    seq_len = dpo_probe.extra["seq_len"]  # the probe's batch: the longest pair, both rows padded to it
+    est = estimate_model(_dpo_build(), seq_len=seq_len, target_batch_size=16, device="cpu", device_memory=64 * 2**30,
+                         budget_bytes=50 * MiB, pairs="dpo", also=tuple(measured))
+    assert len(measured) >= 2
+    for micro, peak in measured.items():
+        assert abs(est.peaks[micro] / peak - 1) <= 0.05, (micro, peak, est.peaks[micro])
+    assert abs(est.result.max_micro_batch_size - dpo_probe.max_micro_batch_size) <= 1
+    assert "adapters disabled" in est.loss
+
+
+def test_a_micro_batch_of_pairs_is_twice_the_rows():
+    """m pairs forward 2m rows: the DPO estimate at m pairs is the plain causal-LM step's at 2m rows and more (the
+    reference forward, the fused head's per-token outputs), never the step's at m rows."""
+    kwargs = dict(seq_len=32, target_batch_size=2, device="cpu", device_memory=64 * 2**30, budget_bytes=512 * MiB,
+                  precompute_ref_log_probs=True)
+    pairs = estimate_model(_dpo_build(), pairs="dpo", also=(1, 2), **kwargs).peaks
+    kwargs.pop("precompute_ref_log_probs")
+    rows = estimate_model(_dpo_build(), also=(1, 2, 4), **kwargs).peaks
+    assert pairs[1] > rows[1] and pairs[2] > rows[2]
+    assert pairs[2] - pairs[1] > 1.5 * (rows[2] - rows[1])  # one more pair is about two more rows
+
+
+def test_precomputed_reference_log_probs_replace_the_reference_forward():
+    """The reference forward runs under no_grad after the policy's and frees its activations as it goes, so on this
+    model the step's peak (in the backward) is the same either way; precomputed, the batch carries the two
+    reference log-probs of each pair (float32) instead, and nothing else changes."""
+    kwargs = dict(seq_len=32, target_batch_size=4, device="cpu", device_memory=64 * 2**30, budget_bytes=512 * MiB,
+                  pairs="dpo", also=(1, 2, 4))
+    forward = estimate_model(_dpo_build(), **kwargs)
+    precomputed = estimate_model(_dpo_build(), precompute_ref_log_probs=True, **kwargs)
+    assert all(precomputed.peaks[m] - forward.peaks[m] == 2 * 4 * m for m in (1, 2, 4))
+    assert "precomputed" in precomputed.loss and "adapters disabled" in forward.loss
+
+
+def test_full_dpo_holds_a_frozen_reference_copy():
+    """Full fine-tuning without precomputed log-probs: TRL loads a second copy of the model as the reference; its
+    weights are held beside the policy's, so the step starts from that many more bytes."""
+    kwargs = dict(seq_len=16, target_batch_size=1, device="cpu", device_memory=64 * 2**30, budget_bytes=1024 * MiB,
+                  pairs="dpo")
+    copy = estimate_model(_dpo_build(lora=False), **kwargs)
+    none = estimate_model(_dpo_build(lora=False), precompute_ref_log_probs=True, **kwargs)
+    model = _dpo_build(lora=False)()
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert copy.result.measured_trials[0].baseline_bytes - none.result.measured_trials[0].baseline_bytes == weights
+    assert "frozen copy" in copy.loss
+
+
+@pytest.fixture(scope="module")
+def reward_probe():
+    """AccumRewardTrainer's own probe on the tiny Llama with a scalar head and LoRA, on generated preference pairs."""
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+
+    from hf_accum.trl import AccumRewardConfig, AccumRewardTrainer
+
+    tokenizer = tiny.build_tokenizer()
+    model = tiny.build_model("seq_cls", tokenizer=tokenizer, num_labels=1)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="SEQ_CLS",
+                                             target_modules=DPO_TARGETS[:-1]))
+    data = Dataset.from_list(tiny.generate_preference_data(64))
+    args = AccumRewardConfig(output_dir=tempfile_dir(), target_batch_size=16, auto_tune=True, use_cpu=True,
+                             memory_budget_bytes=24 * MiB, gradient_checkpointing=False, max_length=64,
+                             report_to=[], bf16=False, disable_tqdm=True)
+    trainer = AccumRewardTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    trainer.tune()
+    return trainer.probe_result, model
+
+
+def tempfile_dir():
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="hf_accum_reward_")
+
+
+def test_a_reward_model_is_within_5_percent_of_its_trainers_probe(reward_probe):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    result, model = reward_probe
+    config = model.get_base_model().config
+    measured = _measured(result)
+
+    def build():
+        base = AutoModelForSequenceClassification.from_config(config)
+        return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="SEQ_CLS",
+                                               target_modules=DPO_TARGETS[:-1]))
+
+    est = estimate_model(build, seq_len=result.extra["seq_len"], target_batch_size=16, device="cpu",
+                         device_memory=64 * 2**30, budget_bytes=24 * MiB, pairs="reward", also=tuple(measured))
+    assert len(measured) >= 2
+    for micro, peak in measured.items():
+        assert abs(est.peaks[micro] / peak - 1) <= 0.05, (micro, peak, est.peaks[micro])
+    assert abs(est.result.max_micro_batch_size - result.max_micro_batch_size) <= 1
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"pairs": "kto"}, "pairs='kto': give one of None, 'dpo', 'reward'"),
+    ({"pairs": "reward"}, "pairs='reward' needs a sequence classification model with one label"),
+    ({"precompute_ref_log_probs": True}, "precompute_ref_log_probs=True is for pairs='dpo'"),
+])
+def test_pairs_refusals_are_one_line(kwargs, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        estimate_model(_dpo_build(), seq_len=8, target_batch_size=1, device="cpu", device_memory=2**30, **kwargs)
