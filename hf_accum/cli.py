@@ -263,6 +263,9 @@ def _estimate(args: argparse.Namespace) -> int:
         if why is not None:
             raise ValueError(why)
         if _is_grid(args):
+            if args.recipe is not None:
+                raise ValueError("--device-memory: a list of cards (what fits where) is for a bare model (--model); "
+                                 "with a recipe give one size")
             from .probing import fits
 
             return fits.run(args)

@@ -66,9 +66,9 @@ def test_smallest_card(peak_one, fraction, expected):
 def _recording(tables):
     calls = []
 
-    def measure(seq, lever):
-        calls.append((seq, lever))
-        return tables[seq, lever]
+    def measure(seq, lever, card):
+        calls.append((seq, lever, card // GiB))
+        return tables[seq, lever], None
 
     return measure, calls
 
@@ -92,16 +92,18 @@ def test_the_grid_checkpoints_only_where_micro_batch_1_does_not_fit_and_names_th
     assert (by[8192, 48].micro_batch, by[8192, 48].checkpointing, by[8192, 48].more) == (1, "none", (4, "all", True))
     assert fits.cell_text(by[8192, 48]) == "1 (4+ checkpointing all layers)"
     assert by[512, 24].more is None  # the lever was not estimated at 512: nothing is claimed for it
-    assert calls == [(512, None), (8192, None), (8192, "all")]  # each at most once, the lever only where needed
+    # the largest card first; each (seq, lever) estimated once where its sizes decide every card; the lever only
+    # for the card that needs it
+    assert calls == [(512, None, 48), (8192, None, 48), (8192, "all", 24)]
 
 
 def test_the_grid_uses_the_lever_where_it_is_what_fits():
-    tables = {(512, None): {1: 30 * GiB, 2: 40 * GiB}, (512, "all"): {m: (8 + 2 * m) * GiB for m in (1, 2, 8, 9)}}
+    tables = {(512, None): {1: 30 * GiB, 2: 40 * GiB}, (512, "all"): {m: (8 + 2 * m) * GiB for m in range(1, 10)}}
     measure, calls = _recording(tables)
     cells = plan_cells([16 * GiB, 24 * GiB], [512], measure, fraction=0.9, cap=8)
-    # budgets 14.4 and 21.6 GiB: 3 and 6 rows with every layer checkpointed (read off the line from 2 on)
+    # budgets 14.4 and 21.6 GiB: 3 and 6 rows with every layer checkpointed, decided by the sizes measured
     assert [(c.micro_batch, c.checkpointing) for c in cells] == [(3, "all"), (6, "all")]
-    assert calls == [(512, None), (512, "all")]
+    assert calls == [(512, None, 24), (512, "all", 24)]
     assert "checkpointing all layers" in fits.cell_text(cells[0])
 
 
@@ -112,7 +114,7 @@ def test_a_lever_that_fit_nothing_is_not_estimated_again_at_a_longer_sequence():
               (2048, "all"): {1: 77 * GiB}, (8192, "all"): {1: 100 * GiB}}
     measure, calls = _recording(tables)
     cells = plan_cells([80 * GiB, 24 * GiB], [8192, 512, 2048], measure, fraction=0.9, cap=8)
-    assert calls == [(512, None), (512, "all"), (2048, "all"), (8192, "all")]
+    assert calls == [(512, None, 80), (512, "all", 80), (2048, "all", 80), (8192, "all", 80)]
     assert [(c.seq_len, c.card_bytes // GiB, fits.cell_text(c)) for c in cells] == [
         (512, 24, "does not fit (96 GiB would)"),  # 96 GiB holds micro-batch 1 without the lever: fewest levers
         (512, 80, "does not fit (96 GiB would)"),
@@ -122,10 +124,34 @@ def test_a_lever_that_fit_nothing_is_not_estimated_again_at_a_longer_sequence():
         (8192, 80, "does not fit (141 GiB would, checkpointing all)")]
 
 
+def test_a_smaller_card_whose_edge_the_sizes_measured_do_not_decide_is_estimated_itself():
+    """Reserved bytes are a staircase: a size between two measured ones is never read off a line, the card's own
+    estimate runs (its search measures its edge)."""
+    runs = {80: {1: 20 * GiB, 9: 68 * GiB, 10: 73 * GiB}, 48: {1: 20 * GiB, 4: 38 * GiB, 5: 44 * GiB},
+            24: {1: 20 * GiB, 2: 22 * GiB}}
+    calls = []
+
+    def measure(seq, lever, card):
+        calls.append(card // GiB)
+        return runs[card // GiB], None
+
+    cells = plan_cells([24 * GiB, 48 * GiB, 80 * GiB], [512], measure, fraction=0.9, cap=32, levers=(None,))
+    assert [c.micro_batch for c in cells] == [1, 4, 9]
+    assert calls == [80, 48, 24]
+
+
+def test_decided_fit():
+    assert fits.decided_fit({1: 5, 2: 9}, 8, 32) == 1
+    assert fits.decided_fit({1: 9}, 8, 32) == 0
+    assert fits.decided_fit({1: 5, 4: 7}, 8, 32) is None  # 5..: not measured
+    assert fits.decided_fit({1: 5, 4: 7}, 8, 4) == 4  # the cap
+    assert fits.decided_fit({}, 8, 4) is None
+
+
 def test_the_grid_without_levers_tries_none():
     measure, calls = _recording({(512, None): {1: 30 * GiB}})
     cells = plan_cells([8 * GiB], [512], measure, fraction=0.9, cap=8, levers=(None,))
-    assert calls == [(512, None)]
+    assert calls == [(512, None, 8)]
     assert fits.cell_text(cells[0]) == "does not fit (40 GiB would)"
 
 
@@ -172,9 +198,11 @@ CARDS = ["40MiB", "80MiB", "200MiB"]
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_the_table_is_each_cards_own_estimate(llama_folder, tmp_path, capsys, lora):
-    """Each card read off the peaks estimated once for the largest is the largest fit of that card's own estimate."""
+    """Every cell is the largest fit of that card's own estimate, at the checkpointing the cell names (a card too
+    small without it: with every layer checkpointed; one too small either way: neither estimate fits micro-batch 1)."""
     from hf_accum import estimate
     from hf_accum.cli import main
+    from hf_accum.probing.loop import NothingFitsError
 
     out = tmp_path / "fits.json"
     flags = ["--lora"] if lora else []
@@ -183,19 +211,27 @@ def test_the_table_is_each_cards_own_estimate(llama_folder, tmp_path, capsys, lo
     assert code == 0
     text = capsys.readouterr().out
     assert "| seq len | 40 MiB | 80 MiB | 200 MiB |" in text
-    assert "for cuda" in text and "assumed: allocator" in text  # a list of cards is a card-size question: CUDA
+    assert "for cuda" in text and "assumed: attention" in text  # a list of cards is a card-size question: CUDA
     assert "assumed: loss:" in text and "estimated in" in text
     data = json.loads(out.read_text())
     assert data["device"] == "cuda" and data["max_micro_batch"] == 32
-    assert sorted(data["peaks"]) == ["2048/none", "512/none", "64/none"]  # one estimate per sequence length
-    got = {(c["card_bytes"], c["seq_len"]): c["micro_batch"] for c in data["cells"]}
-    assert len(got) == 9 and all(c["checkpointing"] in ("none", None) for c in data["cells"])
-    assert len(set(got.values())) >= 4  # the grid discriminates: not one answer everywhere
+    assert {"64/none", "512/none", "2048/none"} <= set(data["peaks"])
+    cells = {(c["card_bytes"], c["seq_len"]): c for c in data["cells"]}
+    assert len(cells) == 9 and len({c["micro_batch"] for c in cells.values()}) >= 4  # not one answer everywhere
     for card in CARDS:
         for seq in (64, 512, 2048):
-            own = estimate(llama_folder, seq_len=seq, target_batch_size=32, device="cuda", device_memory=card,
-                           lora_r=8 if lora else None, all_peaks=False)
-            assert got[parse_size(card), seq] == own.result.max_micro_batch_size, (card, seq)
+            cell = cells[parse_size(card), seq]
+            levers = [None, "all"] if cell["checkpointing"] is None else [
+                None if cell["checkpointing"] == "none" else "all"]
+            for lever in levers:
+                kwargs = dict(seq_len=seq, target_batch_size=32, device="cuda", device_memory=card,
+                              lora_r=8 if lora else None, all_peaks=False, checkpoint_layers=lever)
+                if cell["checkpointing"] is None:
+                    with pytest.raises(NothingFitsError):
+                        estimate(llama_folder, **kwargs)
+                else:
+                    own = estimate(llama_folder, **kwargs)
+                    assert cell["micro_batch"] == own.result.max_micro_batch_size, (card, seq, lever)
 
 
 def test_one_value_each_keeps_the_single_estimate(llama_folder, capsys):
@@ -215,7 +251,7 @@ def test_a_seq_len_list_with_one_card_is_a_table_for_this_device(llama_folder, c
                  "--seq-len", "64,512", "--target-batch", "4"]) == 0
     text = capsys.readouterr().out
     assert "for cpu" in text and "| seq len | 80 MiB |" in text and "| 64 | 4+ |" in text
-    assert "assumed: allocator" not in text
+    assert "assumed: attention" not in text
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -224,11 +260,12 @@ def test_a_seq_len_list_with_one_card_is_a_table_for_this_device(llama_folder, c
     (["--estimate", "--device-memory", "24GiB,lots"], "--device-memory='lots'"),
     (["--estimate", "--device-memory", "24GiB,,80GiB"], "an empty value"),
     (["--estimate", "--device-memory", "24GiB,80GiB", "--budget-bytes", "100"], "--budget-bytes is one budget"),
+    (["lora_sft", "--estimate", "--device-memory", "24GiB,80GiB"], "is for a bare model (--model)"),
 ])
 def test_bad_lists_are_one_line(llama_folder, capsys, flags, words):
     from hf_accum.cli import main
 
-    model = [] if flags[0] == "--seq-len" else ["--model", llama_folder]
+    model = [] if flags[0] in ("--seq-len", "lora_sft") else ["--model", llama_folder]
     assert main(["probe", *model, *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1
@@ -265,7 +302,7 @@ def deep_folder(tmp_path_factory):
 
 def test_the_checkpointing_lever_is_estimated_where_micro_batch_1_does_not_fit(deep_folder, tmp_path, capsys):
     """A card too small without checkpointing is read off the estimate with every layer checkpointed (needs
-    `checkpoint_layers=` in the estimate): 242 MiB at micro-batch 1 without it, 95 MiB with it (merged tree)."""
+    `checkpoint_layers=` in the estimate)."""
     from hf_accum.cli import main
 
     kwargs = dict(seq_len=2048, card_bytes=200 * MiB, cap=32, target_batch_size=32, device="cuda", bf16=False,
@@ -277,8 +314,6 @@ def test_the_checkpointing_lever_is_estimated_where_micro_batch_1_does_not_fit(d
     assert main(["probe", "--estimate", "--model", deep_folder, "--device-memory", "100MiB,200MiB,400MiB",
                  "--seq-len", "512,2048", "--json", str(out)]) == 0
     cells = {(c["card_bytes"] // MiB, c["seq_len"]): c for c in json.loads(out.read_text())["cells"]}
-    assert (cells[200, 2048]["checkpointing"], cells[200, 2048]["micro_batch"]) == (
-        "all", largest_fit(levered.peaks, int(0.9 * 200 * MiB), 32))
-    assert cells[400, 2048]["checkpointing"] == "none"  # 360 MiB holds micro-batch 1 without the lever
-    assert cells[100, 512]["checkpointing"] == "none"
+    # 200 MiB: the lever's own estimate for that card
+    assert (cells[200, 2048]["checkpointing"], cells[200, 2048]["micro_batch"]) == ("all", levered.largest)
     assert "checkpointing all layers" in capsys.readouterr().out

@@ -1,13 +1,13 @@
 """What fits where: one table of the largest micro-batch per card size and sequence length, before anything loads.
 
 `hf-accum probe --estimate --model M --device-memory 24GiB,48GiB,80GiB --seq-len 512,2048,8192`. The peak of a step
-does not depend on the card, so each sequence length (and checkpointing lever) is estimated ONCE, for the largest
-card: its search measures the sizes around that card's edge, and every smaller card is read off the same peaks
-(`largest_fit`). A card where micro-batch 1 does not fit without checkpointing is read off the peaks with every
-layer checkpointed (the only lever tried, and only where needed); one where nothing fits names the smallest card of
+does not depend on the card, so per sequence length (and checkpointing lever) the peaks every estimate measured are
+pooled: the largest card is estimated first, and a smaller card only where the sizes measured so far do not decide
+its edge (`decided_fit`). A card where micro-batch 1 does not fit without checkpointing is estimated with every layer
+checkpointed (the only lever tried, and only where needed); one where nothing fits names the smallest card of
 `STANDARD_CARDS_GIB` that would (`smallest_card`).
 
-Everything but `measure` is pure: the grid (`plan_cells`), the reading of peaks, the table and the JSON.
+Everything but `measure` and `run` is pure: the grid (`plan_cells`), the reading of peaks, the table and the JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ GIB = 2**30
 #: Card sizes (GiB) "the smallest card that would" is chosen from: the common sizes of NVIDIA's data-centre and
 #: consumer cards (8, 16, 24, 40, 48, 80, 96 GB; 141 GB for the H200).
 STANDARD_CARDS_GIB = (8, 16, 24, 40, 48, 80, 96, 141)
-LEVERS = (None, "all")  # checkpointing: none, else every layer (`checkpoint_layers="all"`)
+LEVERS = (None, "all")
+#: Added to a reserved peak read off a line between two sizes the estimate ran (CUDA): the large pool's segment,
+#: `reserved.LARGE_BUFFER`, the step a reserved peak can rise by that a straight line between two sizes misses.
+RESERVED_MARGIN = 20 * 2**20  # checkpointing: none, else every layer (`checkpoint_layers="all"`)
 
 
 def parse_list(text: str, parse: Callable[[str], Any], flag: str) -> list:
@@ -39,8 +42,8 @@ def parse_list(text: str, parse: Callable[[str], Any], flag: str) -> list:
 
 def largest_fit(peaks: dict[int, int], budget: int, cap: int) -> int:
     """The largest micro-batch up to ``cap`` whose peak fits ``budget``, from the peaks measured at some sizes
-    (0: not even 1). Above the largest size measured nothing is claimed unless that size is ``cap`` itself; between
-    measured sizes the peak is `peak_at`'s."""
+    (0: not even 1), reading sizes between measured ones off `peak_at`'s line: a fallback only (`decided_fit`).
+    Above the largest size measured nothing is claimed unless that size is ``cap`` itself."""
     sizes = sorted(m for m in peaks if m >= 1)
     if not sizes or sizes[0] > cap or peaks[sizes[0]] > budget:
         return 0
@@ -104,10 +107,31 @@ def _label(lever: str | int | None) -> str:
     return "none" if lever is None else str(lever)
 
 
-def plan_cells(cards: Sequence[int], seq_lens: Sequence[int], measure: Callable[[int, str | None], dict[int, int]],
-               *, fraction: float, cap: int, levers: Sequence[str | None] = LEVERS) -> list[Cell]:
-    """The grid: per sequence length, ``measure(seq_len, lever)`` (peaks by micro-batch, for the largest card) is
-    called for no checkpointing, then, only where some card fits not even micro-batch 1, for the next lever.
+def decided_fit(peaks: dict[int, int], budget: int, cap: int) -> int | None:
+    """The largest micro-batch up to ``cap`` that fits ``budget`` where the sizes measured decide it (the largest
+    fitting size is ``cap``, or the size above it was measured not to fit; 0: micro-batch 1 does not fit), else None:
+    a card's own estimate must run. Nothing is read off a line: reserved bytes grow in allocator segments, a
+    staircase (a line through two sizes of a 2-layer Llama's step put 4 GiB's edge one row too high)."""
+    if 1 in peaks and peaks[1] > budget:
+        return 0
+    fitting = [m for m in peaks if m <= cap and peaks[m] <= budget]
+    if not fitting:
+        return None
+    best = max(fitting)
+    if best == cap or peaks.get(best + 1, 0) > budget:
+        return best
+    return None
+
+
+def plan_cells(cards: Sequence[int], seq_lens: Sequence[int],
+               measure: Callable[[int, str | int | None, int], tuple[dict[int, int], int | None]], *, fraction: float,
+               cap: int,
+               levers: Sequence[str | int | None] = LEVERS) -> list[Cell]:
+    """The grid. Per sequence length and lever the peaks every estimate measured are pooled (a step's peak does not
+    depend on the card): the largest card is estimated first (``measure(seq_len, lever, card)``: peaks by
+    micro-batch, and that card's largest fit as its estimate concluded it), and a smaller card only where the sizes
+    measured so far do not decide its edge (`decided_fit`).
+    The lever (every layer checkpointed) is estimated only for cards where micro-batch 1 does not fit without it.
 
     A lever whose micro-batch 1 did not fit the largest card at a shorter sequence is not estimated again at a longer
     one (a longer sequence never needs less), unless it is the last lever left: its peak names the smallest card."""
@@ -115,36 +139,42 @@ def plan_cells(cards: Sequence[int], seq_lens: Sequence[int], measure: Callable[
     largest_budget = int(fraction * max(cards))
     too_long: dict[str | int | None, int] = {}  # lever -> the shortest sequence at which micro-batch 1 did not fit
     for seq in sorted(seq_lens):
-        peaks_by_lever: dict[str | int | None, dict[int, int]] = {}
-        for card in sorted(cards):
+        known: dict[str | int | None, dict[int, int]] = {lever: {} for lever in levers}
+        row = []
+        for card in sorted(cards, reverse=True):
             budget = int(fraction * card)
             for i, lever in enumerate(levers):
-                if lever not in peaks_by_lever:
-                    if lever in too_long and seq > too_long[lever] and i < len(levers) - 1:
-                        peaks_by_lever[lever] = {}
-                        continue
-                    peaks_by_lever[lever] = measure(seq, lever)
-                    if peaks_by_lever[lever].get(1, largest_budget + 1) > largest_budget:
+                if lever in too_long and seq > too_long[lever] and i < len(levers) - 1:
+                    continue
+                micro = decided_fit(known[lever], budget, cap)
+                if micro is None:
+                    peaks, own = measure(seq, lever, card)
+                    known[lever].update(peaks)
+                    if known[lever].get(1, largest_budget + 1) > largest_budget:
                         too_long.setdefault(lever, seq)
-                peaks = peaks_by_lever[lever]
-                micro = largest_fit(peaks, budget, cap)
+                    micro = decided_fit(known[lever], budget, cap)
+                    if micro is None:  # the card's own search decided its edge by its line: its answer
+                        micro = own if own is not None else largest_fit(known[lever], budget, cap)
                 if micro:
-                    cells.append(Cell(card, seq, micro, _label(lever), micro == cap, peak_at(peaks, micro),
-                                      more=_more(peaks_by_lever, levers[i + 1:], budget, cap, micro)))
+                    row.append(Cell(card, seq, micro, _label(lever), micro == cap, known[lever].get(micro)))
                     break
             else:
-                card_gib, lever = _smallest_card_and_lever(peaks_by_lever, levers, fraction)
-                cells.append(Cell(card, seq, 0, None, smallest_card_gib=card_gib, needs=lever))
-    return cells
+                card_gib, lever = _smallest_card_and_lever(known, levers, fraction)
+                row.append(Cell(card, seq, 0, None, smallest_card_gib=card_gib, needs=lever))
+        for cell in row:  # once every card of the row is planned: what a lever estimated for another card shows
+            if cell.fits:
+                later = levers[[_label(lever) for lever in levers].index(cell.checkpointing) + 1:]
+                cell.more = _more(known, later, int(fraction * cell.card_bytes), cap, cell.micro_batch)
+        cells += row
+    return sorted(cells, key=lambda c: (c.seq_len, c.card_bytes))
 
 
-def _more(peaks_by_lever, later, budget: int, cap: int, micro: int) -> tuple[int, str, bool] | None:
-    """A later lever's larger fit on this card, where that lever was estimated for this sequence anyway (for a
-    smaller card): never an estimate of its own."""
+def _more(known, later, budget: int, cap: int, micro: int) -> tuple[int, str, bool] | None:
+    """A later lever's larger fit on this card, where the sizes that lever's estimates measured (for a smaller card)
+    decide it: never an estimate of its own."""
     for lever in later:
-        peaks = peaks_by_lever.get(lever)
-        more = largest_fit(peaks, budget, cap) if peaks else 0
-        if more > micro:
+        more = decided_fit(known[lever], budget, cap) if known.get(lever) else None
+        if more is not None and more > micro:
             return more, _label(lever), more == cap
     return None
 
@@ -197,13 +227,16 @@ def to_json(cells: Sequence[Cell], settings: dict[str, Any]) -> dict[str, Any]:
 # --- the estimate behind one function ------------------------------------------------------------------------
 @dataclass
 class Measured:
-    peaks: dict[int, int]  # micro-batch -> predicted peak bytes, at the sizes the search ran
+    peaks: dict[int, int]  # micro-batch -> the predicted bytes the plan fits by (`charged`), at the sizes run
+    largest: int  # the largest micro-batch that fits the card, as the estimate's search concluded (0: none)
     loss: str | None  # the loss the estimate assumed (None where micro-batch 1 did not fit: no plan was made)
+    assumptions: tuple[str, ...] = ()  # what it assumed of the device (CUDA), likewise
 
 
 def measure(model, *, seq_len: int, card_bytes: int, cap: int, target_batch_size: int, device: str, bf16: bool,
             fraction: float, lora_r: int | None, lora_target_modules: str | None, fused_loss: bool | None,
-            quantization: str | None, checkpoint_layers: str | int | None, log=None) -> Measured:
+            quantization: str | None, checkpoint_layers: str | int | None, quantization_options=None,
+            log=None) -> Measured:
     """The predicted peak per micro-batch size the estimate's search ran, for the card ``card_bytes`` (the largest:
     its search brackets every smaller card's edge). ``quantization`` ("nf4", "int8") and ``checkpoint_layers``
     ("all") are passed to `hf_accum.estimate` only when set. Micro-batch 1 not fitting is an answer, not an error:
@@ -211,23 +244,31 @@ def measure(model, *, seq_len: int, card_bytes: int, cap: int, target_batch_size
     from .loop import NothingFitsError
     from .paper import estimate
 
-    levers = {k: v for k, v in (("quantization", quantization), ("checkpoint_layers", checkpoint_layers))
-              if v is not None}
+    levers = {k: v for k, v in (("quantization", quantization), ("checkpoint_layers", checkpoint_layers),
+                                ("quantization_options", quantization_options)) if v is not None}
     try:
         est = estimate(model, seq_len=seq_len, target_batch_size=target_batch_size, device=device,
                        device_memory=card_bytes, lora_r=lora_r, lora_target_modules=lora_target_modules,
                        fused_loss=fused_loss, bf16=bf16, budget_fraction=fraction, max_micro_batch=cap,
                        all_peaks=False, log=log, **levers)
     except NothingFitsError as exc:
-        return Measured({t.micro_batch_size: t.peak_bytes for t in exc.result.trials if t.peak_bytes is not None},
-                        None)
-    return Measured(dict(est.peaks), est.loss)
+        return Measured(charged(exc.result.trials), 0, None)
+    return Measured(charged(est.result.trials), est.result.max_micro_batch_size, est.loss, tuple(est.assumptions))
+
+
+def charged(trials) -> dict[int, int]:
+    """Per micro-batch size, the bytes the search compared with the budget: the reserved bytes where the estimate
+    predicts them (CUDA: what a GPU probe fits by), else the peak allocated."""
+    return {t.micro_batch_size: t.reserved_bytes if t.reserved_bytes is not None else t.peak_bytes
+            for t in trials if t.peak_bytes is not None}
 
 
 def run(args: Any, say=print) -> int:
     """`hf-accum probe --estimate` with a comma list in --device-memory or --seq-len: the table."""
     import json
     import time
+
+    import torch
 
     from . import paper
 
@@ -256,19 +297,25 @@ def run(args: Any, say=print) -> int:
         f"card; micro-batch up to {cap}")
     began, cpu = time.perf_counter(), time.process_time()
     losses: list[str] = []
+    assumed: list[tuple[str, ...]] = []
     measured: dict[str, dict[str, int]] = {}  # "seq/checkpointing" -> the peaks estimated (for the JSON)
 
-    def one(seq: int, lever):
+    def one(seq: int, lever, card: int):
         t0 = time.perf_counter()
-        out = measure(build, seq_len=seq, card_bytes=cards[-1], cap=cap, target_batch_size=args.target_batch,
+        out = measure(build, seq_len=seq, card_bytes=card, cap=cap, target_batch_size=args.target_batch,
                       device=device, bf16=args.bf16, fraction=fraction, lora_r=lora_r,
                       lora_target_modules=args.lora_target_modules, fused_loss=args.fused_loss,
-                      quantization=quantization, checkpoint_layers=lever)
+                      quantization=quantization, checkpoint_layers=lever,
+                      # the probe's --load-in-4bit, as the single estimate: no double quantization, the autocast dtype
+                      quantization_options=None if quantization is None else {
+                          "compute_dtype": torch.bfloat16 if args.bf16 else torch.float32, "double_quant": False})
         losses.extend([out.loss] if out.loss else [])
-        measured[f"{seq}/{_label(lever)}"] = {str(m): v for m, v in sorted(out.peaks.items())}
-        say(f"  seq {seq}, checkpointing {_label(lever)}: {len(out.peaks)} sizes estimated for the {card_name(cards[-1])}"
+        assumed.extend([out.assumptions] if out.loss else [])
+        pooled = measured.setdefault(f"{seq}/{_label(lever)}", {})
+        pooled.update({str(m): v for m, v in sorted(out.peaks.items())})
+        say(f"  seq {seq}, checkpointing {_label(lever)}: {len(out.peaks)} sizes estimated for the {card_name(card)}"
             f" card ({time.perf_counter() - t0:.0f} s)")
-        return out.peaks
+        return out.peaks, out.largest
 
     cells = plan_cells(cards, seq_lens, one, fraction=fraction, cap=cap, levers=levers)
     seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - cpu
@@ -276,10 +323,10 @@ def run(args: Any, say=print) -> int:
     say(table(cells, cards, seq_lens))
     say("")
     say(f"N+: micro-batch N, the cap (--target-batch {args.target_batch} / --max-micro-batch), fits: more may. "
-        "Smaller cards are read off the peaks estimated for the largest (the peaks do not depend on the card).")
+        "A card is estimated where the sizes measured for a larger one do not decide its edge.")
     loss = losses[0] if losses else "loss: not estimated (micro-batch 1 fit on no card)"
     say(f"assumed: {loss}")
-    assumptions = paper.CUDA_ASSUMPTIONS if device == "cuda" else ()
+    assumptions = assumed[0] if assumed else paper.CUDA_ASSUMPTIONS if device == "cuda" else ()
     for line in assumptions:
         say(f"assumed: {line}")
     say(f"estimated in {seconds:.0f} s ({cpu_seconds:.0f} s of CPU time)")
