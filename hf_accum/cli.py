@@ -48,7 +48,9 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("recipe", nargs="?", default=None, help="recipe name or YAML path (as for `hf-accum train`)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of recipe keys (with RECIPE)")
     p.add_argument("--model", default="tiny", help="hub id, local directory (save_pretrained), or 'tiny' (offline)")
-    p.add_argument("--seq-len", type=int, default=256, help="sequence length to measure at (default 256)")
+    p.add_argument("--seq-len", type=_seq_lens, default=256, metavar="N[,N...]",
+                   help="sequence length to measure at (default 256); with --estimate a comma list (512,2048,8192) "
+                        "gives the what-fits-where table")
     p.add_argument("--target-batch", type=int, default=32, help="effective batch: samples per optimizer step")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks the plan is for")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights")
@@ -83,9 +85,27 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
                         "overrides (what `hf-accum train RECIPE` trains; the plan line marked 'estimated')")
     e.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="the device to estimate for (default: this machine's, cuda where torch sees one)")
-    e.add_argument("--device-memory", default=None, metavar="SIZE", help="the card's memory, e.g. 80GiB")
+    e.add_argument("--device-memory", default=None, metavar="SIZE[,SIZE...]",
+                   help="the card's memory, e.g. 80GiB; a comma list (24GiB,48GiB,80GiB) gives one table of what fits "
+                        "on each card (and each --seq-len): the largest micro-batch and the levers it needs")
     p.add_argument("--plot", default=None, help="write a PNG of the memory curve to this file")
     p.set_defaults(func=_run_probe)
+
+
+def _seq_lens(text: str) -> int | list[int]:
+    """One sequence length (an int, as always), or a comma list of them (the what-fits-where table)."""
+    try:
+        values = [int(item) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(  # one value: argparse's own words for an int flag, as before lists
+            f"{text!r}: give an integer or a comma list such as 512,2048,8192" if "," in text
+            else f"invalid int value: {text!r}") from None
+    return values[0] if len(values) == 1 else values
+
+
+def _is_grid(args: argparse.Namespace) -> bool:
+    """A comma list in --seq-len or --device-memory: the what-fits-where table (`probing/fits.py`)."""
+    return isinstance(args.seq_len, list) or "," in (args.device_memory or "")
 
 
 def _check_output_file(flag: str, path: str | None) -> None:
@@ -112,10 +132,14 @@ def _check_probe_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     elif args.overrides:
         raise UsageError(f"key=value overrides ({args.overrides[0]}) go with a recipe: hf-accum probe RECIPE "
                          f"{' '.join(args.overrides)}")
+    if _is_grid(args) and not args.estimate:
+        flag = "--seq-len" if isinstance(args.seq_len, list) else "--device-memory"
+        raise UsageError(f"{flag}: a comma list is for --estimate (what fits where, nothing loaded); the probe "
+                         "measures one sequence length on this machine: add --estimate, or give one value")
     for name in ("seq_len", "target_batch", "world_size", "lora_r", "max_micro_batch", "budget_bytes"):
-        value = vars(args)[name]
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')}={value} must be a positive integer")
+        for value in (vars(args)[name] if isinstance(vars(args)[name], list) else [vars(args)[name]]):
+            if value is not None and value < 1:
+                raise UsageError(f"--{name.replace('_', '-')}={value} must be a positive integer")
     if args.budget is not None and not 0 < args.budget <= 1:
         raise UsageError(f"--budget={args.budget} must be a fraction in (0, 1]; "
                          "for an absolute budget use --budget-bytes")
@@ -232,10 +256,19 @@ def _estimate(args: argparse.Namespace) -> int:
 
     why = command.refusal(args)
     try:
-        if args.device_memory:
-            command.parse_size(args.device_memory)
+        if args.device_memory:  # each size checked first, as ever: a bad one is the line, whatever else
+            for size in args.device_memory.split(","):
+                if size.strip():
+                    command.parse_size(size)
         if why is not None:
             raise ValueError(why)
+        if _is_grid(args):
+            if args.recipe is not None:
+                raise ValueError("--device-memory: a list of cards (what fits where) is for a bare model (--model); "
+                                 "with a recipe give one size")
+            from .probing import fits
+
+            return fits.run(args)
         return command.run(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -53,6 +53,18 @@ def _resumed(ran, cwd):
     assert "checkpoint-4" in ran.output  # the second run names the checkpoint it resumes
 
 
+def _fits_table(ran, cwd):
+    with open(os.path.join(cwd, "fits.json")) as f:
+        cells = json.load(f)["cells"]
+    assert len(cells) == 9 and sum(c["fits"] for c in cells) >= 6  # 40 MiB at seq 2048 fits not even 1 row
+    assert "| seq len | 40 MiB | 80 MiB | 200 MiB |" in ran.output
+
+
+def _accelerate_figures(ran, cwd):  # the figures the page quotes are the ones the block prints
+    assert "float32 total 29.92 GB training using Adam 119.66 GB" in ran.output
+    assert "float16 total 14.96 GB training using Adam 59.83 GB" in ran.output
+
+
 def _recipe_on_paper(ran, cwd):
     assert "seq 16 (the longest of 2000 training examples)" in ran.output, ran.output
     last = ran.output.strip().splitlines()[-1]
@@ -66,6 +78,9 @@ CHECKS = {  # a line of the block -> what its result must show
     "hf-accum probe --model tiny --seq-len 256 --target-batch 32 --json probe.json --plot probe.png": _probe_plot,
     "hf-accum probe lora_sft output_dir=runs/p": _reused,
     "resume_from_checkpoint=true": _resumed,
+    "hf-accum probe --estimate --model small --device-memory 40MiB,80MiB,200MiB --seq-len 64,512,2048 --json fits.json":
+        _fits_table,
+    "total, _ = calculate_maximum_sizes(model)": _accelerate_figures,
     "hf-accum probe --estimate lora_classification gradient_checkpointing=false": _recipe_on_paper,
 }
 
