@@ -145,30 +145,13 @@ def fake_session(granule: int = 1, allocator: CachingAllocator | None = None):
         yield counter
 
 
-def estimate_model(
-    build,
-    *,
-    seq_len: int,
-    target_batch_size: int,
-    device_memory: int,
-    device: str = "cuda",
-    world_size: int = 1,
-    budget_bytes: int | None = None,
-    budget_fraction: float | None = None,
-    bf16: bool = False,
-    max_micro_batch: int | None = None,
-    log=None,
-    also: tuple[int, ...] = (),
-    all_peaks: bool = True,
-    optimizer: dict[str, Any] | None = None,
-    quantization: str | None = None,
-    pairs: str | None = None,
-    precompute_ref_log_probs: bool = False,
-    quantization_options: dict[str, Any] | None = None,
-    checkpoint_layers: str | int | None = None,
-    levels: Any = None,
-    task: str = "causal_lm",
-) -> Estimate:
+def estimate_model(build, *, seq_len: int, target_batch_size: int, device_memory: int, device: str = "cuda",
+                   world_size: int = 1, budget_bytes: int | None = None, budget_fraction: float | None = None,
+                   bf16: bool = False, max_micro_batch: int | None = None, log=None, also: tuple[int, ...] = (),
+                   all_peaks: bool = True, optimizer: dict[str, Any] | None = None, quantization: str | None = None,
+                   pairs: str | None = None, precompute_ref_log_probs: bool = False,
+                   quantization_options: dict[str, Any] | None = None, checkpoint_layers: str | int | None = None,
+                   levels: Any = None, task: str = "causal_lm") -> Estimate:
     """Estimate the plan of ``build()`` (a callable returning the model, run under fake tensors so no weights exist).
 
     ``device``: "cpu" (like for like with the probe's CPU meter) or "cuda" (see `CUDA_ASSUMPTIONS`).
@@ -183,24 +166,12 @@ def estimate_model(
     ``pairs``: "dpo" or "reward", the step of TRL's DPO / reward trainer on preference pairs (`paper_pairs.py`):
     a micro-batch of m pairs is 2m rows of ``seq_len``; ``precompute_ref_log_probs`` as DPOConfig's (the
     reference log-probs read from the batch, no reference forward).
-    ``checkpoint_layers``: as `AccumTrainingArguments.checkpoint_layers`: None (the model as built: no
-    checkpointing unless ``build`` sets it), "all" (every decoder layer recomputes), an int k (the first k), or
-    "auto": the probe's level search (`levels.probe_levels`) on paper; with no step times there, its chooser takes
-    the fewest forwards per optimizer step (the largest micro-batch), then the fewest checkpointed layers reaching
-    it. ``level_peaks`` holds each level's peaks (non-reentrant checkpointing, as the trainer and the CLI set it).
-    ``levels``: instead, the level search of another model's lever levels (a `levers.base.Levels` dataclass with a
-    ``model`` field: the ones a trainer's probe searches, e.g. the selective chain), run on the paper model.
+    ``checkpoint_layers``: None (as built), "all", k (the first k) or "auto": the probe's level search on paper,
+    by memory alone (the largest micro-batch, then the fewest checkpointed layers); ``level_peaks`` holds each
+    level's peaks. ``levels``: instead, a trainer's lever levels (`levers.base.Levels`), run on the paper model.
     ``task``: "causal_lm" (a label per token) or "classification" (``build`` gives a sequence-classification head:
     a label per sample)."""
-    if device not in DEVICES:
-        raise ValueError(f"device={device!r}: give one of {', '.join(DEVICES)}")
-    if task not in TASKS:
-        raise ValueError(f"task={task!r}: give one of {', '.join(TASKS)}")
-    if device_memory <= 0:
-        raise ValueError(f"device_memory={device_memory} must be positive, e.g. 80GiB")
-    if budget_bytes is None:
-        budget_bytes = int((0.9 if budget_fraction is None else budget_fraction) * device_memory)
-    checkpoint_setting(checkpoint_layers)
+    budget_bytes = _checked_budget(device, task, device_memory, budget_bytes, budget_fraction, checkpoint_layers)
     autocast = torch.bfloat16 if bf16 else None
     with torch.device("meta"):
         model = quantized_model(build(), quantization, **(quantization_options or {}))
@@ -229,17 +200,37 @@ def estimate_model(
                     model, meter, seq_len, _largest(result, k, chosen), autocast,
                     also if k == chosen or lever is None else (), device, known, pair_step, task))
                     for k, known in level_peaks.items()}
-            peaks = dict(sorted(level_peaks.get(chosen, {}).items()))
         finally:
             meter.close()
+    level = chosen if lever is not None else checkpointed_now(model)
+    return _estimate_of(result, plan, seq_len, device, loss_line, level_peaks, level, lever is not None, expandable)
+
+
+def _checked_budget(device: str, task: str, device_memory: int, budget_bytes: int | None,
+                    budget_fraction: float | None, checkpoint_layers) -> int:
+    """`estimate_model`'s arguments checked (one line each), and the budget in bytes."""
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r}: give one of {', '.join(DEVICES)}")
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}: give one of {', '.join(TASKS)}")
+    if device_memory <= 0:
+        raise ValueError(f"device_memory={device_memory} must be positive, e.g. 80GiB")
+    checkpoint_setting(checkpoint_layers)
+    if budget_bytes is not None:
+        return budget_bytes
+    return int((0.9 if budget_fraction is None else budget_fraction) * device_memory)
+
+
+def _estimate_of(result: ProbeResult, plan: Plan, seq_len: int, device: str, loss_line: str,
+                 level_peaks: dict, level, leveled: bool, expandable: bool) -> Estimate:
+    """What the paper search measured, as an `Estimate`: the chosen level's peaks, no step times."""
+    peaks = dict(sorted(level_peaks.get(level if leveled else None, {}).items()))
     for trial in result.trials:  # a step on fake tensors takes no device time: its seconds would mislead
         trial.seconds = None
     result.warmup_seconds = None
-    result.extra.update({"estimated": True, "peaks": peaks})
+    result.extra.update({"estimated": True, "peaks": peaks, "loss": loss_line})
     assumptions = cuda_assumptions(expandable) if device == "cuda" else ()
-    result.extra["loss"] = loss_line
-    level = chosen if lever is not None else checkpointed_now(model)
-    if lever is None:
+    if not leveled:
         level_peaks = {level: peaks}
     level_peaks = {k: dict(sorted(p.items())) for k, p in sorted(level_peaks.items())}
     return Estimate(result, plan, seq_len, device, peaks, assumptions, loss_line, level_peaks, level,

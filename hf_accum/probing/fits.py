@@ -272,17 +272,8 @@ def run(args: Any, say=print) -> int:
 
     from . import paper
 
-    cards = sorted(parse_list(args.device_memory, paper.parse_size, "--device-memory")) if args.device_memory else []
+    cards, device, fraction = _cards(args)
     seq_lens = args.seq_len if isinstance(args.seq_len, list) else [args.seq_len]
-    device = args.device or ("cuda" if len(cards) > 1 else paper.machine_device())
-    if not cards:
-        cards = [paper.machine_memory(device, "--device-memory")]
-    if args.budget_bytes is not None and len(cards) > 1:
-        raise ValueError("--budget-bytes is one budget for one card; with a list of --device-memory give --budget "
-                         "(the fraction of each card, default 0.9)")
-    fraction = args.budget if args.budget is not None else 0.9
-    if args.budget_bytes is not None:
-        fraction = args.budget_bytes / cards[0]
     per_rank = args.target_batch // args.world_size
     cap = min(args.max_micro_batch or per_rank, per_rank)
     quantization = "nf4" if args.load_in_4bit else "int8" if args.load_in_8bit else None
@@ -319,16 +310,7 @@ def run(args: Any, say=print) -> int:
 
     cells = plan_cells(cards, seq_lens, one, fraction=fraction, cap=cap, levers=levers)
     seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - cpu
-    say("")
-    say(table(cells, cards, seq_lens))
-    say("")
-    say(f"N+: micro-batch N, the cap (--target-batch {args.target_batch} / --max-micro-batch), fits: more may. "
-        "A card is estimated where the sizes measured for a larger one do not decide its edge.")
-    loss = losses[0] if losses else "loss: not estimated (micro-batch 1 fit on no card)"
-    say(f"assumed: {loss}")
-    assumptions = assumed[0] if assumed else paper.CUDA_ASSUMPTIONS if device == "cuda" else ()
-    for line in assumptions:
-        say(f"assumed: {line}")
+    loss, assumptions = _say_table(say, cells, cards, seq_lens, args.target_batch, losses, assumed, device)
     say(f"estimated in {seconds:.0f} s ({cpu_seconds:.0f} s of CPU time)")
     if args.json:
         settings = {"model": args.model, "training": what, "device": device, "bf16": args.bf16,
@@ -339,6 +321,41 @@ def run(args: Any, say=print) -> int:
             json.dump(to_json(cells, settings), f, indent=2)
         say(f"wrote {args.json}")
     return 0
+
+
+def _cards(args: Any) -> tuple[list[int], str, float]:
+    """The cards (bytes, smallest first), the device and the budget as a fraction of each card."""
+    from . import paper
+
+    cards = sorted(parse_list(args.device_memory, paper.parse_size, "--device-memory")) if args.device_memory else []
+    device = args.device or ("cuda" if len(cards) > 1 else paper.machine_device())
+    if not cards:
+        cards = [paper.machine_memory(device, "--device-memory")]
+    if args.budget_bytes is not None and len(cards) > 1:
+        raise ValueError("--budget-bytes is one budget for one card; with a list of --device-memory give --budget "
+                         "(the fraction of each card, default 0.9)")
+    fraction = args.budget if args.budget is not None else 0.9
+    if args.budget_bytes is not None:
+        fraction = args.budget_bytes / cards[0]
+    return cards, device, fraction
+
+
+def _say_table(say, cells, cards: list[int], seq_lens: list[int], target: int, losses: list[str],
+               assumed: list[tuple[str, ...]], device: str) -> tuple[str, tuple[str, ...]]:
+    """The table and what it assumed; returns the loss line and the assumptions (for the JSON)."""
+    from . import paper
+
+    say("")
+    say(table(cells, cards, seq_lens))
+    say("")
+    say(f"N+: micro-batch N, the cap (--target-batch {target} / --max-micro-batch), fits: more may. "
+        "A card is estimated where the sizes measured for a larger one do not decide its edge.")
+    loss = losses[0] if losses else "loss: not estimated (micro-batch 1 fit on no card)"
+    say(f"assumed: {loss}")
+    assumptions = assumed[0] if assumed else paper.CUDA_ASSUMPTIONS if device == "cuda" else ()
+    for line in assumptions:
+        say(f"assumed: {line}")
+    return loss, assumptions
 
 
 def _levers(args: Any) -> tuple[str | int | None, ...]:

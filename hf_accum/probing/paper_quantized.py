@@ -58,8 +58,12 @@ def _layers():
     if _CLASSES:
         return _CLASSES
     bnb = _bnb()
+    _CLASSES.update(nf4=_paper_linear4bit(bnb), int8=_paper_linear8bit(bnb))
+    return _CLASSES
+
+
+def _dequantized_4bit():
     from bitsandbytes import functional as F
-    from bitsandbytes.autograd._functions import MatMul8bitFp, MatmulLtState
 
     class Dequantized4bit(torch.autograd.Function):
         """`MatMul4Bit` with `gemm_4bit`'s default kernel inlined: the weight dequantized, multiplied, freed; the
@@ -78,6 +82,14 @@ def _layers():
                 grad_a = torch.matmul(grad_output, F.dequantize_4bit(ctx.packed, ctx.state).to(grad_output.dtype))
             grad_bias = grad_output.sum(0) if ctx.needs_input_grad[2] else None
             return grad_a, None, grad_bias, None
+
+    return Dequantized4bit
+
+
+def _paper_linear4bit(bnb):
+    from bitsandbytes import functional as F
+
+    dequantized_4bit = _dequantized_4bit()
 
     class PaperLinear4bit(bnb.nn.Linear4bit):
         """bitsandbytes' `Linear4bit` on paper (see the module's docstring)."""
@@ -118,7 +130,13 @@ def _layers():
             inp_dtype = x.dtype
             x = x.to(self.compute_dtype)
             bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-            return Dequantized4bit.apply(x, self.weight, bias, self.paper_state()).to(inp_dtype)
+            return dequantized_4bit.apply(x, self.weight, bias, self.paper_state()).to(inp_dtype)
+
+    return PaperLinear4bit
+
+
+def _paper_linear8bit(bnb):
+    from bitsandbytes.autograd._functions import MatMul8bitFp, MatmulLtState
 
     class PaperLinear8bitLt(bnb.nn.Linear8bitLt):
         """bitsandbytes' `Linear8bitLt` (``has_fp16_weights=False``) on paper: int8 weight, row scales, and
@@ -147,8 +165,7 @@ def _layers():
             weight = self.weight.to(x.dtype).mul_(self.SCB.unsqueeze(1).mul(1.0 / 127.0))
             return torch.nn.functional.linear(x, weight, bias)
 
-    _CLASSES.update(nf4=PaperLinear4bit, int8=PaperLinear8bitLt)
-    return _CLASSES
+    return PaperLinear8bitLt
 
 
 _CLASSES: dict[str, type] = {}
