@@ -329,7 +329,8 @@ def estimate_peaks(build, sizes: tuple[int, ...], *, seq_len: int, device: str =
         to_fake(model)
         meter = PaperMeter(counter, model, 1, device)
         try:
-            peaks = every_peak(model, meter, seq_len, 0, torch.bfloat16 if bf16 else None, tuple(sizes), device, task)
+            peaks = every_peak(model, meter, seq_len, 0, torch.bfloat16 if bf16 else None, tuple(sizes), device,
+                               task=task)
             return {m: peaks[m] for m in sizes}
         finally:
             meter.close()
