@@ -201,23 +201,21 @@ def _timed_step(step_fn: StepFn, meter: Meter, lever: Any, micro: int, k: int) -
 
 def _tightest_budget(budget_bytes: float) -> float:
     """The smallest budget of all ranks (a rank sharing its device has less)."""
-    if not _distributed():
-        return budget_bytes
-    import torch.distributed as dist
-
-    t = torch.tensor([float(budget_bytes)], dtype=torch.float64, device=_dist_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return float(t.item())
+    return _over_ranks(budget_bytes, "MIN")
 
 
 def _slowest_rank(seconds: float) -> float:
     """A data-parallel step lasts as long as its slowest rank: the MAX over ranks."""
+    return _over_ranks(seconds, "MAX")
+
+
+def _over_ranks(value: float, op: str) -> float:
     if not _distributed():
-        return seconds
+        return value
     import torch.distributed as dist
 
-    t = torch.tensor([float(seconds)], dtype=torch.float64, device=_dist_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_dist_device())
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return float(t.item())
 
 
