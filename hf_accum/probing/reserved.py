@@ -58,7 +58,7 @@ def expandable_from_env(environ=os.environ) -> bool:
     return "expandable_segments:true" in conf
 
 
-@dataclass
+@dataclass(eq=False)  # a block is itself: found in its segment's list by identity (`list.index`), never by fields
 class _Block:
     segment: int
     offset: int
@@ -106,7 +106,7 @@ class CachingAllocator:
         self.allocated -= block.size
         block.state = "free"
         pool = self.pools[self._pool_of(block)]
-        self._merge(pool.segments[block.segment])
+        self._merge_around(pool.segments[block.segment], block)
 
     def empty_cache(self) -> None:
         """Release what is cached: every segment wholly free (expandable: every whole free page)."""
@@ -195,6 +195,18 @@ class CachingAllocator:
                 del blocks[i + 1]
             else:
                 i += 1
+
+    def _merge_around(self, blocks: list[_Block], block: _Block) -> None:
+        """`_merge` after ``block`` alone was freed: every other op leaves no two neighbours both free (or both
+        unmapped), so only ``block``'s neighbours can merge, and a whole-segment scan per free (most of a
+        32-layer step's allocator time) finds the same."""
+        i = blocks.index(block)
+        if i + 1 < len(blocks) and blocks[i + 1].state == "free":
+            block.size += blocks[i + 1].size
+            del blocks[i + 1]
+        if i > 0 and blocks[i - 1].state == "free":
+            blocks[i - 1].size += block.size
+            del blocks[i]
 
     def _unmap_free_pages(self, pool: _Pool, blocks: list[_Block]) -> None:
         page = self._page(pool)
