@@ -230,6 +230,10 @@ def _estimate(args: argparse.Namespace) -> int:
             from .probing import fits
 
             return fits.run(args)
+        if args.recipe is not None:
+            from .probing import recipe_paper
+
+            return recipe_paper.run(args)
         return command.run(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -37,8 +37,8 @@ from .compat import trainer_internals, trl_internals
 from .grpo_entropy import ENTROPY_MASK, bonus_mask, entropy_bonus_factor, with_entropy_masks
 from .loss import LabelSpec
 from .oom import guarded
-from .planning.planner import token_budget
 from .planning.rows import rows_per_device
+from .token_budget import plan_budget
 from .units import Cutter
 
 TOKEN_MEAN_LOSSES = frozenset({"dapo", "cispo", "vespo"})
@@ -218,7 +218,7 @@ def forward_rows(trainer, loaded: list) -> int | None:
     if engine is not None:
         cut, budget = engine.cut_units, engine.token_budget
     else:
-        cut, budget = trainer.planner.cut(trainer.plan), token_budget(trainer.plan)
+        cut, budget = trainer.planner.cut(trainer.plan), plan_budget(trainer.plan)
     if budget is None:
         return cut
     prompt = max(trl_internals.grpo_prompt_lengths(trainer, [example["prompt"] for example in loaded]))

@@ -200,3 +200,11 @@ def _check(lengths: Sequence[int], budget: int | TokenBudget) -> None:
     longest = max(lengths, default=0)
     if longest and _rows(budget, longest) < 1:
         raise TooLongForBudget(f"an example of {longest} tokens exceeds the token budget of {budget} per forward")
+
+
+def plan_budget(plan) -> TokenBudget | None:
+    """The window engine's token budget for ``plan`` (a `planning.plan.Plan`; None, or a plan without a token
+    budget: the engine cuts by rows)."""
+    if plan is None or plan.token_budget is None:
+        return None
+    return TokenBudget(plan.token_budget, plan.token_model)

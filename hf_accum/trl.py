@@ -110,6 +110,8 @@ class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
                 "fused_loss unset, or set router_aux_loss_coef=0.0."
             )
 
+    estimated_loss = "trl_fused_head"  # the loss `probing.seed` rebuilds on paper (this compute_loss, not a subclass's)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.settings.fused_loss is False:
             inputs = {**inputs, "use_cache": False}

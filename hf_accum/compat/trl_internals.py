@@ -68,7 +68,7 @@ def fused_lm_head_outputs(model) -> tuple[str, ...] | None:
     """The fields TRL's fused LM head computes on ``model`` (a transformers model, not a peft wrapper) when
     `add_fused_lm_head` patched it, else None. TRL keeps no marker: its patched ``forward`` is the closure
     ``_fused_forward`` (wrapped to look like the original), holding ``outputs`` among its free variables; a paper
-    model calls it through a `functools.partial` (`recipe_paper.add_trl_fused_head`)."""
+    model calls it through a `functools.partial` (`add_trl_fused_head`)."""
     forward = model.__dict__.get("forward")
     while isinstance(forward, functools.partial):
         forward = forward.func
@@ -184,3 +184,17 @@ def prepared_dataset(task: str, dataset, tokenizer, args):
                        else "prompt" in first and "completion" in first)
     stand_in = SimpleNamespace(_tokenizer=tokenizer, chat_template=None, completion_only_loss=completion_only)
     return SFTTrainer._prepare_dataset(stand_in, dataset, tokenizer, args, args.packing, None, "train")
+
+
+SFT_HEAD_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what AccumSFTTrainer asks of TRL's fused head
+
+
+def add_trl_fused_head(model, outputs: tuple[str, ...] = SFT_HEAD_OUTPUTS) -> None:
+    """TRL's fused LM head on ``model`` (a transformers model, before LoRA wraps it) as AccumSFTTrainer runs it:
+    `add_fused_lm_head` computing ``outputs``, and every call with ``fused_lm_head=True`` (the trainer passes it; the
+    estimate's step calls ``model(**batch)``). One way for a recipe on paper
+    (`probing.recipe_paper`) and for the seed of a trainer's probe (`probing.seed`)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, outputs=outputs)
+    model.forward = functools.partial(model.forward, fused_lm_head=True)

@@ -25,7 +25,7 @@ from ..levers import get_lever
 from ..probing.engine import probe_through_engine
 from ..protocol import Collective, StopTraining
 from ..settings import Settings
-from ..token_budget import TokenBudget
+from ..token_budget import TokenBudget, plan_budget
 from . import tuning
 from .eval_batch import plan_eval_batch
 from .plan import Plan
@@ -96,7 +96,7 @@ class Planner:
     # --- writing ----------------------------------------------------------------------------------------------
     def configure(self, engine) -> None:
         """A window engine just built gets the plan's cut and token budget."""
-        engine.token_budget = token_budget(self.plan)
+        engine.token_budget = plan_budget(self.plan)
         engine.cut_units = self.cut(self.plan)
 
     def apply(self, plan: Plan, *, in_training_loop: bool = False) -> None:
@@ -109,7 +109,7 @@ class Planner:
             trainer.engine.check_plan(plan)  # before anything changes
         engine = trainer._engine
         if engine is not None:
-            engine.token_budget = token_budget(plan)
+            engine.token_budget = plan_budget(plan)
         if not in_training_loop:
             # loaded whole, each window is cut by the engine (`cut`); else transformers loads the micro-batches
             self._whole_windows = self._args_load_windows()
@@ -360,10 +360,3 @@ def set_train_batch_size(trainer, micro: int) -> None:
     (set from the arguments in `__init__`); a plan applied after `__init__` must set it too (pinned by
     test_compat.py: it fails when transformers renames the field)."""
     trainer._train_batch_size = micro
-
-
-def token_budget(plan: Plan | None) -> TokenBudget | None:
-    """The engine's token budget for ``plan`` (None: it cuts by rows)."""
-    if plan is None or plan.token_budget is None:
-        return None
-    return TokenBudget(plan.token_budget, plan.token_model)

@@ -159,10 +159,6 @@ def run(args: Any, say=print) -> int:
     from .estimate import estimate_model
     from .report import summary, table
 
-    if args.recipe is not None:
-        from . import recipe_paper
-
-        return recipe_paper.run(args, say)
     device = args.device or machine_device()
     memory = parse_size(args.device_memory) if args.device_memory else machine_memory(device, "--device-memory")
     config = load_config(args.model)

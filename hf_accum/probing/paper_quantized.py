@@ -231,3 +231,38 @@ def quantized_model(model: torch.nn.Module, quantization: str | None, **options:
         if n in dtypes and p.dtype != dtypes[n]:
             p.data = p.data.to(dtypes[n])
     return wrapped
+
+
+def quantization_name(quantization: dict[str, Any] | None) -> str | None:
+    """model.quantization (BitsAndBytesConfig keywords) as the estimate's ``quantization``: "nf4", "int8" or None."""
+    if not quantization:
+        return None
+    if quantization.get("load_in_8bit"):
+        return "int8"
+    if not quantization.get("load_in_4bit"):
+        return None
+    kind = quantization.get("bnb_4bit_quant_type", "fp4")
+    if kind != "nf4":
+        raise ValueError(f"model.quantization.bnb_4bit_quant_type={kind}: the estimate models NF4 4-bit bases; set "
+                         "bnb_4bit_quant_type=nf4, or probe for real")
+    return "nf4"
+
+
+def quantization_keywords(quantization: dict[str, Any] | None) -> dict[str, Any]:
+    """`estimate_model`'s ``quantization`` and, where they differ from its defaults (bfloat16 compute, double
+    quantization), ``quantization_options``, from BitsAndBytesConfig keywords (a recipe's model.quantization, or a
+    loaded model's ``config.quantization_config.to_dict()``); {} for none. Absent keys are BitsAndBytesConfig's
+    defaults (float32 compute, no double quantization)."""
+    import torch
+
+    name = quantization_name(quantization)
+    if name is None:
+        return {}
+    keywords: dict[str, Any] = {"quantization": name}
+    if name == "nf4":
+        dtype = quantization.get("bnb_4bit_compute_dtype") or torch.float32
+        dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+        options = {"compute_dtype": dtype, "double_quant": bool(quantization.get("bnb_4bit_use_double_quant"))}
+        if options != {"compute_dtype": torch.bfloat16, "double_quant": True}:
+            keywords["quantization_options"] = options
+    return keywords

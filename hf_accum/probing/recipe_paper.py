@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..compat.trl_internals import add_trl_fused_head
+from .paper_quantized import quantization_keywords
+
 #: model.task -> the estimate's head (its `task` keyword)
 HEADS = {"causal_lm": "causal_lm", "dpo": "causal_lm", "seq_cls": "classification"}
 #: the optimizers the estimate runs: torch's AdamW (its kernel keywords passed on)
 ADAMW = ("adamw_torch", "adamw_torch_fused")  # transformers' OptimizerNames
 #: the outputs AccumSFTTrainer's fused LM head computes (TRL's SFTTrainer: the loss, entropy and token accuracy)
-SFT_HEAD_OUTPUTS = ("log_probs", "entropy", "is_top1")
 
 
 @dataclass(frozen=True)
@@ -87,41 +89,6 @@ def settings(recipe, args) -> PaperRecipe:
         bf16_adapters=quantization is not None and task in ("causal_lm", "dpo"),
         device="cpu" if args.use_cpu else None, seq_len=args.probe_seq_len,
         max_length=recipe.data.max_length if task == "seq_cls" else args.max_length, keywords=keywords)
-
-
-def quantization_name(quantization: dict[str, Any] | None) -> str | None:
-    """model.quantization (BitsAndBytesConfig keywords) as the estimate's ``quantization``: "nf4", "int8" or None."""
-    if not quantization:
-        return None
-    if quantization.get("load_in_8bit"):
-        return "int8"
-    if not quantization.get("load_in_4bit"):
-        return None
-    kind = quantization.get("bnb_4bit_quant_type", "fp4")
-    if kind != "nf4":
-        raise ValueError(f"model.quantization.bnb_4bit_quant_type={kind}: the estimate models NF4 4-bit bases; set "
-                         "bnb_4bit_quant_type=nf4, or probe for real")
-    return "nf4"
-
-
-def quantization_keywords(quantization: dict[str, Any] | None) -> dict[str, Any]:
-    """`estimate_model`'s ``quantization`` and, where they differ from its defaults (bfloat16 compute, double
-    quantization), ``quantization_options``, from BitsAndBytesConfig keywords (a recipe's model.quantization, or a
-    loaded model's ``config.quantization_config.to_dict()``); {} for none. Absent keys are BitsAndBytesConfig's
-    defaults (float32 compute, no double quantization)."""
-    import torch
-
-    name = quantization_name(quantization)
-    if name is None:
-        return {}
-    keywords: dict[str, Any] = {"quantization": name}
-    if name == "nf4":
-        dtype = quantization.get("bnb_4bit_compute_dtype") or torch.float32
-        dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
-        options = {"compute_dtype": dtype, "double_quant": bool(quantization.get("bnb_4bit_use_double_quant"))}
-        if options != {"compute_dtype": torch.bfloat16, "double_quant": True}:
-            keywords["quantization_options"] = options
-    return keywords
 
 
 def _trl_fuses() -> bool:
@@ -211,16 +178,6 @@ def builder(paper: PaperRecipe, tokenizer=None, revision: str | None = None, tru
         return model
 
     return build
-
-
-def add_trl_fused_head(model, outputs: tuple[str, ...] = SFT_HEAD_OUTPUTS) -> None:
-    """TRL's fused LM head on ``model`` (a transformers model, before LoRA wraps it) as AccumSFTTrainer runs it:
-    `add_fused_lm_head` computing ``outputs``, and every call with ``fused_lm_head=True`` (the trainer passes it; the
-    estimate's step calls ``model(**batch)``). One way for a recipe on paper and for the seed of a trainer's probe."""
-    from trl.trainer.utils import add_fused_lm_head
-
-    add_fused_lm_head(model, outputs=outputs)
-    model.forward = functools.partial(model.forward, fused_lm_head=True)
 
 
 def _from_config(paper, kind, num_labels, dtype, tokenizer, revision, trust_remote_code):

@@ -141,12 +141,10 @@ def trainer_reason(trainer) -> str | None:
 
 
 def _sft_step(trainer) -> bool:
-    """Whether ``trainer``'s loss is AccumSFTTrainer's own (not overridden again)."""
-    try:
-        from ..trl import AccumSFTTrainer
-    except ImportError:  # TRL is not installed: no trainer of its kind
-        return False
-    return type(trainer).compute_loss is AccumSFTTrainer.compute_loss
+    """Whether ``trainer``'s loss is AccumSFTTrainer's own (not overridden again): the class that defines its
+    ``compute_loss`` declares ``estimated_loss`` itself (read without importing hf_accum.trl)."""
+    owner = next(c for c in type(trainer).__mro__ if "compute_loss" in c.__dict__)
+    return owner.__dict__.get("estimated_loss") == "trl_fused_head"
 
 
 def unsupported_reason(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> str | None:
@@ -172,12 +170,12 @@ def _fused_patch(model: torch.nn.Module):
 
 
 def quantization_of(model: torch.nn.Module) -> dict[str, Any]:
-    """`estimate_model`'s quantization keywords for ``model``'s base (`recipe_paper.quantization_keywords` of its
+    """`estimate_model`'s quantization keywords for ``model``'s base (`paper_quantized.quantization_keywords` of its
     ``config.quantization_config``): {} when not quantized; ValueError for a quantization the estimate does not
     model (another method than bitsandbytes, FP4)."""
     from transformers.utils.quantization_config import QuantizationMethod
 
-    from .recipe_paper import quantization_keywords
+    from .paper_quantized import quantization_keywords
 
     quantization = getattr(model.config, "quantization_config", None)
     if quantization is None:
@@ -201,15 +199,14 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
     """A callable building ``model`` again from its config (and its LoRA config), unquantized (`quantization_of`
     gives the estimate the quantization), with the same parameters trainable and in the same dtypes (TRL's bfloat16
     adapters on a quantized base), the same layers checkpointed (non-reentrant), TRL's fused LM head
-    (`recipe_paper.add_trl_fused_head`, the same outputs) or the fused loss where ``model`` has it; ValueError where
+    (`compat.trl_internals.add_trl_fused_head`, the same outputs) or the fused loss where ``model`` has it; ValueError where
     the names differ."""
     import copy
 
     from transformers import AutoModelForCausalLM
 
-    from ..compat.trl_internals import fused_lm_head_outputs
+    from ..compat.trl_internals import add_trl_fused_head, fused_lm_head_outputs
     from ..levers.checkpointing import enable_checkpointing
-    from .recipe_paper import add_trl_fused_head
 
     peft_config = _peft_config(model)
     base = model.get_base_model() if peft_config is not None else model
