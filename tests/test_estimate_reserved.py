@@ -176,8 +176,9 @@ _WHOLE_SEGMENT_MERGE = CachingAllocator._merge
 class _FullScan(CachingAllocator):
     """The allocator merging the freed block's whole segment, as before the merge went local: the reference."""
 
-    def _merge_around(self, blocks, block):
-        self._merge(blocks)
+    def _merge_around(self, pool, blocks, block):
+        pool.add(block)
+        self._merge(pool, blocks)
 
 
 def _state(allocator):
@@ -196,8 +197,8 @@ def test_a_free_merges_only_its_neighbours_and_ends_as_the_whole_segment_scan(ex
     rng = random.Random(0)
     ours, reference = CachingAllocator(expandable), _FullScan(expandable)
     scans = []
-    monkeypatch.setattr(CachingAllocator, "_merge", lambda self, blocks: (scans.append(len(blocks)),
-                                                                           _WHOLE_SEGMENT_MERGE(self, blocks)))
+    monkeypatch.setattr(CachingAllocator, "_merge", lambda self, pool, blocks: (
+        scans.append(len(blocks)), _WHOLE_SEGMENT_MERGE(self, pool, blocks)))
     live = []
     for step in range(400):
         r = rng.random()
@@ -217,3 +218,51 @@ def test_a_free_merges_only_its_neighbours_and_ends_as_the_whole_segment_scan(ex
                 a.empty_cache()
         assert _state(ours) == _state(reference), step
 
+
+
+class _ScanFit(CachingAllocator):
+    """Best fit by a scan of every block of the pool, as before the free blocks were kept sorted: the reference."""
+
+    def _best_fit(self, pool, size):
+        best = None
+        for blocks in pool.segments.values():
+            for b in blocks:
+                if b.state == "free" and b.size >= size and (best is None or b.size < best.size):
+                    best = b
+        return best
+
+
+def _indexed_free_blocks_are_the_free_blocks(allocator):
+    for pool in allocator.pools.values():
+        free = sorted((b.size, b.segment, b.offset) for blocks in pool.segments.values() for b in blocks
+                      if b.state == "free")
+        assert pool.free == free and all(pool.by_key[k].state == "free" for k in free)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_best_fit_from_the_sorted_free_blocks_is_the_scans_choice(expandable):
+    """The free blocks kept sorted by (size, segment, offset) give the block a scan of every block picks (the
+    smallest that holds the request; ties: the oldest segment, the lowest offset): the same state after each of 600
+    random mallocs (many of equal sizes, so ties happen), frees and empty_caches."""
+    import random
+
+    rng = random.Random(1)
+    ours, reference = CachingAllocator(expandable), _ScanFit(expandable)
+    live = []
+    for step in range(600):
+        r = rng.random()
+        if r < 0.55 or not live:
+            nbytes = rng.choice([rng.choice([512, 4096, 3 * MiB, 12 * MiB]), rng.randint(1, 2 * MiB),
+                                 rng.randint(MiB, 60 * MiB)])
+            for a in (ours, reference):
+                a.malloc(step, nbytes)
+            live.append(step)
+        elif r < 0.96:
+            key = live.pop(rng.randrange(len(live)))
+            for a in (ours, reference):
+                a.free(key)
+        else:
+            for a in (ours, reference):
+                a.empty_cache()
+        assert _state(ours) == _state(reference), step
+        _indexed_free_blocks_are_the_free_blocks(ours)

@@ -140,6 +140,21 @@ def test_a_smaller_card_whose_edge_the_sizes_measured_do_not_decide_is_estimated
     assert calls == [80, 48, 24]
 
 
+def test_the_calls_come_grouped_by_sequence_then_lever_largest_card_first():
+    """One model on paper serves a (sequence, lever) group (`paper_session.OneAtATime` opens each once): per
+    sequence, every card's estimate without the lever, then the lever's, largest card first, a key never back."""
+    tables = {(s, None): {m: (10 + 20 * m) * GiB for m in range(1, 6)} for s in (512, 2048)}
+    tables.update({(s, "all"): {m: (8 + 2 * m) * GiB for m in range(1, 11)} for s in (512, 2048)})
+    measure, calls = _recording(tables)
+    cells = plan_cells([24 * GiB, 32 * GiB, 80 * GiB], [2048, 512], measure, fraction=0.9, cap=8)
+    # budgets 21.6, 28.8 and 72 GiB: 3 rows fit 80 GiB without the lever; 32 and 24 GiB need it (8, the cap, and 6)
+    assert [(c.card_bytes // GiB, c.micro_batch, c.checkpointing) for c in cells][:3] == [
+        (24, 6, "all"), (32, 8, "all"), (80, 3, "none")]
+    keys = [(seq, lever) for seq, lever, _ in calls]
+    assert keys == sorted(keys, key=lambda k: (k[0], k[1] is not None))  # grouped: no key comes back
+    assert calls == [(512, None, 80), (512, "all", 32), (2048, None, 80), (2048, "all", 32)]
+
+
 def test_decided_fit():
     assert fits.decided_fit({1: 5, 2: 9}, 8, 32) == 1
     assert fits.decided_fit({1: 9}, 8, 32) == 0
@@ -257,6 +272,8 @@ def test_a_seq_len_list_with_one_card_is_a_table_for_this_device(llama_folder, c
 @pytest.mark.parametrize("flags, words", [
     (["--seq-len", "64,512"], "--seq-len: a comma list is for --estimate"),
     (["--estimate", "--seq-len", "64,0"], "--seq-len=0 must be a positive integer"),
+    (["--estimate", "--device-memory", "24GiB,80GiB", "--seq-len", "64,8192"],
+     "--seq-len 8192 exceeds the model's max_position_embeddings=4096"),
     (["--estimate", "--device-memory", "24GiB,lots"], "--device-memory='lots'"),
     (["--estimate", "--device-memory", "24GiB,,80GiB"], "an empty value"),
     (["--estimate", "--device-memory", "24GiB,80GiB", "--budget-bytes", "100"], "--budget-bytes is one budget"),

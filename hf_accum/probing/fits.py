@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .paper_session import OneAtATime, PaperSession
+
 GIB = 2**30
 #: Card sizes (GiB) "the smallest card that would" is chosen from: the common sizes of NVIDIA's data-centre and
 #: consumer cards (8, 16, 24, 40, 48, 80, 96 GB; 141 GB for the H200).
@@ -130,7 +132,8 @@ def plan_cells(cards: Sequence[int], seq_lens: Sequence[int],
     """The grid. Per sequence length and lever the peaks every estimate measured are pooled (a step's peak does not
     depend on the card): the largest card is estimated first (``measure(seq_len, lever, card)``: peaks by
     micro-batch, and that card's largest fit as its estimate concluded it), and a smaller card only where the sizes
-    measured so far do not decide its edge (`decided_fit`).
+    measured so far do not decide its edge (`decided_fit`). The calls come grouped by sequence length, then lever
+    (cards largest first), so one model on paper can serve a group (`paper_session.py`).
     The lever (every layer checkpointed) is estimated only for cards where micro-batch 1 does not fit without it.
 
     A lever whose micro-batch 1 did not fit the largest card at a shorter sequence is not estimated again at a longer
@@ -140,12 +143,14 @@ def plan_cells(cards: Sequence[int], seq_lens: Sequence[int],
     too_long: dict[str | int | None, int] = {}  # lever -> the shortest sequence at which micro-batch 1 did not fit
     for seq in sorted(seq_lens):
         known: dict[str | int | None, dict[int, int]] = {lever: {} for lever in levers}
-        row = []
-        for card in sorted(cards, reverse=True):
-            budget = int(fraction * card)
-            for i, lever in enumerate(levers):
-                if lever in too_long and seq > too_long[lever] and i < len(levers) - 1:
+        placed: dict[int, Cell] = {}
+        for i, lever in enumerate(levers):
+            if lever in too_long and seq > too_long[lever] and i < len(levers) - 1:
+                continue
+            for card in sorted(cards, reverse=True):
+                if card in placed:
                     continue
+                budget = int(fraction * card)
                 micro = decided_fit(known[lever], budget, cap)
                 if micro is None:
                     peaks, own = measure(seq, lever, card)
@@ -156,11 +161,10 @@ def plan_cells(cards: Sequence[int], seq_lens: Sequence[int],
                     if micro is None:  # the card's own search decided its edge by its line: its answer
                         micro = own if own is not None else largest_fit(known[lever], budget, cap)
                 if micro:
-                    row.append(Cell(card, seq, micro, _label(lever), micro == cap, known[lever].get(micro)))
-                    break
-            else:
-                card_gib, lever = _smallest_card_and_lever(known, levers, fraction)
-                row.append(Cell(card, seq, 0, None, smallest_card_gib=card_gib, needs=lever))
+                    placed[card] = Cell(card, seq, micro, _label(lever), micro == cap, known[lever].get(micro))
+        smallest, needs = _smallest_card_and_lever(known, levers, fraction)
+        row = [placed.get(card) or Cell(card, seq, 0, None, smallest_card_gib=smallest, needs=needs)
+               for card in cards]
         for cell in row:  # once every card of the row is planned: what a lever estimated for another card shows
             if cell.fits:
                 later = levers[[_label(lever) for lever in levers].index(cell.checkpointing) + 1:]
@@ -235,25 +239,34 @@ class Measured:
 
 def measure(model, *, seq_len: int, card_bytes: int, cap: int, target_batch_size: int, device: str, bf16: bool,
             fraction: float, lora_r: int | None, lora_target_modules: str | None, fused_loss: bool | None,
-            quantization: str | None, checkpoint_layers: str | int | None, quantization_options=None,
-            log=None) -> Measured:
-    """The predicted peak per micro-batch size the estimate's search ran, for the card ``card_bytes`` (the largest:
-    its search brackets every smaller card's edge). ``quantization`` ("nf4", "int8") and ``checkpoint_layers``
-    ("all") are passed to `hf_accum.estimate` only when set. Micro-batch 1 not fitting is an answer, not an error:
-    its peak is returned."""
-    from .loop import NothingFitsError
-    from .paper import estimate
+            quantization: str | None, checkpoint_layers: str | int | None, quantization_options=None) -> Measured:
+    """One card's estimate (``model``: a config folder, a hub id or a callable building the model): the predicted
+    peak per micro-batch size its search ran. ``quantization`` ("nf4", "int8") and ``checkpoint_layers`` (None,
+    "all", k) as `hf_accum.estimate`'s. Micro-batch 1 not fitting is an answer, not an error: its peak is returned."""
+    build = builder(model, lora_r, lora_target_modules, fused_loss)
+    with PaperSession(build, seq_len=seq_len, device=device, bf16=bf16, capacity=card_bytes,
+                      quantization=quantization, quantization_options=quantization_options,
+                      checkpoint_layers=checkpoint_layers) as session:
+        return searched(session, int(fraction * card_bytes), cap, target_batch_size)
 
-    levers = {k: v for k, v in (("quantization", quantization), ("checkpoint_layers", checkpoint_layers),
-                                ("quantization_options", quantization_options)) if v is not None}
-    try:
-        est = estimate(model, seq_len=seq_len, target_batch_size=target_batch_size, device=device,
-                       device_memory=card_bytes, lora_r=lora_r, lora_target_modules=lora_target_modules,
-                       fused_loss=fused_loss, bf16=bf16, budget_fraction=fraction, max_micro_batch=cap,
-                       all_peaks=False, log=log, **levers)
-    except NothingFitsError as exc:
-        return Measured(charged(exc.result.trials), 0, None)
-    return Measured(charged(est.result.trials), est.result.max_micro_batch_size, est.loss, tuple(est.assumptions))
+
+def builder(model, lora_r: int | None, lora_target_modules: str | None, fused_loss: bool | None):
+    """The model as `hf_accum.estimate` builds it: from its config, LoRA adapters of rank ``lora_r``, the fused loss
+    as the trainer installs it."""
+    from . import paper
+
+    build = paper.config_builder(paper.load_config(model)) if isinstance(model, str) else model
+    if lora_r is not None:
+        build = paper.with_lora(build, lora_r, lora_target_modules)
+    return paper.with_fused_loss(build, fused_loss)
+
+
+def searched(session: PaperSession, budget: int, cap: int, per_rank: int) -> Measured:
+    """One card's search on ``session`` (its model warmed, the sizes it stepped remembered)."""
+    result = session.fit(budget, cap, per_rank)
+    if result.max_micro_batch_size < 1:
+        return Measured(charged(result.trials), 0, None)
+    return Measured(charged(result.trials), result.max_micro_batch_size, session.loss, session.assumptions)
 
 
 def charged(trials) -> dict[int, int]:
@@ -268,8 +281,6 @@ def run(args: Any, say=print) -> int:
     import json
     import time
 
-    import torch
-
     from . import paper
 
     cards, device, fraction = _cards(args)
@@ -280,7 +291,8 @@ def run(args: Any, say=print) -> int:
     lora_r = args.lora_r if args.lora or quantization else None
     levers = _levers(args)
     config = paper.load_config(args.model)
-    build = paper.config_builder(config)
+    _check_lengths(config, seq_lens)
+    build = builder(paper.config_builder(config), lora_r, args.lora_target_modules, args.fused_loss)
     what = ("QLoRA (" + quantization + f" base, LoRA r={lora_r})" if quantization else
             f"LoRA r={lora_r}" if lora_r else "full fine-tuning")
     say(f"what fits where: {args.model}, {what}, {'bf16 autocast' if args.bf16 else 'no autocast'}, weights "
@@ -293,22 +305,17 @@ def run(args: Any, say=print) -> int:
 
     def one(seq: int, lever, card: int):
         t0 = time.perf_counter()
-        out = measure(build, seq_len=seq, card_bytes=card, cap=cap, target_batch_size=args.target_batch,
-                      device=device, bf16=args.bf16, fraction=fraction, lora_r=lora_r,
-                      lora_target_modules=args.lora_target_modules, fused_loss=args.fused_loss,
-                      quantization=quantization, checkpoint_layers=lever,
-                      # the probe's --load-in-4bit, as the single estimate: no double quantization, the autocast dtype
-                      quantization_options=None if quantization is None else {
-                          "compute_dtype": torch.bfloat16 if args.bf16 else torch.float32, "double_quant": False})
+        out = searched(sessions(seq, lever), int(fraction * card), cap, args.target_batch)
         losses.extend([out.loss] if out.loss else [])
         assumed.extend([out.assumptions] if out.loss else [])
         pooled = measured.setdefault(f"{seq}/{_label(lever)}", {})
         pooled.update({str(m): v for m, v in sorted(out.peaks.items())})
-        say(f"  seq {seq}, checkpointing {_label(lever)}: {len(out.peaks)} sizes estimated for the {card_name(card)}"
+        say(f"  seq {seq}, checkpointing {_label(lever)}: {len(out.peaks)} sizes searched for the {card_name(card)}"
             f" card ({time.perf_counter() - t0:.0f} s)")
         return out.peaks, out.largest
 
-    cells = plan_cells(cards, seq_lens, one, fraction=fraction, cap=cap, levers=levers)
+    with OneAtATime(_opener(build, device, args.bf16, max(cards), quantization)) as sessions:
+        cells = plan_cells(cards, seq_lens, one, fraction=fraction, cap=cap, levers=levers)
     seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - cpu
     loss, assumptions = _say_table(say, cells, cards, seq_lens, args.target_batch, losses, assumed, device)
     say(f"estimated in {seconds:.0f} s ({cpu_seconds:.0f} s of CPU time)")
@@ -321,6 +328,27 @@ def run(args: Any, say=print) -> int:
             json.dump(to_json(cells, settings), f, indent=2)
         say(f"wrote {args.json}")
     return 0
+
+
+def _opener(build, device: str, bf16: bool, capacity: int, quantization: str | None):
+    """``open(seq_len, lever)``: the grid's model on paper at that sequence length and checkpointing."""
+    import torch
+
+    # the probe's --load-in-4bit, as the single estimate: no double quantization, computing in the autocast dtype
+    options = None if quantization is None else {"compute_dtype": torch.bfloat16 if bf16 else torch.float32,
+                                                 "double_quant": False}
+    return lambda seq, lever: PaperSession(build, seq_len=seq, device=device, bf16=bf16, capacity=capacity,
+                                           quantization=quantization, quantization_options=options,
+                                           checkpoint_layers=lever)
+
+
+def _check_lengths(config, seq_lens: Sequence[int]) -> None:
+    """Every --seq-len within the model's positions, before any estimate runs."""
+    limit = getattr(config, "max_position_embeddings", None)
+    too_long = [seq for seq in seq_lens if limit is not None and seq > limit]
+    if too_long:
+        raise ValueError(f"--seq-len {too_long[0]} exceeds the model's max_position_embeddings={limit}; give lengths "
+                         f"<= {limit}")
 
 
 def _cards(args: Any) -> tuple[list[int], str, float]:

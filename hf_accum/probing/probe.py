@@ -182,6 +182,29 @@ def probe_model(
     :class:`NothingFitsError` when micro-batch 1 exceeds the budget.
     """
     per_rank, cap = _checked_window(model, seq_len, target_batch_size, world_size, max_micro_batch)
+    with stepping(model, make_batch=make_batch or random_token_batch(model, seq_len), optimizer_cls=optimizer_cls,
+                  optimizer_kwargs=optimizer_kwargs, optimizer=optimizer, forward=forward,
+                  autocast_dtype=autocast_dtype, max_grad_norm=max_grad_norm, meter=meter) as (step_fn, meter):
+        budget = resolve_budget(meter, budget_bytes, budget_fraction, names=budget_names)
+        seed, estimated = seeder(budget, meter) if seeder is not None else (None, None)
+        result = _search(step_fn, meter, budget, cap, per_rank, optimize=optimize, log=log, lever=lever, seed=seed)
+        # the levers in use before the plan is made: "nothing fits" suggests only those that are off
+        result.extra.update(seq_len=seq_len, levers_on=levers_on(model), **({} if estimated is None else
+                                                                            {"estimate": estimated}))
+        plan = _with_level(plan_from_result(result, target_batch_size, world_size), result)
+        plan = _with_kernel(plan, result, model, step_fn, meter, budget, lever, autocast_dtype is not None, log)
+    return result, plan
+
+
+@contextlib.contextmanager
+def stepping(model: torch.nn.Module, *, make_batch: MakeBatch,
+             optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+             optimizer_kwargs: dict[str, Any] | None = None, optimizer: torch.optim.Optimizer | None = None,
+             forward: Callable[[torch.nn.Module, dict[str, Any]], torch.Tensor] | None = None,
+             autocast_dtype: torch.dtype | None = None, max_grad_norm: float | None = None,
+             meter: Meter | None = None):
+    """The probe's step of ``model`` and its meter, ``(step_fn, meter)``, for as long as the block runs: a fresh
+    optimizer (see `probe_model`), the model, its gradients and the RNG restored after."""
     bitsandbytes_cpu.keep_unpacked(model)  # a 4-bit layer packed by an eval-mode forward on CPU drops gradients
     with preserved(model):
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -189,22 +212,11 @@ def probe_model(
             raise ValueError("the model has no trainable parameters (requires_grad=False everywhere)")
         opt = fresh_optimizer_like(optimizer) if optimizer is not None else optimizer_cls(trainable,
                                                                                            **(optimizer_kwargs or {}))
-        meter = _meter_for(model, opt, meter)
-        budget = resolve_budget(meter, budget_bytes, budget_fraction, names=budget_names)
-        step_fn = make_step_fn(model, opt, make_batch or random_token_batch(model, seq_len), forward=forward,
-                               autocast_dtype=autocast_dtype, max_grad_norm=max_grad_norm)
-        seed, estimated = seeder(budget, meter) if seeder is not None else (None, None)
         try:
-            result = _search(step_fn, meter, budget, cap, per_rank, optimize=optimize, log=log, lever=lever,
-                             seed=seed)
-            # the levers in use before the plan is made: "nothing fits" suggests only those that are off
-            result.extra.update(seq_len=seq_len, levers_on=levers_on(model), **({} if estimated is None else
-                                                                                {"estimate": estimated}))
-            plan = _with_level(plan_from_result(result, target_batch_size, world_size), result)
-            plan = _with_kernel(plan, result, model, step_fn, meter, budget, lever, autocast_dtype is not None, log)
+            yield make_step_fn(model, opt, make_batch, forward=forward, autocast_dtype=autocast_dtype,
+                               max_grad_norm=max_grad_norm), _meter_for(model, opt, meter)
         finally:
             opt.state.clear()  # the probe's optimizer state goes now, not whenever the closures die
-    return result, plan
 
 
 def _with_kernel(plan: Plan, result: ProbeResult, model, step_fn: StepFn, meter: Meter, budget: int, lever: Any,
