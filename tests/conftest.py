@@ -1,4 +1,4 @@
-"""Shared pytest hooks, fixtures (`tok`) and the trainer factory the tuning tests share (`sft_trainer`)."""
+"""Shared pytest hooks, fixtures (`tok`, the config-only Llamas `llama_folder` and `deep_folder`) and the trainer factory the tuning tests share (`sft_trainer`)."""
 
 import pytest
 import torch
@@ -30,6 +30,30 @@ def tok():
     from hf_accum.tiny import build_tokenizer
 
     return build_tokenizer()
+
+
+def _llama_config_folder(tmp_path_factory, name, **sizes):
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp(name)
+    LlamaConfig(vocab_size=512, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                **sizes).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    """A folder holding only the config.json of a 2-layer Llama (hidden 64, vocab 512, 4096 positions): what
+    `--estimate` builds on paper."""
+    return _llama_config_folder(tmp_path_factory, "llama", hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def deep_folder(tmp_path_factory):
+    """Eight layers: checkpointing them saves more than their recomputation costs at seq 2048."""
+    return _llama_config_folder(tmp_path_factory, "deep", hidden_size=128, intermediate_size=512,
+                                num_hidden_layers=8)
 
 
 def sft_trainer(tok, model=None, **kw):

@@ -198,16 +198,6 @@ def test_table_and_json():
 
 
 # --- the command, against one estimate per card ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory):
-    from transformers import LlamaConfig
-
-    folder = tmp_path_factory.mktemp("llama")
-    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=4096).save_pretrained(folder)
-    return str(folder)
-
-
 CARDS = ["40MiB", "80MiB", "200MiB"]
 
 
@@ -304,17 +294,6 @@ def test_qlora_table_passes_quantization_nf4(llama_folder, capsys):
                  "--seq-len", "64,512", "--load-in-4bit"]) == 0
     text = capsys.readouterr().out
     assert "QLoRA (nf4 base, LoRA r=8)" in text and "| 512 |" in text
-
-
-@pytest.fixture(scope="module")
-def deep_folder(tmp_path_factory):
-    """Eight layers: checkpointing them saves more than their recomputation costs at seq 2048."""
-    from transformers import LlamaConfig
-
-    folder = tmp_path_factory.mktemp("deep")
-    LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=4096).save_pretrained(folder)
-    return str(folder)
 
 
 def test_the_checkpointing_lever_is_estimated_where_micro_batch_1_does_not_fit(deep_folder, tmp_path, capsys):

@@ -12,16 +12,6 @@ from hf_accum.probing.paper_session import OneAtATime, PaperSession
 MiB = 2**20
 
 
-@pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory):
-    from transformers import LlamaConfig
-
-    folder = tmp_path_factory.mktemp("llama")
-    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=1024).save_pretrained(folder)
-    return str(folder)
-
-
 def _session(folder, *, lora, checkpoint_layers=None, quantization=None, seq_len=256):
     build = fits.builder(folder, 8 if lora or quantization else None, None, None)
     options = None if quantization is None else {"compute_dtype": torch.bfloat16, "double_quant": False}
@@ -82,8 +72,8 @@ def test_a_later_search_steps_only_the_sizes_not_stepped_before(llama_folder, mo
 
 
 def test_a_session_refuses_a_sequence_longer_than_the_models_positions(llama_folder):
-    with pytest.raises(ValueError, match="seq_len=2048 exceeds the model's max_position_embeddings=1024"):
-        with _session(llama_folder, lora=False, seq_len=2048):
+    with pytest.raises(ValueError, match="seq_len=8192 exceeds the model's max_position_embeddings=4096"):
+        with _session(llama_folder, lora=False, seq_len=8192):
             pass
     with pytest.raises(ValueError, match="a session holds one level"):
         _session(llama_folder, lora=False, checkpoint_layers="auto")
