@@ -102,7 +102,7 @@ def part2():
         ids = [g.randint(1, 96) for _ in range(n)]
         data.append({"input_ids": ids, "labels": [-100] * (n // 4) + ids[n // 4:]})
     results = {}
-    in_force = planner.token_budget
+    in_force = planner.plan_budget
 
     def fewest(plan):  # the cut before the padding target: the fewest forwards, whatever they pad
         budget = in_force(plan)
@@ -110,7 +110,7 @@ def part2():
 
     for name, mode in (("samples", "samples"), ("tokens, fewest forwards", "tokens"), ("tokens", "tokens")):
         with tempfile.TemporaryDirectory() as out, \
-                mock.patch.object(planner, "token_budget", fewest if "fewest" in name else in_force):
+                mock.patch.object(planner, "plan_budget", fewest if "fewest" in name else in_force):
             args = AccumTrainingArguments(
                 output_dir=out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=TARGET // MICRO,
                 target_batch_size=TARGET, auto_tune=False, micro_batching=mode,

@@ -137,6 +137,7 @@ def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: 
     target = budget.padding_target if isinstance(budget, TokenBudget) else PADDING_TARGET
     # never more forwards than equal micro-batches sized for the window's longest row ("samples" mode's plan)
     most = max(k, -(-n // max(1, _rows(budget, sorted_len[-1])))) if n else k
+    real = sum(sorted_len)  # the tokens the rows hold: a cut stops adding forwards once its padding is within target
     inf = float("inf")
     # best[g][i]: least padded tokens of rows 0..i-1 in g groups (inf if none fits); one layer per group count
     best = [[0.0] + [inf] * n]
@@ -158,7 +159,7 @@ def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: 
         cut.append(where)
         if g < k:
             continue
-        if target is None or g >= most or best[g][n] <= target * sum(sorted_len):
+        if target is None or g >= most or best[g][n] <= target * real:
             break
     k = g
     if best[k][n] == inf:  # cannot happen for k >= least; kept as a guard against a wrong budget

@@ -161,6 +161,7 @@ def test_cli_estimates_a_recipe_and_prints_the_trainers_plan_line(tmp_path, caps
     data = json.loads(out.read_text())
     assert data["estimated"] is True and data["recipe"] == "lora_classification" and data["seq_len"] == 16
     assert data["micro_batch_size"] == 2
+    assert data["seq_len_source"] == "the longest of 2000 training examples"  # where the length came from
 
 
 def test_cli_refuses_grpo_in_one_line(capsys):

@@ -5,7 +5,7 @@ also checked against that card's own estimate in tests/test_fits.py)."""
 import pytest
 import torch
 
-from hf_accum.probing import fits
+from hf_accum.probing import paper
 from hf_accum.probing.paper_meter import PaperMeter
 from hf_accum.probing.paper_session import OneAtATime, PaperSession
 
@@ -13,7 +13,7 @@ MiB = 2**20
 
 
 def _session(folder, *, lora, checkpoint_layers=None, quantization=None, seq_len=256):
-    build = fits.builder(folder, 8 if lora or quantization else None, None, None)
+    build = paper.builder(folder, 8 if lora or quantization else None, None, None)
     options = None if quantization is None else {"compute_dtype": torch.bfloat16, "double_quant": False}
     return PaperSession(build, seq_len=seq_len, device="cuda", bf16=quantization is not None, capacity=1024 * MiB,
                         quantization=quantization, quantization_options=options, checkpoint_layers=checkpoint_layers)

@@ -145,6 +145,13 @@ def fake_session(granule: int = 1, allocator: CachingAllocator | None = None):
         yield counter
 
 
+def device_session(device: str, expandable: bool):
+    """`fake_session` counting as ``device`` allocates: on CUDA 512-byte blocks replayed through the caching
+    allocator's model (``expandable``: its segment kind), on CPU the bytes requested."""
+    cuda = device == "cuda"
+    return fake_session(CUDA_GRANULE if cuda else 1, CachingAllocator(expandable) if cuda else None)
+
+
 def estimate_model(build, *, seq_len: int, target_batch_size: int, device_memory: int, device: str = "cuda",
                    world_size: int = 1, budget_bytes: int | None = None, budget_fraction: float | None = None,
                    bf16: bool = False, max_micro_batch: int | None = None, log=None, also: tuple[int, ...] = (),
@@ -173,16 +180,17 @@ def estimate_model(build, *, seq_len: int, target_batch_size: int, device_memory
     a label per sample)."""
     budget_bytes = _checked_budget(device, task, device_memory, budget_bytes, budget_fraction, checkpoint_layers)
     autocast = torch.bfloat16 if bf16 else None
+    def built() -> torch.nn.Module:  # the model, and DPO's frozen reference copy, each quantized as asked
+        return quantized_model(build(), quantization, **(quantization_options or {}))
+
     with torch.device("meta"):
-        model = quantized_model(build(), quantization, **(quantization_options or {}))
+        model = built()
         pair_step = paper_pairs.step_for(pairs, model, seq_len, precompute_ref_log_probs=precompute_ref_log_probs,
-                                         reference=lambda: quantized_model(build(), quantization,
-                                                                           **(quantization_options or {})))
+                                         reference=built)
     lever = checkpoint_lever(model, checkpoint_layers) if levels is None else dataclasses.replace(levels, model=model)
     loss_line = on_paper(model, device, autocast is not None) if pair_step is None else pair_step.loss_line
     expandable = expandable_from_env()
-    with fake_session(CUDA_GRANULE if device == "cuda" else 1,
-                      CachingAllocator(expandable) if device == "cuda" else None) as counter:
+    with device_session(device, expandable) as counter:
         to_fake(model)
         if pair_step is not None and pair_step.reference is not None:
             to_fake(pair_step.reference)

@@ -22,10 +22,7 @@ GIB = 2**30
 #: Card sizes (GiB) "the smallest card that would" is chosen from: the common sizes of NVIDIA's data-centre and
 #: consumer cards (8, 16, 24, 40, 48, 80, 96 GB; 141 GB for the H200).
 STANDARD_CARDS_GIB = (8, 16, 24, 40, 48, 80, 96, 141)
-LEVERS = (None, "all")
-#: Added to a reserved peak read off a line between two sizes the estimate ran (CUDA): the large pool's segment,
-#: `reserved.LARGE_BUFFER`, the step a reserved peak can rise by that a straight line between two sizes misses.
-RESERVED_MARGIN = 20 * 2**20  # checkpointing: none, else every layer (`checkpoint_layers="all"`)
+LEVERS = (None, "all")  # checkpointing: none, else every layer (`checkpoint_layers="all"`)
 
 
 def parse_list(text: str, parse: Callable[[str], Any], flag: str) -> list:
@@ -243,22 +240,13 @@ def measure(model, *, seq_len: int, card_bytes: int, cap: int, target_batch_size
     """One card's estimate (``model``: a config folder, a hub id or a callable building the model): the predicted
     peak per micro-batch size its search ran. ``quantization`` ("nf4", "int8") and ``checkpoint_layers`` (None,
     "all", k) as `hf_accum.estimate`'s. Micro-batch 1 not fitting is an answer, not an error: its peak is returned."""
+    from .paper import builder
+
     build = builder(model, lora_r, lora_target_modules, fused_loss)
     with PaperSession(build, seq_len=seq_len, device=device, bf16=bf16, capacity=card_bytes,
                       quantization=quantization, quantization_options=quantization_options,
                       checkpoint_layers=checkpoint_layers) as session:
         return searched(session, int(fraction * card_bytes), cap, target_batch_size)
-
-
-def builder(model, lora_r: int | None, lora_target_modules: str | None, fused_loss: bool | None):
-    """The model as `hf_accum.estimate` builds it: from its config, LoRA adapters of rank ``lora_r``, the fused loss
-    as the trainer installs it."""
-    from . import paper
-
-    build = paper.config_builder(paper.load_config(model)) if isinstance(model, str) else model
-    if lora_r is not None:
-        build = paper.with_lora(build, lora_r, lora_target_modules)
-    return paper.with_fused_loss(build, fused_loss)
 
 
 def searched(session: PaperSession, budget: int, cap: int, per_rank: int) -> Measured:
@@ -292,7 +280,7 @@ def run(args: Any, say=print) -> int:
     levers = _levers(args)
     config = paper.load_config(args.model)
     _check_lengths(config, seq_lens)
-    build = builder(paper.config_builder(config), lora_r, args.lora_target_modules, args.fused_loss)
+    build = paper.builder(paper.config_builder(config), lora_r, args.lora_target_modules, args.fused_loss)
     what = ("QLoRA (" + quantization + f" base, LoRA r={lora_r})" if quantization else
             f"LoRA r={lora_r}" if lora_r else "full fine-tuning")
     say(f"what fits where: {args.model}, {what}, {'bf16 autocast' if args.bf16 else 'no autocast'}, weights "

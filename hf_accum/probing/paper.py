@@ -80,6 +80,16 @@ def with_fused_loss(build, setting: bool | None):
     return built
 
 
+def builder(model, lora_r: int | None, lora_target_modules: str | None, fused_loss: bool | None,
+            task: str = "causal_lm"):
+    """The model as the estimate builds it: ``model`` (a config folder or hub id: from its config; or a callable),
+    LoRA adapters of rank ``lora_r`` (None: none), the fused loss as the trainer installs it (`with_fused_loss`)."""
+    build = config_builder(load_config(model), task) if isinstance(model, str) else model
+    if lora_r is not None:
+        build = with_lora(build, lora_r, lora_target_modules, task)
+    return with_fused_loss(build, fused_loss)
+
+
 def with_lora(build, r: int, targets: str | None, task: str = "causal_lm"):
     from peft import LoraConfig, get_peft_model
 
@@ -162,10 +172,8 @@ def run(args: Any, say=print) -> int:
     device = args.device or machine_device()
     memory = parse_size(args.device_memory) if args.device_memory else machine_memory(device, "--device-memory")
     config = load_config(args.model)
-    build = config_builder(config)
-    if args.lora or args.load_in_4bit or args.load_in_8bit:  # a quantized base trains LoRA, as the probe's
-        build = with_lora(build, args.lora_r, args.lora_target_modules)
-    build = with_fused_loss(build, args.fused_loss)
+    lora = args.lora or args.load_in_4bit or args.load_in_8bit  # a quantized base trains LoRA, as the probe's
+    build = builder(config_builder(config), args.lora_r if lora else None, args.lora_target_modules, args.fused_loss)
     base = (" (linear layers NF4, bitsandbytes' storage)" if args.load_in_4bit else
             " (linear layers int8, bitsandbytes' storage)" if args.load_in_8bit else "")
     say(f"estimating {args.model} for {device} with {memory / 2**30:.1f} GiB (fake tensors: nothing loaded; "
@@ -214,13 +222,10 @@ def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size:
     if device_memory is None:
         device_memory = machine_memory(device, "device_memory")
 
-    build = config_builder(load_config(model), task) if isinstance(model, str) else model
-    if lora_r is not None:
-        build = with_lora(build, lora_r, lora_target_modules, task)
     if kwargs.get("pairs") is not None and fused_loss:
         raise ValueError(f"fused_loss=True with pairs={kwargs['pairs']!r}: the pairs' step has its own loss (TRL's); "
                          "leave fused_loss unset")
-    build = with_fused_loss(build, False if kwargs.get("pairs") is not None else fused_loss)
+    build = builder(model, lora_r, lora_target_modules, False if kwargs.get("pairs") is not None else fused_loss, task)
     memory = parse_size(device_memory) if isinstance(device_memory, str) else int(device_memory)
     return estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size, device_memory=memory,
                           device=device, task=task, **kwargs)

@@ -18,11 +18,10 @@ import torch
 
 from ..planning.plan import forward_breakpoints
 from .estimate import (
-    CUDA_GRANULE,
     checkpoint_lever,
     cuda_assumptions,
+    device_session,
     estimate_batch,
-    fake_session,
     on_paper,
     optimizer_kwargs,
     to_fake,
@@ -32,7 +31,7 @@ from .meters import Measurement
 from .paper_meter import PaperMeter
 from .paper_quantized import quantized_model
 from .probe import seq_len_problem, stepping
-from .reserved import CachingAllocator, expandable_from_env
+from .reserved import expandable_from_env
 
 
 class Remembered:
@@ -81,11 +80,9 @@ class PaperSession:
         checkpoint_lever(model, self._checkpoint_layers)  # a pinned level is set on the model, as the estimate
         self.loss = on_paper(model, self.device, self.bf16)
         expandable = expandable_from_env()
-        cuda = self.device == "cuda"
-        self.assumptions = cuda_assumptions(expandable) if cuda else ()
+        self.assumptions = cuda_assumptions(expandable) if self.device == "cuda" else ()
         with contextlib.ExitStack() as stack:
-            counter = stack.enter_context(fake_session(CUDA_GRANULE if cuda else 1,
-                                                       CachingAllocator(expandable) if cuda else None))
+            counter = stack.enter_context(device_session(self.device, expandable))
             to_fake(model)
             paper = PaperMeter(counter, model, self.capacity, self.device)
             stack.callback(paper.close)

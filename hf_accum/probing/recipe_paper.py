@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..compat.trl_internals import add_trl_fused_head
+from ..compat.trl_internals import add_trl_fused_head, trl_fuses_lm_head
 from .paper_quantized import quantization_keywords
 
 #: model.task -> the estimate's head (its `task` keyword)
 HEADS = {"causal_lm": "causal_lm", "dpo": "causal_lm", "seq_cls": "classification"}
 #: the optimizers the estimate runs: torch's AdamW (its kernel keywords passed on)
 ADAMW = ("adamw_torch", "adamw_torch_fused")  # transformers' OptimizerNames
-#: the outputs AccumSFTTrainer's fused LM head computes (TRL's SFTTrainer: the loss, entropy and token accuracy)
 
 
 @dataclass(frozen=True)
@@ -85,16 +84,10 @@ def settings(recipe, args) -> PaperRecipe:
     return PaperRecipe(
         model=m.name, head=head, tiny=dict(m.tiny), dtype=m.dtype, num_labels=m.num_labels, lora=lora,
         kbit_preparation=m.kbit_preparation,
-        trl_fused_head=task == "causal_lm" and Settings(args).fused_loss is not False and _trl_fuses(),
+        trl_fused_head=task == "causal_lm" and Settings(args).fused_loss is not False and trl_fuses_lm_head(),
         bf16_adapters=quantization is not None and task in ("causal_lm", "dpo"),
         device="cpu" if args.use_cpu else None, seq_len=args.probe_seq_len,
         max_length=recipe.data.max_length if task == "seq_cls" else args.max_length, keywords=keywords)
-
-
-def _trl_fuses() -> bool:
-    from ..compat.trl_internals import trl_fuses_lm_head
-
-    return trl_fuses_lm_head()
 
 
 # --- the data: the length the probe measures at ----------------------------------------------------------------
@@ -256,9 +249,9 @@ def run(args: Any, say=print) -> int:
     say("")
     say(table(est.result, seq_len))
     say("")
-    source = ("training.memory_budget_bytes" if paper.keywords["budget_bytes"] else
-              f"training.memory_budget={paper.keywords['budget_fraction']} of {est.device} memory")
-    say(summary(est.result, est.plan, seq_len, source))
+    budget_source = ("training.memory_budget_bytes" if paper.keywords["budget_bytes"] else
+                     f"training.memory_budget={paper.keywords['budget_fraction']} of {est.device} memory")
+    say(summary(est.result, est.plan, seq_len, budget_source))
     say("predicted peak per micro-batch: " + ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in est.peaks.items()))
     say(f"assumed: {est.loss}")
     for line in est.assumptions:
