@@ -125,6 +125,17 @@ def test_ranks_with_different_budgets_agree_on_the_most_constrained_plan(tmp_pat
     assert plan["world_size"] == 2 and plan["micro_batch_size"] * plan["gradient_accumulation_steps"] * 2 == 16
     assert r0["steps"] == r1["steps"] == 2
 
+    # Launched again: rank 0 finds the plan it saved, rank 1 (its own output_dir) none. Both probe again and agree;
+    # before, rank 0 reused its plan and rank 1 waited forever in the probe's first collective.
+    assert (tmp_path / "rank0" / "hf_accum_plan.json").exists() and not (tmp_path / "rank1" / "hf_accum_plan.json").exists()
+    proc = run_two_ranks(cmd, env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "the stored plan is not reused: another rank found none. Probing again on every rank." in proc.stderr
+    again = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert again[0]["plan"] == again[1]["plan"] and again[0]["steps"] == again[1]["steps"] == 2
+    core = ("micro_batch_size", "gradient_accumulation_steps", "world_size")  # the loss kernel is timed anew
+    assert {k: again[0]["plan"][k] for k in core} == {k: plan[k] for k in core}
+
 
 @pytest.mark.slow
 def test_ranks_with_different_budgets_agree_on_one_checkpointing_level(tmp_path):

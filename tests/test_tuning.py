@@ -223,3 +223,55 @@ def test_the_probes_step_bounds_a_real_training_step_on_padded_rows(tmp_path):
     probed = meter.measure(lambda: probe_step(4)).peak_bytes
     trained = meter.measure(lambda: real_step(4)).peak_bytes
     assert probed >= trained
+
+
+class TwoRanks:
+    """This rank and a peer whose stored plan is ``peer`` (None: it found none); counts every exchange."""
+
+    world = 2
+
+    def __init__(self, peer):
+        from hf_accum.planning.tuning import _digest
+
+        self.peer_digest = _digest(peer) if peer is not None else 0
+        self.exchanges = []
+
+    def max_of(self, values):
+        self.exchanges.append(tuple(values))
+        digest, neg = values
+        return max(digest, self.peer_digest), max(neg, -self.peer_digest)
+
+
+def _plan(micro, accumulation):
+    from hf_accum.planning.plan import Plan
+
+    return Plan(micro, accumulation, 2, micro * accumulation * 2)
+
+
+@pytest.mark.parametrize("mine, peer, reused, said", [
+    (_plan(4, 2), _plan(4, 2), True, None),
+    (_plan(4, 2), None, False, "another rank found none"),
+    (None, _plan(4, 2), False, None),
+    (_plan(4, 2), _plan(2, 4), False, "another rank found a different one"),
+    (None, None, False, None),
+])
+def test_ranks_reuse_a_stored_plan_only_when_every_rank_found_the_same(mine, peer, reused, said, caplog):
+    """A relaunched two-rank run whose rank 0 alone had saved a plan (an output_dir per rank) hung: rank 0 reused it
+    and trained while rank 1 waited in the probe's first collective. One exchange decides for every rank."""
+    from hf_accum.planning.tuning import agreed_stored
+
+    collective = TwoRanks(peer)
+    stored = (mine, {"key": {}}) if mine is not None else None
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        got = agreed_stored(stored, collective)
+    assert (got is stored) if reused else got is None
+    assert len(collective.exchanges) == 1
+    assert (said in caplog.text) if said else "not reused" not in caplog.text
+
+
+def test_one_rank_exchanges_nothing():
+    from hf_accum.planning.tuning import agreed_stored
+    from hf_accum.protocol import Local
+
+    stored = (_plan(4, 2), {})
+    assert agreed_stored(stored, Local()) is stored and agreed_stored(None, Local()) is None

@@ -9,6 +9,8 @@ plan is applied by the planner alone. The pieces it orchestrates live beside it:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -71,7 +73,8 @@ def prepare(trainer) -> Prepared:
     make_batch, seq_len = own or probe_batches(trainer, lengths=lengths)
     device = str(meter.describe().get("device", meter.name))
     key = plan_key(trainer, seq_len=seq_len, capacity_bytes=meter.capacity_bytes(), device=device)
-    return Prepared(meter, budget, lengths, make_batch, seq_len, key, _stored_plan(args.output_dir, key))
+    stored = agreed_stored(_stored_plan(args.output_dir, key), trainer._collective())
+    return Prepared(meter, budget, lengths, make_batch, seq_len, key, stored)
 
 
 Probe = Callable[..., tuple[ProbeResult, Plan]]  # probe(make_batch, length, max_micro=...) -> (result, plan)
@@ -188,6 +191,28 @@ def _stored_plan(output_dir: str, key: dict[str, Any]):
     except PlanFileError as exc:
         logger.warning("hf_accum: ignoring the stored plan: %s. Probing again; the file will be rewritten.", exc)
         return None
+
+
+def agreed_stored(stored, collective):
+    """The stored plan if every rank found the same one, else None on every rank. Ranks can see different plan files
+    (an output_dir per rank or per node, a rank that never saved one): were some to reuse while others probe, the
+    probers would wait forever in the probe's collectives. One exchange (MAX of the digest and of its negation)."""
+    if collective.world == 1:
+        return stored
+    digest = _digest(stored[0]) if stored is not None else 0
+    top, neg_bottom = collective.max_of((digest, -digest))
+    if digest and top == -neg_bottom == digest:
+        return stored
+    if stored is not None:
+        logger.warning("hf_accum: the stored plan is not reused: %s. Probing again on every rank.",
+                       "another rank found none" if -neg_bottom == 0 else "another rank found a different one")
+    return None
+
+
+def _digest(plan: Plan) -> int:
+    """A plan as a positive 62-bit integer, equal on two ranks when their plans are."""
+    text = json.dumps(plan.to_dict(), sort_keys=True, default=str)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2 or 1
 
 
 # --- what the user sees (the line and figures themselves: probing/report.py) --------------------------------
