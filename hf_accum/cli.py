@@ -132,6 +132,8 @@ def _check_probe_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     elif args.overrides:
         raise UsageError(f"key=value overrides ({args.overrides[0]}) go with a recipe: hf-accum probe RECIPE "
                          f"{' '.join(args.overrides)}")
+    if args.gradient_checkpointing and args.checkpoint_layers is not None:
+        raise UsageError("--checkpoint-layers and --gradient-checkpointing (every layer) contradict each other: give one")
     if _is_grid(args) and not args.estimate:
         flag = "--seq-len" if isinstance(args.seq_len, list) else "--device-memory"
         raise UsageError(f"{flag}: a comma list is for --estimate (what fits where, nothing loaded); the probe "

@@ -204,3 +204,17 @@ def test_nothing_fits_suggests_only_the_levers_that_are_off(flags, absent, prese
     line = capsys.readouterr().err.strip().splitlines()[-1]  # (transformers notes use_cache=False before it)
     assert line.startswith("hf-accum probe: even micro-batch 1 does not fit")
     assert all(text not in line for text in absent) and all(text in line for text in present), line
+
+
+@pytest.mark.parametrize("estimate", [[], ["--estimate"]])
+def test_contradicting_checkpointing_flags_are_refused_before_the_model_loads(monkeypatch, capsys, estimate):
+    """Checked with the other arguments: the probe used to load the model first, then refuse."""
+    from hf_accum import loading
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    assert main(["probe", *estimate, "--gradient-checkpointing", "--checkpoint-layers", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "contradict each other: give one" in err

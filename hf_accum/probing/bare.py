@@ -53,9 +53,6 @@ def checkpoint_lever(args: Any, model):
 
     if args.checkpoint_layers is None:
         return None
-    if args.gradient_checkpointing:
-        raise ValueError("--checkpoint-layers and --gradient-checkpointing (every layer) contradict each other: "
-                         "give one")
     levels = gradient_checkpointing.checkpoint_levels(model)
     kwargs = {"use_reentrant": False}  # the LoRA-safe kind, as --gradient-checkpointing
     try:

@@ -130,8 +130,6 @@ def refusal(args: Any) -> str | None:
     """The one line refusing what the estimate does not model, None when it can run (a recipe: `recipe_paper`)."""
     if args.recipe is not None:
         return None  # the bare model's flags are refused with a recipe; what a recipe sets: recipe_paper.settings
-    if args.gradient_checkpointing and args.checkpoint_layers is not None:
-        return ("--checkpoint-layers and --gradient-checkpointing (every layer) contradict each other: give one")
     if args.model == "tiny":  # also what --model tiny gives: the built-in model has no config.json to build from
         return ("--estimate builds the model from its config.json and the built-in tiny model has none: give --model "
                 "a folder holding config.json or a hub id, or probe tiny itself (drop --estimate: it is small)")
