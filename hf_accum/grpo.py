@@ -292,14 +292,20 @@ def trimmed(inputs: Mapping) -> dict:
 
 
 def longest_prompt(trainer) -> int:
-    """Tokens of the training set's longest prompt, as TRL tokenizes it for generation."""
+    """Tokens of the training set's longest prompt, as TRL tokenizes it for generation: once per training set (a
+    token budget's shorter probes ask again, and a large set takes a while to tokenize)."""
     dataset = trainer.train_dataset
+    known = trainer.__dict__.get("_hf_accum_longest_prompt")
+    if known is not None and known[0] is dataset:
+        return known[1]
     try:
         prompts = dataset["prompt"]
     except (TypeError, KeyError):
         raise ValueError("The training set's prompts cannot be read ahead (an iterable dataset): set probe_seq_len to "
                          "the longest prompt + max_completion_length tokens.") from None
-    return max(trl_internals.grpo_prompt_lengths(trainer, list(prompts)))
+    longest = max(trl_internals.grpo_prompt_lengths(trainer, list(prompts)))
+    trainer._hf_accum_longest_prompt = (dataset, longest)
+    return longest
 
 
 GRPO = GRPOAdapter()

@@ -396,10 +396,16 @@ def test_a_token_budget_runs_fewer_forwards_than_samples_mode_on_short_completio
     assert chunks and max(chunks) <= 5  # BUDGET // (longest prompt + LONG) prompts per generation chunk
 
 
-def test_auto_tune_with_a_token_budget_probes_grpo_batches_at_shorter_completions(tmp_path):
+def test_auto_tune_with_a_token_budget_probes_grpo_batches_at_shorter_completions(tmp_path, monkeypatch):
     """micro_batching="tokens" with auto_tune: the probe measures GRPO's training step at the worst case (longest
     prompt + max_completion_length) and, for the budget's short end, at shorter completions after the same prompt
-    (not the prompts collated as training examples); the plan loads the whole generation batch (accumulation 1)."""
+    (not the prompts collated as training examples); the plan loads the whole generation batch (accumulation 1).
+    The training set's prompts are tokenized once for all the probes."""
+    from hf_accum.compat import trl_internals
+
+    tokenized = []
+    lengths = trl_internals.grpo_prompt_lengths
+    monkeypatch.setattr(trl_internals, "grpo_prompt_lengths", lambda t, p: tokenized.append(len(p)) or lengths(t, p))
     trainer, _, _, seen = grpo_run(tmp_path, AccumGRPOTrainer, AccumGRPOConfig, 8, 1, target_batch_size=20,
                                    micro_batching="tokens", probe_max_micro_batch=5, loss_type="grpo",
                                    max_completion_length=LONG)
@@ -409,6 +415,7 @@ def test_auto_tune_with_a_token_budget_probes_grpo_batches_at_shorter_completion
     assert max(probed) == LONGEST_PROMPT + LONG and min(probed) < LONGEST_PROMPT + LONG
     assert min(probed) > LONGEST_PROMPT  # a prompt and at least one completion token
     assert sum(seen[-1:]) == 20 and trainer.widths[-1] <= LONGEST_PROMPT + MAX_COMPLETION + 1
+    assert tokenized.count(len(trainer.train_dataset)) == 1
 
 
 # --- refusals: before the first optimizer step, one line naming the fix ----------------------------------------
