@@ -180,6 +180,7 @@ def estimate_model(build, *, seq_len: int, target_batch_size: int, device_memory
     a label per sample)."""
     budget_bytes = _checked_budget(device, task, device_memory, budget_bytes, budget_fraction, checkpoint_layers)
     autocast = torch.bfloat16 if bf16 else None
+
     def built() -> torch.nn.Module:  # the model, and DPO's frozen reference copy, each quantized as asked
         return quantized_model(build(), quantization, **(quantization_options or {}))
 
