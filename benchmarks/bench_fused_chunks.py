@@ -18,8 +18,8 @@ sys.path.insert(0, HERE)
 
 import bench_gpu as bench  # noqa: E402
 
-import hf_accum.fused_loss as fl  # noqa: E402
-from hf_accum.kernels import chunked  # noqa: E402
+import hf_accum.levers.kernels.fused_loss as fl  # noqa: E402
+from hf_accum.levers.kernels import chunked  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Fused causal-LM loss (hf_accum/fused_loss.py) vs the model's own loss from the full logits, side by side, CPU.
+"""Fused causal-LM loss (hf_accum/levers/kernels/fused_loss.py) vs the model's own loss from the full logits, side by side, CPU.
 
     python benchmarks/bench_fused_loss.py              # vocab 32k and 128k (a few minutes on 2 CPU cores)
     python benchmarks/bench_fused_loss.py --vocab 32000
@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-import hf_accum.fused_loss as fl  # noqa: E402
+import hf_accum.levers.kernels.fused_loss as fl  # noqa: E402
 from hf_accum.probing.meters import CpuMeter, live_tensor_bytes  # noqa: E402
 from hf_accum.probing.probe import make_step_fn, probe_model, random_token_batch  # noqa: E402
 

@@ -17,7 +17,7 @@ Sections (each writes its figures and its goals with pass/fail flags into DIR/be
   4 oom         a callback grabs device memory before a window (on CPU: an injected torch.OutOfMemoryError, since
                 a real one kills the process): the run recovers with the same effective batch, every sample once;
   5 throughput  tokens/s at the plan vs the best divisor vs micro 1 (steady-state AccumTrainer steps), MFU against
-                the device's bf16 peak (hf_accum.flops), AccumTrainer / Trainer step time at the same micro x
+                the device's bf16 peak (hf_accum.probing.flops), AccumTrainer / Trainer step time at the same micro x
                 accumulation, interleaved rounds (goal <= 1.01);
   6 tokens      micro_batching "tokens" vs "samples" on long-tailed lengths (forwards, padded tokens, s/step, peak),
                 and the fused loss on vs off at one micro-batch (peak, s/step);
@@ -60,11 +60,11 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from hf_accum import flops  # noqa: E402
-from hf_accum.oom import free_memory, is_oom  # noqa: E402
-from hf_accum.planning.plan import divisors  # noqa: E402
+from hf_accum.probing import flops  # noqa: E402
 from hf_accum.probing.meters import CpuMeter, CudaMeter, Meter, live_tensor_bytes  # noqa: E402
+from hf_accum.probing.plan import divisors  # noqa: E402
 from hf_accum.probing.probe import make_step_fn, probe_model, random_token_batch, resolve_budget  # noqa: E402
+from hf_accum.window.oom import free_memory, is_oom  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -222,12 +222,12 @@ class Ctx:
         return model.to(self.dtype)
 
     def method_model(self, method: str):
-        """"full", "lora" or "qlora" (4-bit NF4 base through hf_accum.loading, then the one LoRA preparation)."""
+        """"full", "lora" or "qlora" (4-bit NF4 base through hf_accum.probing.loading, then the one LoRA preparation)."""
         if method == "full":
             return self.llama()
         from peft import LoraConfig
 
-        from hf_accum.loading import add_lora, load_model
+        from hf_accum.probing.loading import add_lora, load_model
 
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_MODULES, task_type="CAUSAL_LM")
         if method == "lora":
@@ -572,7 +572,7 @@ class Sweep:
 
 
 def probe_and_sweep(ctx: Ctx, model, name: str, seq: int, budget: tuple[str, float], end: float | None) -> dict:
-    from hf_accum.fused_loss import fused_lm_loss, resolve_for_model
+    from hf_accum.levers.kernels.fused_loss import fused_lm_loss, resolve_for_model
 
     target = ctx.s.target
     fused, fused_why = resolve_for_model(model, None)
@@ -987,7 +987,7 @@ def section_throughput(ctx: Ctx) -> dict[str, Any]:
                                "flops_per_token": per_token, "device": device_name, "bf16_peak_flops": peak}
     if peak is None:
         figures["mfu_null_reason"] = ("CPU run (--quick): no bf16 tensor-core peak" if not ctx.cuda
-                                      else f"no bf16 peak in hf_accum.flops.BF16_PEAK_TFLOPS for {device_name!r}")
+                                      else f"no bf16 peak in hf_accum.probing.flops.BF16_PEAK_TFLOPS for {device_name!r}")
     try:
         with tempfile.TemporaryDirectory(prefix="bench_gpu5_") as tmp:
             budget = ("fraction", 0.9) if ctx.cuda else ("x_peak1", 6.0)
@@ -1074,7 +1074,7 @@ class ForwardCount:
 
 def fused_step(ctx: Ctx, model, seq: int, micro: int, on: bool) -> dict[str, Any]:
     """One training step's charged peak and its median time (3 unprofiled runs), the fused loss on or off."""
-    from hf_accum import fused_loss as fl
+    from hf_accum.levers.kernels import fused_loss as fl
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     step = make_step_fn(model, opt, random_token_batch(model, seq))
@@ -1096,7 +1096,7 @@ def fused_step(ctx: Ctx, model, seq: int, micro: int, on: bool) -> dict[str, Any
 
 
 def section_tokens(ctx: Ctx) -> dict[str, Any]:
-    from hf_accum import fused_loss as fl
+    from hf_accum.levers.kernels import fused_loss as fl
 
     s = ctx.s
     seq, target, steps = s.seq6, s.target6, s.steps6
@@ -1191,7 +1191,7 @@ def estimate_builder(ctx: Ctx, method: str):
             return model
         from peft import LoraConfig
 
-        from hf_accum.loading import add_lora
+        from hf_accum.probing.loading import add_lora
 
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_MODULES, task_type="CAUSAL_LM")
         return add_lora(model, lora, checkpointing=True)
@@ -1256,7 +1256,7 @@ def section_estimate(ctx: Ctx) -> dict[str, Any]:
 # --- section 8: the per-layer levers, swept -----------------------------------------------------------------------
 def lever_levels(ctx: Ctx, num_layers: int) -> tuple[list[tuple[str, int]], dict[str, str]]:
     """(kind, k) for none and each lever at k in {L/2, L}; levers this device lacks, with the reason."""
-    from hf_accum import offload
+    from hf_accum.levers import activation_offload as offload
 
     ks = sorted({max(1, num_layers // 2), num_layers})
     kinds = ["full", "selective", "offload"]
@@ -1270,8 +1270,8 @@ def lever_levels(ctx: Ctx, num_layers: int) -> tuple[list[tuple[str, int]], dict
 
 def lever_context(model, kind: str, k: int, num_layers: int):
     """The model with ``k`` decoder layers at one level (the first k; the mechanics directly, no registry)."""
-    from hf_accum import offload
     from hf_accum.compat import gradient_checkpointing
+    from hf_accum.levers import activation_offload as offload
     from hf_accum.levers import selective
 
     if kind == "plan":  # the tuner's choice: k = (full, selective) layers, the first full, the next selective
@@ -1288,7 +1288,7 @@ def lever_context(model, kind: str, k: int, num_layers: int):
 def training_loss(model):
     """(context, how): the loss AccumTrainer trains with, so the sweep measures what the tuner plans for: the fused
     LM loss where supported (the trainer's default: the logits never materialize), else the model's own."""
-    from hf_accum import fused_loss as fl
+    from hf_accum.levers.kernels import fused_loss as fl
 
     why = fl.unsupported_reason(model)
     return (fl.fused_lm_loss(model), "fused LM loss") if why is None else (contextlib.nullcontext(), why)
@@ -1662,7 +1662,7 @@ def environment(ctx: Ctx, argv: list[str]) -> dict[str, Any]:
                                              "nvidia-ml-py", "matplotlib", "hf-accum")},
         "command": shlex.join(["python", "benchmarks/bench_gpu.py", *argv]),  # as run from the repo root
         "argv": argv, "quick": ctx.quick, "minutes": ctx.s.minutes,
-        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),  # hf_accum.allocator sets it on import
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),  # hf_accum.compat.allocator sets it on import
     }
     if ctx.cuda:
         env["bf16_peak_flops"] = flops.bf16_peak_flops(env["device"])

@@ -1,4 +1,4 @@
-"""The LM-head loss kernels side by side (hf_accum/kernels/): every kernel that runs on the device x chunk sizes,
+"""The LM-head loss kernels side by side (hf_accum/levers/kernels/): every kernel that runs on the device x chunk sizes,
 one loss forward + backward from the hidden states (rows = micro x seq) through the head's weight, peak memory and
 time relative to the unfused loss (F.linear -> float -> cross_entropy on the full logits), and the tuner's pick
 (`kernels.choose` over each kernel at its default chunk, the probe's rule) against the sweep's fastest.
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hf_accum import kernels  # noqa: E402
+from hf_accum.levers import kernels  # noqa: E402
 
 SHAPES = {"cpu": dict(micro=2, seq=512, hidden=256, vocab=32000, dtype="float32", rows=(128, 512, 2048)),
           "cuda": dict(micro=4, seq=2048, hidden=2048, vocab=128256, dtype="bfloat16", rows=(256, 1024, 4096))}

@@ -28,8 +28,8 @@ from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
 from hf_accum import AccumTrainer, AccumTrainingArguments  # noqa: E402
-from hf_accum.planning.plan import divisors, plan_batch  # noqa: E402
 from hf_accum.probing.meters import CpuMeter, live_tensor_bytes  # noqa: E402
+from hf_accum.probing.plan import divisors, plan_batch  # noqa: E402
 
 LENGTH, FITS = 256, 7
 TARGETS = range(24, 65)

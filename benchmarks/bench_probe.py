@@ -50,9 +50,9 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from hf_accum.planning.plan import divisors  # noqa: E402
 from hf_accum.probing.loop import probe_micro_batches  # noqa: E402
 from hf_accum.probing.meters import CpuMeter, Measurement, Meter, live_tensor_bytes  # noqa: E402
+from hf_accum.probing.plan import divisors  # noqa: E402
 from hf_accum.probing.probe import make_step_fn, random_token_batch  # noqa: E402
 
 TARGET = 64

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hf_accum.token_budget import TokenBudget, padded_tokens, partition_packed, partition_padded  # noqa: E402
+from hf_accum.window.token_budget import TokenBudget, padded_tokens, partition_packed, partition_padded  # noqa: E402
 
 TARGET, MICRO, LONGEST = 64, 4, 512
 BUDGET = MICRO * LONGEST
@@ -155,7 +155,7 @@ def part3():
     from benchmarks.bench_probe import small_llama
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from hf_accum.probing.meters import CpuMeter, live_tensor_bytes
-    from hf_accum.token_budget import TokenBudget
+    from hf_accum.window.token_budget import TokenBudget
     from tests.exactness import pad_collate
 
     data = examples(lengths())

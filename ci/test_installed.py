@@ -29,7 +29,7 @@ def source_modules() -> set[str]:
 
 
 def source_recipes() -> set[str]:
-    return {f"hf_accum/recipes_data/{p.name}" for p in (SOURCE / "recipes").glob("*.yaml")}
+    return {f"hf_accum/recipes/yaml/{p.name}" for p in (SOURCE / "recipes").glob("*.yaml")}
 
 
 def test_hf_accum_is_the_installed_copy_not_the_source_tree():
@@ -45,7 +45,7 @@ def test_every_module_imports():
         raise
 
     names = [m.name for m in pkgutil.walk_packages(hf_accum.__path__, "hf_accum.", onerror=reraise)]
-    assert {"hf_accum.engines.ddp", "hf_accum.levers.selective", "hf_accum.recipes.run"} <= set(names)
+    assert {"hf_accum.integrations.engines.ddp", "hf_accum.levers.selective", "hf_accum.recipes.run"} <= set(names)
     expected = {m[: -len(".py")].replace("/", ".").removesuffix(".__init__") for m in source_modules()}
     assert expected <= set(names) | {"hf_accum"}, sorted(expected - set(names))
     for name in names:

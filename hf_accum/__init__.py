@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _quiet, allocator  # noqa: F401 - allocator: PYTORCH_CUDA_ALLOC_CONF before any CUDA work
+from .compat import _quiet, allocator  # noqa: F401 - allocator: PYTORCH_CUDA_ALLOC_CONF before any CUDA work
 
 __version__ = "0.1.0"
 
@@ -18,7 +18,7 @@ _LAZY = {"AccumTrainer": ".trainer", "AccumTrainingArguments": ".args", "Accumul
 if TYPE_CHECKING:
     from .args import AccumTrainingArguments
     from .probing.paper import estimate
-    from .trainer import AccumTrainer, AccumulationMixin
+    from .trainer.mixin import AccumTrainer, AccumulationMixin
 
 
 def __getattr__(name: str) -> Any:

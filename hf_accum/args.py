@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainingArguments
 
-from .arg_checks import (
+from .config.arg_checks import (
     DEFAULT_MAX_NONFINITE_STEPS,
     check_intervals,
     is_number,
@@ -22,10 +22,10 @@ from .arg_checks import (
     require_positive,
     suggest_accumulation,
 )
-from .kernels import liger
+from .config.settings import Settings, field_default
 from .levers.checkpointing import parse_layers
-from .loss import NORMALIZATIONS
-from .settings import Settings, field_default
+from .levers.kernels import liger
+from .window.loss import NORMALIZATIONS
 
 # transformers 5.17 declares `gradient_checkpointing: bool = False`, so an explicit False cannot be told from the default;
 # 5.24 declares `activation_checkpointing: bool | None = None` (and the old name as its alias, also None). Where the
@@ -369,7 +369,7 @@ class AccumTrainingArguments(TrainingArguments):
         if self.target_batch_size is None or self.target_batch_size == derived:
             return
         if self.tunes:
-            from .planning.plan import indivisible_target
+            from .probing.plan import indivisible_target
 
             problem = indivisible_target(self.target_batch_size, world)
             if problem:
@@ -398,8 +398,8 @@ class AccumTrainingArguments(TrainingArguments):
         """Explicit DeepSpeed batch fields must equal the plan in force ("tokens" mode loads each rank's window whole:
         micro = the per-rank window, accumulation 1); refused here, before a model is loaded."""
         from .compat import deepspeed_integration
-        from .deepspeed_batch import batch_contradiction, engine_name, zero_stage
-        from .planning.plan import Plan
+        from .integrations.engines.deepspeed_batch import batch_contradiction, zero_stage
+        from .probing.plan import Plan
 
         if self.tunes:
             self._check_deepspeed_tuned_fields()
@@ -408,7 +408,7 @@ class AccumTrainingArguments(TrainingArguments):
         if self.micro_batching == "tokens":
             micro, accumulation = micro * accumulation, 1
         config = deepspeed_integration.deepspeed_user_config(self.deepspeed)
-        engine = engine_name(zero_stage(config))
+        engine = deepspeed_integration.engine_name(zero_stage(config))
         plan = (f"micro {micro} × accumulation {accumulation} per rank on {engine}" if world is None else
                 Plan(micro, accumulation, world, micro * accumulation * world, engine=engine).describe())
         problem = batch_contradiction(config, micro, accumulation, world, plan)

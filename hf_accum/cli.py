@@ -145,7 +145,7 @@ def _check_probe_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     if args.budget is not None and not 0 < args.budget <= 1:
         raise UsageError(f"--budget={args.budget} must be a fraction in (0, 1]; "
                          "for an absolute budget use --budget-bytes")
-    from .planning.plan import indivisible_target
+    from .probing.plan import indivisible_target
 
     problem = indivisible_target(args.target_batch, args.world_size, "--target-batch", "--world-size")
     if problem:
@@ -189,7 +189,7 @@ def _run_probe(args: argparse.Namespace) -> int:
     if too_long:
         raise UsageError(too_long)
     lever = bare.checkpoint_lever(args, model)
-    from .fused_loss import patch_model, resolve_for_model
+    from .levers.kernels.fused_loss import patch_model, resolve_for_model
 
     try:
         fused, why = resolve_for_model(model, args.fused_loss, ("--fused-loss", "--no-fused-loss"))
@@ -233,7 +233,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
             return fits.run(args)
         if args.recipe is not None:
-            from .probing import recipe_paper
+            from .recipes import recipe_paper
 
             return recipe_paper.run(args)
         return command.run(args)
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # start-up (recipes.run.StoppedBeforeTraining), a second Ctrl-C, or elsewhere
         if "--debug" in raw:
             raise
-        from .output_guard import tell
+        from .trainer.resilience.output_guard import tell
 
         said = " ".join(str(exc).split()).removeprefix("hf_accum: ") or "stopped (Ctrl-C)"
         tell(f"hf-accum{' ' + command if command else ''}: {said}")

@@ -36,10 +36,10 @@ import torch
 from torch import nn
 
 from .compat import parallel, process_group
-from .loss import IGNORE_INDEX, NORMALIZATIONS, LabelSpec, loss_shifts_labels
-from .protocol import Local, Policy, StopTraining, TorchDistributed, WindowProtocol
-from .units import detect_unit, make_cutter
-from .window import WindowEngine
+from .window.engine import WindowEngine
+from .window.loss import IGNORE_INDEX, NORMALIZATIONS, LabelSpec, loss_shifts_labels
+from .window.protocol import Local, Policy, StopTraining, TorchDistributed, WindowProtocol
+from .window.units import detect_unit, make_cutter
 
 
 def windows(batches: Iterable, accumulation_steps: int) -> Iterator[list]:

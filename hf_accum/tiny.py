@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from .loss import IGNORE_INDEX  # the label value transformers' loss functions skip
+from .window.loss import IGNORE_INDEX  # the label value transformers' loss functions skip
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 

@@ -34,13 +34,11 @@ try:
 except ImportError as exc:  # pragma: no cover - trl is in the dev extra, optional for users
     raise ImportError(f"hf_accum.trl needs TRL ({exc}): pip install trl") from exc
 
-from . import router_aux
 from .args import AccumTrainingArguments
 from .compat import trl_internals
-from .grpo import grpo_refusal, normalization_for
-from .planning.rows import rows_per_device
-from .trainer import AccumulationMixin
-from .trl_support import (  # noqa: F401 (public here)
+from .integrations.trl import router_aux
+from .integrations.trl.grpo import grpo_refusal, normalization_for
+from .integrations.trl.support import (  # noqa: F401 (public here)
     PER_PAIR_DPO_LOSSES,
     TRL_TRAINERS,
     MixedInto,
@@ -48,6 +46,8 @@ from .trl_support import (  # noqa: F401 (public here)
     mixed_into,
     reward_refusal,
 )
+from .planning.rows import rows_per_device
+from .trainer.mixin import AccumulationMixin
 
 # TRL's configs default gradient_checkpointing to True; an unset flag (None) lets the tuner choose per layer instead
 # (args.AccumTrainingArguments.checkpoint_layers). An explicit True/False is obeyed.
@@ -166,7 +166,7 @@ class AccumGRPOConfig(GRPOConfig, AccumTrainingArguments):
     """`trl.GRPOConfig` with hf_accum's fields. ``target_batch_size`` counts completions per optimizer step (prompts x
     num_generations), one generation batch per step. ``loss_normalization`` follows ``loss_type`` when unset:
     "tokens" for dapo (the default), cispo and vespo; "samples" (completions) for grpo, sapo, luspo and dr_grpo;
-    bnpo, whose loss depends on the cut, is refused (hf_accum/grpo.py)."""
+    bnpo, whose loss depends on the cut, is refused (hf_accum/integrations/trl/grpo.py)."""
 
     loss_normalization: str | None = None
     gradient_checkpointing: bool | None = field(default=None, metadata=_FLAG_METADATA)
@@ -200,7 +200,7 @@ class AccumGRPOTrainer(_TRLAccumulation, GRPOTrainer):
     generation batch (TRL's own generation, rewards and advantages over the whole batch), then trains on it in
     forwards of whole completion rows, of whatever size memory allows, the loss normalized over the whole generation
     batch exactly for every loss type but bnpo (refused): uneven cuts and out-of-memory re-runs give the same step
-    as one pass over the batch. As for any class mixing `AccumulationMixin` into `GRPOTrainer` (hf_accum/grpo.py)."""
+    as one pass over the batch. As for any class mixing `AccumulationMixin` into `GRPOTrainer` (hf_accum/integrations/trl/grpo.py)."""
 
 
 # With TRL's fused head, SFTTrainer.compute_loss reads no logits: resolve_fused_loss must not count it (or ours) as a

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hf_accum import allocator
+from hf_accum.compat import allocator
 
 
 @pytest.mark.parametrize("environ, started, outcome, value", [
@@ -26,7 +26,7 @@ def test_choose(environ, started, outcome, value):
 def test_importing_hf_accum_sets_it_before_torch_loads():
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
     code = ("import os, sys, hf_accum; assert 'torch' not in sys.modules; "
-            "print(os.environ['PYTORCH_CUDA_ALLOC_CONF'], hf_accum.allocator.OUTCOME)")
+            "print(os.environ['PYTORCH_CUDA_ALLOC_CONF'], hf_accum.compat.allocator.OUTCOME)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["expandable_segments:True", "set"]
     env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:native"

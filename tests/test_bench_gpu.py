@@ -1,6 +1,6 @@
 """benchmarks/bench_gpu.py, the one command a GPU session runs, cannot rot before a GPU arrives: its --quick mode
 runs every section on CPU here and must write every section's figures; --sections and --minutes behave. Also the
-pure helpers it uses from hf_accum.flops (bf16 peaks by device name, model FLOPs per token, MFU)."""
+pure helpers it uses from hf_accum.probing.flops (bf16 peaks by device name, model FLOPs per token, MFU)."""
 
 import contextlib
 import importlib.util
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from hf_accum import flops
+from hf_accum.probing import flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_gpu.py")

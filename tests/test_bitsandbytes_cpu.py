@@ -21,7 +21,7 @@ from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
 from hf_accum import AccumTrainer, AccumTrainingArguments, tiny  # noqa: E402
 from hf_accum.compat import bitsandbytes_cpu  # noqa: E402
-from hf_accum.loading import add_lora, load_model  # noqa: E402
+from hf_accum.probing.loading import add_lora, load_model  # noqa: E402
 
 from .exactness import relative_error  # noqa: E402
 

@@ -10,9 +10,9 @@ import torch
 from hf_accum import AccumTrainingArguments
 from hf_accum.compat import deepspeed_integration, gradient_checkpointing
 from hf_accum.levers import checkpointing
-from hf_accum.planning.plan import Plan
 from hf_accum.planning.store import PLAN_FILE
 from hf_accum.probing.loop import NothingFitsError
+from hf_accum.probing.plan import Plan
 from hf_accum.tiny import build_model
 
 from .conftest import sft_trainer

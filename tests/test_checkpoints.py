@@ -13,8 +13,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
-from hf_accum.checkpoints import inspect_checkpoint, newest_complete_checkpoint, restore_plan
-from hf_accum.planning.store import PLAN_FILE
+from hf_accum.planning.store import PLAN_FILE, restore_plan
+from hf_accum.trainer.resilience.checkpoints import inspect_checkpoint, newest_complete_checkpoint
 
 from .exactness import lm_examples, pad_collate, sum_over_items_loss, tiny_gpt2
 from .test_oom_recovery import rel

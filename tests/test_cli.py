@@ -209,7 +209,7 @@ def test_nothing_fits_suggests_only_the_levers_that_are_off(flags, absent, prese
 @pytest.mark.parametrize("estimate", [[], ["--estimate"]])
 def test_contradicting_checkpointing_flags_are_refused_before_the_model_loads(monkeypatch, capsys, estimate):
     """Checked with the other arguments: the probe used to load the model first, then refuse."""
-    from hf_accum import loading
+    from hf_accum.probing import loading
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the refusal")

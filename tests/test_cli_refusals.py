@@ -6,7 +6,7 @@ import os
 import pytest
 
 from hf_accum.cli import main
-from hf_accum.paths import can_create_in
+from hf_accum.config.paths import can_create_in
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,8 +52,8 @@ def test_a_stopped_cli_run_says_the_cli_command_that_resumes_it(tmp_path, monkey
 
     from transformers import TrainerCallback
 
-    from hf_accum.preemption import EXIT_PREEMPTED
     from hf_accum.recipes import run
+    from hf_accum.trainer.resilience.preemption import EXIT_PREEMPTED
 
     class StopAtStep2(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):

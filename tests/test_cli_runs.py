@@ -127,7 +127,7 @@ def test_the_one_lora_builder_upcasts_a_quantized_base_only_when_asked(preparati
     from peft import LoraConfig
 
     from hf_accum import tiny
-    from hf_accum.loading import add_lora, load_model
+    from hf_accum.probing.loading import add_lora, load_model
 
     quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.bfloat16}
     model = load_model("tiny", quantization=quantization, dtype=torch.bfloat16, device="cpu",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hf_accum.paths import can_create_in
+from hf_accum.config.paths import can_create_in
 from hf_accum.recipes import config
 from hf_accum.recipes.config import TASKS, field_specs, valid_keys
 

@@ -143,13 +143,13 @@ def test_attn_implementation_is_read_from_the_config():
     model.set_attn_implementation("eager")
     assert torch_features.attn_implementation(model) == "eager"
 
-# --- what hf_accum/fused_loss.py relies on ------------------------------------------------------------------------
+# --- what hf_accum/levers/kernels/fused_loss.py relies on ------------------------------------------------------------------------
 def test_torch_chunked_linear_cross_entropy_contract():
     """torch >= 2.13: F.linear_cross_entropy(options=...) is the sum of token CE with -100 ignored, and its gradients
     (computed in the forward) follow a scaled upstream gradient, as hf_accum's window scaling applies one."""
     from packaging.version import Version
 
-    import hf_accum.fused_loss as fl
+    import hf_accum.levers.kernels.fused_loss as fl
 
     torch.manual_seed(0)
     h, w, b = torch.randn(20, 8, dtype=torch.float64), torch.randn(50, 8, dtype=torch.float64), torch.randn(50, dtype=torch.float64)
@@ -181,7 +181,7 @@ def test_transformers_causal_lm_forward_contract():
 
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    import hf_accum.fused_loss as fl
+    import hf_accum.levers.kernels.fused_loss as fl
 
     from .exactness import tiny_gpt2
 
@@ -386,7 +386,7 @@ def test_deepspeed_bucket_fields_and_their_defaults():
     assert DeepSpeedZeroConfig(stage=2, reduce_bucket_size=7, allgather_bucket_size=9).allgather_bucket_size == 9
 
 
-# --- evaluation (hf_accum/evaluation.py) ----------------------------------------------------------------------
+# --- evaluation (hf_accum/window/evaluation.py) ----------------------------------------------------------------------
 def test_prediction_step_computes_its_loss_through_compute_loss_with_num_items(tmp_path):
     given = []
 
@@ -542,7 +542,7 @@ def test_peft_still_reads_the_renamed_checkpointing_property_and_our_wraps_say_n
     from peft import LoraConfig, get_peft_model
 
     from hf_accum import estimate
-    from hf_accum.loading import add_lora
+    from hf_accum.probing.loading import add_lora
 
     from .exactness import tiny_llama
 

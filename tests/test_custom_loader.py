@@ -74,7 +74,7 @@ def test_a_loader_that_cannot_be_read_ahead_is_skipped_with_one_line(tmp_path, c
                                   use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
                                   remove_unused_columns=False)
     trainer = EndlessTrainer(model=tiny_llama(torch.float32), args=args, train_dataset=rows, data_collator=pad_collate)
-    from hf_accum import preflight
+    from hf_accum.trainer.checks import preflight
 
     with caplog.at_level(logging.INFO, logger=preflight.__name__):
         preflight.check_training_data(trainer)

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from hf_accum.deepspeed_batch import batch_contradiction, plan_fields, zero_stage
+from hf_accum.integrations.engines.deepspeed_batch import batch_contradiction, plan_fields, zero_stage
 
 from .test_ddp import ROOT, _free_port, _torchrun, child_env, run_two_ranks
 
@@ -264,7 +264,7 @@ def test_zero3_resume_is_exact_and_keeps_the_plan(zero_runs):
 def test_oom_under_zero3_stops_every_rank_and_use_cpu_false_is_refused(tmp_path):
     proc = _launch_that_stops("oom", tmp_path)
     out = proc.stdout + proc.stderr
-    assert "[rank1]: hf_accum.protocol.StopTraining: hf_accum: out of memory in a micro-batch" in out
+    assert "[rank1]: hf_accum.window.protocol.StopTraining: hf_accum: out of memory in a micro-batch" in out
     assert ("per_device_train_batch_size=1 and gradient_accumulation_steps=4 (micro 1 × accumulation 4 × world 2 = 8 "
             "on DeepSpeed ZeRO-3)") in out
     for r in (0, 1):  # written before the run that stops

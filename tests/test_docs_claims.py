@@ -69,7 +69,7 @@ def test_the_reuse_section_names_every_field_of_the_plan_key():
 
 @pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGTERM])
 def test_after_the_first_signal_a_ctrl_c_raises_and_a_sigterm_changes_nothing(first):
-    from hf_accum.preemption import StoppedAtOnce, StopRequest
+    from hf_accum.trainer.resilience.preemption import StoppedAtOnce, StopRequest
 
     stop, before = StopRequest(), signal.getsignal(signal.SIGINT)
     with stop.installed():

@@ -7,7 +7,7 @@ import pytest
 from hf_accum.probing.engine import AgreedMeter, smallest
 from hf_accum.probing.loop import probe_micro_batches
 from hf_accum.probing.meters import FakeMeter
-from hf_accum.protocol import StopTraining
+from hf_accum.window.protocol import StopTraining
 
 MiB = 2**20
 

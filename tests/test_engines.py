@@ -1,4 +1,4 @@
-"""The engine seam (hf_accum/engines/): which engine runs a trainer, what each says where engines differ, and that
+"""The engine seam (hf_accum/integrations/engines/): which engine runs a trainer, what each says where engines differ, and that
 the trainer and the planner reach engine internals only through it."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from hf_accum import engines
-from hf_accum.engines.base import Engine
-from hf_accum.engines.ddp import Ddp
-from hf_accum.engines.deepspeed import DeepSpeed
-from hf_accum.engines.fsdp import Fsdp
-from hf_accum.protocol import Policy
+from hf_accum.integrations import engines
+from hf_accum.integrations.engines.base import Engine
+from hf_accum.integrations.engines.ddp import Ddp
+from hf_accum.integrations.engines.deepspeed import DeepSpeed
+from hf_accum.integrations.engines.fsdp import Fsdp
+from hf_accum.window.protocol import Policy
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "hf_accum"
 

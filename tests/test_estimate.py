@@ -197,8 +197,8 @@ def test_python_estimate_assumes_no_card_size(gpt2_folder, no_gpu):
 
 
 def test_a_negative_intercept_is_not_printed_as_a_negative_peak():
-    from hf_accum.planning.plan import plan_batch
     from hf_accum.probing.loop import ProbeResult
+    from hf_accum.probing.plan import plan_batch
     from hf_accum.probing.report import summary
 
     result = ProbeResult([], 4, (-9.1 * MiB, 132.3 * MiB), 1024 * MiB, 2048 * MiB, 4, device="cpu")

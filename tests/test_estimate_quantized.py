@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("bitsandbytes")
 
-from hf_accum.loading import add_lora, load_model  # noqa: E402
 from hf_accum.probing.estimate import estimate_model  # noqa: E402
+from hf_accum.probing.loading import add_lora, load_model  # noqa: E402
 from hf_accum.probing.paper_quantized import quantized_model, settings  # noqa: E402
 from hf_accum.probing.probe import probe_model  # noqa: E402
 

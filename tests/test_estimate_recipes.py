@@ -15,8 +15,8 @@ MiB = 2**20
 
 
 def _settings(name, *overrides):
-    from hf_accum.probing.recipe_paper import settings
     from hf_accum.recipes.config import load_recipe
+    from hf_accum.recipes.recipe_paper import settings
 
     recipe = load_recipe(name, list(overrides))
     return settings(recipe, recipe.validate())
@@ -82,7 +82,7 @@ def test_overrides_reach_the_keywords(overrides, key, value):
 def test_the_length_is_the_one_the_probe_measures(name, overrides, seq_len):
     """The longest example as the trainer tokenizes it and the probe picks it (`planning.data_scan`): for lora_dpo,
     trainer-built, the probe's batch is 57 tokens wide: the widest pair, prompt + the longer completion (checked against `probe_batches` of the built trainer)."""
-    from hf_accum.probing.recipe_paper import data_length, prepare
+    from hf_accum.recipes.recipe_paper import data_length, prepare
 
     recipe, args, paper, tokenizer = prepare(name, overrides)
     assert data_length(recipe, args, paper, tokenizer)[0] == seq_len
@@ -92,7 +92,7 @@ def test_the_dpo_length_is_the_width_of_the_probes_batch():
     """Pins TRL's DPO dataset preparation as `compat.trl_internals.prepared_dataset` runs it without a model: the
     length the estimate reads is the width of the batch the built trainer's probe measures."""
     from hf_accum.planning.data_scan import probe_batches
-    from hf_accum.probing.recipe_paper import data_length, prepare
+    from hf_accum.recipes.recipe_paper import data_length, prepare
     from hf_accum.recipes.run import _load, build
 
     recipe, args, paper, tokenizer = prepare("lora_dpo", ["gradient_checkpointing=false"])
@@ -109,7 +109,7 @@ def test_fused_loss_false_is_the_models_own_loss_and_probe_seq_len_wins():
 
 # --- like for like with the recipe's real probe (CPU) ---------------------------------------------------------
 def _like_for_like(name, *overrides):
-    from hf_accum.probing.recipe_paper import estimate_recipe
+    from hf_accum.recipes.recipe_paper import estimate_recipe
     from hf_accum.recipes.run import probe_recipe
 
     est, seq_len, _source, _paper = estimate_recipe(name, overrides, device="cpu", device_memory=64 * 2**30,
@@ -229,7 +229,7 @@ def test_estimate_refuses_an_unknown_task():
 def test_a_recipe_on_a_config_folder_builds_from_the_config_at_max_length(tmp_path, monkeypatch):
     """A model given as a folder holding only config.json (no weights) and a hub dataset: the model from its
     config, the length training.max_length, said so (nothing is downloaded)."""
-    from hf_accum.probing.recipe_paper import estimate_recipe
+    from hf_accum.recipes.recipe_paper import estimate_recipe
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     _config("qwen2").save_pretrained(tmp_path)
@@ -248,7 +248,7 @@ def test_the_qlora_build_holds_what_the_trainer_trains():
     quantized base (the base's quantization itself is the estimate's `quantization` keyword)."""
     import torch
 
-    from hf_accum.probing.recipe_paper import builder, prepare
+    from hf_accum.recipes.recipe_paper import builder, prepare
 
     _recipe, _args, paper, tokenizer = prepare("qlora_sft")
     with torch.device("meta"):

@@ -12,9 +12,9 @@ from transformers import Trainer
 from hf_accum import AccumTrainer, AccumTrainingArguments
 from hf_accum.planning.data_scan import example_length as _length
 from hf_accum.planning.eval_batch import accumulation_steps, largest_fitting
-from hf_accum.planning.plan import Plan
 from hf_accum.planning.store import PLAN_FILE
 from hf_accum.probing.meters import CpuMeter, live_tensor_bytes
+from hf_accum.probing.plan import Plan
 
 from .exactness import lm_examples, pad_collate, tiny_llama
 

@@ -1,5 +1,5 @@
 """eval_loss is the exact mean over the whole evaluation set in training's unit, whatever the eval batch, the
-number of ranks or an out-of-memory re-run (hf_accum/evaluation.py). The reference is independent: each example
+number of ranks or an out-of-memory re-run (hf_accum/window/evaluation.py). The reference is independent: each example
 forwarded alone, float64 cross-entropy by hand; transformers' own value is shown to differ on the same data."""
 
 import logging

@@ -1,4 +1,4 @@
-"""The fused causal-LM loss (hf_accum/fused_loss.py): same gradient and logged loss as one pass over the window with
+"""The fused causal-LM loss (hf_accum/levers/kernels/fused_loss.py): same gradient and logged loss as one pass over the window with
 cross-entropy computed by hand in float64 from the full logits; refused (auto: off, True: an error) where it cannot be
 exact; training only.
 
@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from transformers import DataCollatorWithFlattening
 from transformers.trainer_callback import PrinterCallback
 
-import hf_accum.fused_loss as fl
+import hf_accum.levers.kernels.fused_loss as fl
 from hf_accum import AccumTrainer, AccumTrainingArguments
-from hf_accum.kernels import chunked
+from hf_accum.levers.kernels import chunked
 from hf_accum.planning.store import PLAN_FILE
 
 from .exactness import (

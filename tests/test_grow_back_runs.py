@@ -9,7 +9,7 @@ import torch
 from transformers.trainer_callback import PrinterCallback
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
-from hf_accum.planning.plan import Plan, plan_for_micro
+from hf_accum.probing.plan import Plan, plan_for_micro
 
 from .exactness import lm_examples, max_relative_error, pad_collate, reference_run, sum_over_items_loss, tiny_llama
 from .test_token_budget import run as token_run

@@ -2,9 +2,9 @@
 
 import pytest
 
-from hf_accum.growback import GrowBack
-from hf_accum.planning.plan import Plan
+from hf_accum.planning.growback import GrowBack
 from hf_accum.planning.policy import InForce, OomPolicy, as_plan
+from hf_accum.probing.plan import Plan
 
 
 def simulate(after: int, steps: int, oom_at) -> tuple[list[int], list[int]]:

@@ -1,4 +1,4 @@
-"""GRPO (hf_accum/grpo.py): `AccumGRPOTrainer` and a user's `class MyGRPO(AccumulationMixin, trl.GRPOTrainer)`.
+"""GRPO (hf_accum/integrations/trl/grpo.py): `AccumGRPOTrainer` and a user's `class MyGRPO(AccumulationMixin, trl.GRPOTrainer)`.
 
 The exactness tests fix generation (TRL's sampler replaced by a deterministic function of the prompt, so the same
 completions reach every trainer), run one optimizer step with uneven cuts and an out-of-memory error injected

@@ -1,4 +1,4 @@
-"""The loss kernels (hf_accum/kernels/): every registered kernel that runs here, through the fused loss's seam, against
+"""The loss kernels (hf_accum/levers/kernels/): every registered kernel that runs here, through the fused loss's seam, against
 the independent float64 reference -- each sequence forwarded alone, cross-entropy by hand (log-sum-exp written out),
 summed over the counted targets -- on padded rows, padding-free batches and DPO-style pairs, with prompts ignored
 (-100) and label smoothing where the kernel computes it. A kernel that does not compute a setting is refused, naming
@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
-import hf_accum.fused_loss as fl
-from hf_accum import kernels
+import hf_accum.levers.kernels.fused_loss as fl
+from hf_accum.levers import kernels
 from tests.exactness import lm_examples, pad_collate, tiny_llama
 
 TOL = 1e-10
@@ -289,7 +289,7 @@ LIGER_ROUTES = [  # (liger_kernel_config, fused_loss, device) -> (config transfo
 def test_use_liger_kernel_routes_to_one_loss_path(config, fused_loss, device, want, kernel):
     """Liger's own fused cross-entropy patch off (it would replace the forward our fused loss patches), its other
     kernels as given, and Liger's kernel run by our fused loss (None: fused_loss=False, the model's own loss)."""
-    from hf_accum.kernels import liger
+    from hf_accum.levers.kernels import liger
 
     given = None if config is None else dict(config)
     if isinstance(want, str):
@@ -358,7 +358,7 @@ def test_use_liger_kernel_runs_liger_in_our_fused_loss_exactly_and_names_it(fuse
     from transformers.trainer_callback import PrinterCallback
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
-    from hf_accum.kernels import liger
+    from hf_accum.levers.kernels import liger
     from tests.exactness import StepRecorder, max_relative_error, recording, reference_run
 
     calls = _fake_liger(monkeypatch)
@@ -410,7 +410,7 @@ def test_use_liger_kernel_with_trls_fused_head_is_one_loss_path_named_in_the_pla
     from transformers.trainer_callback import PrinterCallback
 
     from hf_accum import tiny
-    from hf_accum.kernels import liger
+    from hf_accum.levers.kernels import liger
     from hf_accum.trl import AccumSFTConfig, AccumSFTTrainer
     from tests.exactness import StepRecorder, max_step_error, recording, reference_run
 

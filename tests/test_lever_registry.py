@@ -11,8 +11,8 @@ import pytest
 from hf_accum import AccumTrainingArguments
 from hf_accum.compat import gradient_checkpointing
 from hf_accum.levers import base, checkpointing, get_lever, registered, searched
-from hf_accum.planning.plan import Plan
 from hf_accum.planning.store import PLAN_FILE, PlanFileError, plan_from_record, read_plan_file
+from hf_accum.probing.plan import Plan
 from hf_accum.tiny import build_model
 
 from .conftest import sft_trainer

@@ -1,10 +1,10 @@
-"""The checkpointing chooser (hf_accum/planning/levels.py), pure: tables of measured levels in, (rows, k) out."""
+"""The checkpointing chooser (hf_accum/probing/level_choice.py), pure: tables of measured levels in, (rows, k) out."""
 
 import math
 
 import pytest
 
-from hf_accum.planning.levels import CheckpointChooser, Level, fit_time_line, scale_line
+from hf_accum.probing.level_choice import CheckpointChooser, Level, fit_time_line, scale_line
 
 MIB = 2**20
 

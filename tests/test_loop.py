@@ -130,5 +130,5 @@ def test_fsdp2_oom_stops_every_rank_without_hanging(two_rank_runs):
     output = proc.stdout + proc.stderr
     assert "engine with collectives in every forward" in output
     # rank 0 did not run out of memory: it stops with rank 1's reason and the same advice, not a gloo error alone
-    assert "[rank0]: hf_accum.protocol.StopTraining: hf_accum: out of memory" in output
+    assert "[rank0]: hf_accum.window.protocol.StopTraining: hf_accum: out of memory" in output
     assert "on another rank (this rank's pending collective failed" in output

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_accum.oom import is_oom
 from hf_accum.probing.meters import CpuMeter, CudaMeter, FakeMeter, _cgroup_limit_bytes, live_tensor_bytes
+from hf_accum.window.oom import is_oom
 
 from .exactness import probe_llama
 

@@ -94,7 +94,7 @@ def test_nan_on_one_rank_makes_both_skip(tmp_path):
 
 def test_under_deepspeed_the_default_is_off_with_one_line_and_only_an_explicit_limit_is_refused(tmp_path, monkeypatch,
                                                                                                    caplog):
-    from hf_accum.engines import Engine
+    from hf_accum.integrations.engines import Engine
 
     monkeypatch.setattr(Engine, "steps_in_backward", True)  # the engine seam says: steps inside backward
     with caplog.at_level(logging.INFO, logger="hf_accum"):
@@ -129,7 +129,7 @@ def test_the_default_elsewhere_is_three_and_the_callers_arguments_keep_auto(tmp_
     ("auto", False, 3), ("auto", True, None), (None, False, None), (None, True, None), (0, False, 0), (5, False, 5),
 ])
 def test_resolve_nonfinite_limit(given, engine_steps_in_backward, limit):
-    from hf_accum.arg_checks import resolve_nonfinite_limit
+    from hf_accum.config.arg_checks import resolve_nonfinite_limit
 
     got, line = resolve_nonfinite_limit(given, engine_steps_in_backward)
     assert got == limit and (line is not None) == (given == "auto")
@@ -137,7 +137,7 @@ def test_resolve_nonfinite_limit(given, engine_steps_in_backward, limit):
 
 @pytest.mark.parametrize("given", [0, 4])
 def test_an_explicit_limit_under_deepspeed_is_refused(given):
-    from hf_accum.arg_checks import resolve_nonfinite_limit
+    from hf_accum.config.arg_checks import resolve_nonfinite_limit
 
     with pytest.raises(ValueError, match=f"max_nonfinite_steps={given} is set, but DeepSpeed"):
         resolve_nonfinite_limit(given, True)

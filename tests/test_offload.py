@@ -1,4 +1,4 @@
-"""Activation offload (hf_accum.offload) never changes the gradient, touches only the layers it is given, leaves the
+"""Activation offload (hf_accum.levers.activation_offload) never changes the gradient, touches only the layers it is given, leaves the
 model as it was, and skips the layers that are checkpointed when they run: float64, dropout on, against the same model
 without offload, the loss by hand (the helpers of test_checkpoint_layers.py). For a causal LM, LoRA and a padding-free
 batch. On CPU `save_on_cpu` would keep a CPU tensor as it is, so a spy stands in for its pack and unpack and makes a
@@ -7,8 +7,8 @@ real copy of every tensor: the gradient then is computed from the copies."""
 import pytest
 import torch
 
-from hf_accum import offload
 from hf_accum.compat import gradient_checkpointing
+from hf_accum.levers import activation_offload as offload
 from hf_accum.levers import selective
 
 from .exactness import tiny_llama

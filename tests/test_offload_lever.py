@@ -5,7 +5,8 @@ import logging
 
 import pytest
 
-from hf_accum import AccumTrainingArguments, offload
+from hf_accum import AccumTrainingArguments
+from hf_accum.levers import activation_offload as offload
 from hf_accum.levers import get_lever, searched
 from hf_accum.tiny import build_model
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_accum.oom import free_memory, is_oom
+from hf_accum.window.oom import free_memory, is_oom
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_free_memory_runs_without_cuda():
 
 # --- the one guard (oom.guarded) every step that may run out of memory goes through ------------------------------
 def test_guarded_returns_the_result_or_frees_memory_after_an_oom(monkeypatch):
-    import hf_accum.oom as oom
+    import hf_accum.window.oom as oom
 
     freed = []
     monkeypatch.setattr(oom, "free_memory", lambda: freed.append(True))
@@ -79,7 +79,7 @@ def test_guarded_returns_the_result_or_frees_memory_after_an_oom(monkeypatch):
 
 
 def test_guarded_lets_every_other_error_through(monkeypatch):
-    import hf_accum.oom as oom
+    import hf_accum.window.oom as oom
 
     monkeypatch.setattr(oom, "free_memory", lambda: pytest.fail("freed after an error that is not an OOM"))
 

@@ -26,7 +26,7 @@ def source_modules() -> set[str]:
 
 
 def recipe_files() -> set[str]:
-    return {f"hf_accum/recipes_data/{p.name}" for p in (ROOT / "recipes").glob("*.yaml")}
+    return {f"hf_accum/recipes/yaml/{p.name}" for p in (ROOT / "recipes").glob("*.yaml")}
 
 
 def setuptools_config() -> dict:
@@ -38,20 +38,20 @@ def setuptools_config() -> dict:
 def test_discovery_finds_every_package_under_hf_accum():
     packages = set(setuptools_config()["tool"]["setuptools"]["packages"])
     folders = {".".join(Path(m).parent.parts) for m in source_modules()}
-    assert {"hf_accum.engines", "hf_accum.levers", "hf_accum.recipes"} <= folders  # the walk saw the subpackages
+    assert {"hf_accum.integrations.engines", "hf_accum.levers", "hf_accum.recipes"} <= folders  # the walk saw the subpackages
     assert folders <= packages, sorted(folders - packages)
     assert not any("__pycache__" in p for p in packages), packages
 
 
 def test_the_recipes_and_py_typed_are_package_data():
     config = setuptools_config()["tool"]["setuptools"]
-    assert "hf_accum.recipes_data" in config["packages"]
-    assert config["package-data"]["hf_accum.recipes_data"] == ["*.yaml"]
+    assert "hf_accum.recipes.yaml" in config["packages"]
+    assert config["package-data"]["hf_accum.recipes.yaml"] == ["*.yaml"]
     assert "py.typed" in config["package-data"]["hf_accum"]
     assert (SOURCE / "py.typed").is_file()
     assert len(recipe_files()) == 5  # lora_sft, qlora_sft, lora_classification, lora_dpo, lora_grpo
     # the package folder is recipes/ itself (a symlink), so a checkout finds the same files through it
-    assert sorted(p.name for p in (SOURCE / "recipes_data").glob("*.yaml")) == sorted(
+    assert sorted(p.name for p in (SOURCE / "recipes" / "yaml").glob("*.yaml")) == sorted(
         p.name for p in (ROOT / "recipes").glob("*.yaml"))
 
 
@@ -84,7 +84,7 @@ def test_the_sdist_and_the_wheel_built_from_it_hold_everything(tmp_path):
     with tarfile.open(sdist) as tar:
         top = tar.getnames()[0].split("/")[0]
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-        assert not [m.name for m in tar.getmembers() if m.issym()]  # recipes_data as real files
+        assert not [m.name for m in tar.getmembers() if m.issym()]  # recipes/yaml as real files
         tar.extractall(tmp_path, filter="data")
     assert "LICENSE" in names and "pyproject.toml" in names
     assert source_modules() | recipe_files() <= names, sorted(source_modules() | recipe_files() - names)

@@ -13,9 +13,9 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference as DPOCollator  # 
 from trl.trainer.reward_trainer import DataCollatorForPreference as RewardCollator  # noqa: E402
 
 from hf_accum import tiny  # noqa: E402
+from hf_accum.integrations.trl.support import dpo_row_length, reward_row_length  # noqa: E402
 from hf_accum.planning.data_scan import probe_batches, train_lengths  # noqa: E402
 from hf_accum.trl import AccumDPOConfig, AccumDPOTrainer, AccumRewardConfig, AccumRewardTrainer  # noqa: E402
-from hf_accum.trl_support import dpo_row_length, reward_row_length  # noqa: E402
 
 # (prompt, chosen, rejected) lengths in characters (the tiny tokenizer is character-level): the longest prompt (30)
 # is in the first pair, the longest completion (28) in the second, the widest pair (20 + 25) in the third

@@ -9,19 +9,18 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from hf_accum.planning.plan import (
+from hf_accum.probing.plan import (
     Plan,
     choose_fastest,
     divisors,
     fit_memory_model,
     forward_breakpoints,
-    forwards_for,
-    near_equal_sizes,
     nearest_exact_targets,
     plan_batch,
     predict_max_micro,
 )
-from hf_accum.planning.search import GOAL_FRACTION, MicroBatchSearch
+from hf_accum.probing.search import GOAL_FRACTION, MicroBatchSearch
+from hf_accum.window.cuts import forwards_for, near_equal_sizes
 
 MiB = 1 << 20
 
@@ -448,6 +447,6 @@ def test_the_goals_hold_on_average_over_a_family_of_curves(shape):
                                                "accumulation x world must equal it exactly. use --target-batch 4"),
 ])
 def test_indivisible_target(target, world, names, expected):
-    from hf_accum.planning.plan import indivisible_target
+    from hf_accum.probing.plan import indivisible_target
 
     assert indivisible_target(target, world, *names) == expected

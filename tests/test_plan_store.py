@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from hf_accum.planning.plan import Plan
 from hf_accum.planning.store import PLAN_FILE, PlanFileError, canonical, load_stored_plan, plan_from_record
+from hf_accum.probing.plan import Plan
 from hf_accum.tiny import build_model
 
 from .conftest import sft_trainer

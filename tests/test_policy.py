@@ -3,9 +3,9 @@ table of cases (growing back, `larger`, is tabled in tests/test_growback.py)."""
 
 import pytest
 
-from hf_accum.planning.plan import Plan
 from hf_accum.planning.policy import InForce, OomPolicy
-from hf_accum.token_budget import TokenBudget
+from hf_accum.probing.plan import Plan
+from hf_accum.window.token_budget import TokenBudget
 
 
 @pytest.mark.parametrize(

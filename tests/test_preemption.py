@@ -15,7 +15,7 @@ import transformers
 from packaging import version
 
 from hf_accum.planning.store import PLAN_FILE
-from hf_accum.preemption import EXIT_PREEMPTED
+from hf_accum.trainer.resilience.preemption import EXIT_PREEMPTED
 
 from .test_ddp import ROOT, _free_port, child_env, run_two_ranks
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from hf_accum.planning.plan import divisors, forward_breakpoints, plan_batch
-from hf_accum.preserve import fresh_optimizer_like, preserved
 from hf_accum.probing.loop import NothingFitsError, agree_max_micro_batch, agree_on_rates, probe_micro_batches
 from hf_accum.probing.meters import CpuMeter, FakeMeter, live_tensor_bytes
+from hf_accum.probing.plan import divisors, forward_breakpoints, plan_batch
+from hf_accum.probing.preserve import fresh_optimizer_like, preserved
 from hf_accum.probing.probe import make_step_fn, probe_model, random_token_batch
 
 from .exactness import probe_llama

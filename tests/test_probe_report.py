@@ -2,8 +2,8 @@
 marked as read off the fitted line, the budget's value and origin, the model and the sequence length are labelled,
 kinds without points have no legend entry, and a default budget is named in the printed output."""
 
-from hf_accum.planning.plan import Plan
 from hf_accum.probing.loop import ProbeResult, Trial
+from hf_accum.probing.plan import Plan
 
 MiB = 2**20
 

@@ -4,11 +4,11 @@ policy says. No model, no process group: the engine drives a fake forward/backwa
 
 import pytest
 import torch
+from hf_accum.window.engine import WindowEngine
 
-from hf_accum.loss import LabelSpec
-from hf_accum.protocol import Local, Phase, Policy, StopTraining, WindowProtocol
-from hf_accum.units import make_cutter
-from hf_accum.window import WindowEngine
+from hf_accum.window.loss import LabelSpec
+from hf_accum.window.protocol import Local, Phase, Policy, StopTraining, WindowProtocol
+from hf_accum.window.units import make_cutter
 
 
 class FakeCollective:

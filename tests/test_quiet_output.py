@@ -12,7 +12,7 @@ import warnings
 import pytest
 
 import hf_accum  # noqa: F401  (installs the filters)
-from hf_accum._quiet import DROPPED
+from hf_accum.compat._quiet import DROPPED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOISE = ["Setting accelerator to CPU", "save_embedding_layers", "gradient_checkpointing` is deprecated",

@@ -189,9 +189,9 @@ def test_a_cached_type_answers_as_the_annotation_it_was_read_from():
 def test_the_rules_name_keys_that_exist_and_choices_the_library_takes():
     import torch
 
-    from hf_accum.loss import NORMALIZATIONS
     from hf_accum.recipes import rules
     from hf_accum.recipes.config import valid_keys
+    from hf_accum.window.loss import NORMALIZATIONS
 
     keys = {f"{s}.{k}" for task in rules.TASKS for s, ks in valid_keys(task).items() for k in ks}
     assert {rule.key for rule in rules.RULES} <= keys
@@ -249,7 +249,7 @@ def test_a_dpo_recipe_takes_one_loss_type_as_trl_does():
 @pytest.mark.parametrize("name", ["./no_such_model", "../no_such_model", "/no/such/model", "~/no_such_model"])
 def test_a_model_name_written_as_a_path_that_does_not_exist_says_no_such_directory(name, monkeypatch):
     """Not taken for a hub id ("Set HF_HUB_OFFLINE=1", "Repo id must use alphanumeric chars"): a path, missing."""
-    from hf_accum.loading import load_model
+    from hf_accum.probing.loading import load_model
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # online or not, the answer is the same
     expected = f"model.name={name!r} is a path, but there is no such directory: give the directory a model was saved to"

@@ -96,7 +96,7 @@ def test_one_counted_label_anywhere_is_enough(tmp_path):
     trainer = trainer_for(tmp_path / "out", rows, auto_tune=False, per_device_train_batch_size=8)
     torch.manual_seed(0)
     state = torch.get_rng_state()
-    from hf_accum.preflight import check_training_data
+    from hf_accum.trainer.checks.preflight import check_training_data
 
     check_training_data(trainer)
     assert torch.equal(torch.get_rng_state(), state)  # the check's collation consumed no random numbers

@@ -15,7 +15,8 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
-from hf_accum import router_aux, tiny  # noqa: E402
+from hf_accum import tiny  # noqa: E402
+from hf_accum.integrations.trl import router_aux  # noqa: E402
 from hf_accum.trl import AccumDPOConfig, AccumDPOTrainer, AccumSFTConfig, AccumSFTTrainer  # noqa: E402
 
 from .test_dpo import preference_data  # noqa: E402

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_accum.planning.plan import forward_breakpoints, forwards_for
-from hf_accum.planning.search import MicroBatchSearch
+from hf_accum.probing.plan import forward_breakpoints
+from hf_accum.probing.search import MicroBatchSearch
+from hf_accum.window.cuts import forwards_for
 
 from .test_plan import drive as plan_drive
 from .test_plan import linear, true_max

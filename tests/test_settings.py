@@ -6,7 +6,7 @@ import pytest
 from transformers import TrainingArguments
 
 from hf_accum.args import AccumTrainingArguments
-from hf_accum.settings import Settings
+from hf_accum.config.settings import Settings
 
 
 @pytest.mark.parametrize("micro, accumulation, target, world, given, exact", [

@@ -5,11 +5,11 @@ import signal
 import subprocess
 import time
 
-from hf_accum.preemption import EXIT_PREEMPTED
+from hf_accum.trainer.resilience.preemption import EXIT_PREEMPTED
 
 from .test_preemption import ENV, checkpoints, python
 
-STOP_FILE = "hf_accum_stopped.txt"  # hf_accum.stopping.STOP_FILE
+STOP_FILE = "hf_accum_stopped.txt"  # hf_accum.trainer.resilience.stopping.STOP_FILE
 
 
 def stop_after_reader_dies(tmp_path, stderr):

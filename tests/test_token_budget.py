@@ -15,8 +15,8 @@ from transformers import DataCollatorWithFlattening
 from transformers.trainer_callback import PrinterCallback
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
-from hf_accum.planning.plan import plan_batch
-from hf_accum.token_budget import (
+from hf_accum.probing.plan import plan_batch
+from hf_accum.window.token_budget import (
     PADDING_TARGET,
     TokenBudget,
     TooLongForBudget,

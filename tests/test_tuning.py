@@ -149,7 +149,7 @@ def test_plan_and_measurements_are_shown_by_default_and_in_the_trainers_logs(tmp
     assert logged["hf_accum/budget_bytes"] == 8 * MiB and logged["hf_accum/probe_trials"] == len(measured)
     assert logged["hf_accum/peak_bytes_per_step"] in {t.peak_bytes for t in measured if t.fits}
     assert logged["hf_accum/plan_reused"] == 0
-    assert logged["hf_accum/window"] == plan.window and logged["hf_accum/forwards"] == plan.forwards
+    assert logged["hf_accum/window/engine"] == plan.window and logged["hf_accum/forwards"] == plan.forwards
     caplog.clear()
     reused = make(tmp_path, tok)
     reused.train()
@@ -243,7 +243,7 @@ class TwoRanks:
 
 
 def _plan(micro, accumulation):
-    from hf_accum.planning.plan import Plan
+    from hf_accum.probing.plan import Plan
 
     return Plan(micro, accumulation, 2, micro * accumulation * 2)
 
@@ -271,7 +271,7 @@ def test_ranks_reuse_a_stored_plan_only_when_every_rank_found_the_same(mine, pee
 
 def test_one_rank_exchanges_nothing():
     from hf_accum.planning.tuning import agreed_stored
-    from hf_accum.protocol import Local
+    from hf_accum.window.protocol import Local
 
     stored = (_plan(4, 2), {})
     assert agreed_stored(stored, Local()) is stored and agreed_stored(None, Local()) is None

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
-from hf_accum.loss import LabelSpec
-from hf_accum.units import IndivisibleBatch, detect_unit, make_cutter, sliver
+from hf_accum.window.loss import LabelSpec
+from hf_accum.window.units import IndivisibleBatch, detect_unit, make_cutter, sliver
 
 CAUSAL = LabelSpec(shift=True)
 

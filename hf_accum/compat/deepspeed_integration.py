@@ -42,10 +42,13 @@ def deepspeed_stage(trainer) -> int | None:
     return int(trainer.accelerator.state.deepspeed_plugin.zero_stage)
 
 
+def engine_name(stage: int) -> str:
+    """How plans, plan keys and messages name a DeepSpeed engine of ZeRO ``stage``."""
+    return f"DeepSpeed ZeRO-{stage}"
+
+
 def engine_label(trainer) -> str | None:
     """The sharded engine a plan runs on, as plans and plan keys name it ("DeepSpeed ZeRO-3"); None otherwise."""
-    from ..deepspeed_batch import engine_name
-
     stage = deepspeed_stage(trainer)
     return None if stage is None else engine_name(stage)
 

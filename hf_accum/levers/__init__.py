@@ -6,7 +6,6 @@ levers and name none of them.
 
 from __future__ import annotations
 
-from ..kernels import lever as loss_kernel
 from . import offload, selective
 from .base import (
     Levels,
@@ -22,6 +21,7 @@ from .base import (
     searched,
 )
 from .checkpointing import CheckpointingLever
+from .kernels import lever as loss_kernel
 
 register_lever(CheckpointingLever())
 register_lever(module_lever(selective))

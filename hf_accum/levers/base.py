@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from types import SimpleNamespace
 from typing import Any, Protocol
 
-from ..settings import Settings
+from ..config.settings import Settings
 
 
 class Levels(Protocol):

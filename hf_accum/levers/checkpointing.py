@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..compat import deepspeed_integration, gradient_checkpointing, parallel
-from ..settings import Settings
+from ..config.settings import Settings
 from .base import pin
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Activation offload per decoder layer as a lever, CUDA only (the mechanics: `hf_accum.offload`, save_on_cpu around
+"""Activation offload per decoder layer as a lever, CUDA only (the mechanics: `hf_accum.levers.activation_offload`, save_on_cpu around
 each chosen layer's forward; exact, the copies are bitwise).
 
 Pinned with ``levers="offload=K"``: the K decoder layers after the fully and selectively checkpointed ones keep what
@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .. import offload
 from ..compat import gradient_checkpointing
+from . import activation_offload as offload
 from . import checkpointing, selective
 from .base import layer_count, pin
 

@@ -29,7 +29,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..compat import gradient_checkpointing
-from ..settings import Settings
+from ..config.settings import Settings
 from . import checkpointing
 from .base import layer_count, pin
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ..compat import trainer_internals
-from ..loss import loss_shifts_labels
+from ..compat import trainer_internals, trl_internals
 from ..probing.probe import random_token_batch
+from ..window.loss import loss_shifts_labels
 from .probe_rows import collate_pads, collator_name, known_to_pad, probe_rows, sequence_length, stretched
 
 logger = logging.getLogger(__name__)
@@ -98,9 +98,8 @@ def _bounded_batches(trainer, dataset, collate):
     max_length) bounds it. The probe measures one real example stretched to that bound. Examples with no sequence
     at all (numbers, 0-d tensors: every one the same size) are measured from the first. Sequences with no bound:
     refused, with a fix that works for the model."""
-    from ..trl_support import length_bound
-
-    bound = length_bound(trainer)
+    mixed = trainer._trl[1] if trainer._trl is not None else None  # the TRL trainer's record (integrations/trl)
+    bound = mixed.length_bound(trainer) if mixed is not None and mixed.length_bound is not None else None
     with torch.random.fork_rng(devices=[]):  # reading it draws no random number training would
         example = next(iter(dataset), None)
     if example is None:
@@ -168,12 +167,21 @@ def train_lengths(trainer) -> list[int] | None:
 
 
 def row_length(trainer) -> Callable[[Any], int]:
-    """``length(example)``: the width of the row ``trainer``'s collator builds for one example. A TRL preference
-    trainer's pair is one row of prompt + the longer completion, wider than any one of its columns
-    (`trl_support.row_length`); any other example is its longest sequence (`example_length`)."""
-    from ..trl_support import row_length as trl_row_length
+    """``length(example)``: the width of the row ``trainer``'s collator builds for one training or evaluation
+    example. A TRL preference trainer's pair is one row of prompt + the longer completion, wider than any one of its
+    columns (its record's ``row_length``, `integrations/trl/support.py`, held by the mixin as ``trainer._trl``); any
+    other example, or one not in the form its TRL trainer tokenizes, is its longest sequence. A collator that is not
+    TRL's own is measured uncut: only TRL's is known to cut."""
+    measure = trainer._trl[1].row_length if trainer._trl is not None else None
+    if measure is None:
+        return sequence_length
+    cut = trl_internals.preference_collator_cut(trainer.data_collator)
 
-    return trl_row_length(trainer)
+    def length(example) -> int:
+        n = measure(example, cut)
+        return sequence_length(example) if n is None else n
+
+    return length
 
 
 def example_length(example) -> int:

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from ..oom import guarded
-from ..preserve import modes_and_rng_preserved
+from ..config.settings import Settings
 from ..probing.meters import CpuMeter, format_bytes, live_tensor_bytes
+from ..probing.preserve import modes_and_rng_preserved
 from ..probing.probe import resolve_budget
-from ..protocol import Local, TorchDistributed
-from ..settings import Settings
+from ..window.oom import guarded
+from ..window.protocol import Local, TorchDistributed
 from . import tuning
 from .data_scan import longest_index, row_length
 

@@ -19,16 +19,16 @@ import logging
 import weakref
 from collections.abc import Callable
 
-from ..fit_hints import fit_hints, levers_on
-from ..growback import GrowBack
+from ..config.fit_hints import fit_hints, levers_on
+from ..config.settings import Settings
 from ..levers import get_lever
 from ..probing.engine import probe_through_engine
-from ..protocol import Collective, StopTraining
-from ..settings import Settings
-from ..token_budget import TokenBudget, plan_budget
+from ..probing.plan import Plan
+from ..window.protocol import Collective, StopTraining
+from ..window.token_budget import TokenBudget, plan_budget
 from . import tuning
 from .eval_batch import plan_eval_batch
-from .plan import Plan
+from .growback import GrowBack
 from .policy import InForce, OomPolicy, as_plan
 from .store import save_plan, stored_figures
 

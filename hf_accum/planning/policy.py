@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..token_budget import TokenBudget
-from .plan import Plan, forwards_for
+from ..probing.plan import Plan
+from ..window.cuts import forwards_for
+from ..window.token_budget import TokenBudget
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from ..compat import checkpoint_files, torch_features
+from ..config.paths import PLAN_FILE
+from ..config.settings import Settings
 from ..levers.checkpointing import checkpointing_enabled
-from ..paths import PLAN_FILE
-from ..settings import Settings
-from .plan import OPTIONAL_FIELDS, Plan, indivisible_target, plan_for_micro
+from ..probing.plan import OPTIONAL_FIELDS, Plan, indivisible_target, plan_for_micro
 
 logger = logging.getLogger(__name__)
 

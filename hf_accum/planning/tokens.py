@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 
 from ..probing.loop import ProbeResult
-from ..token_budget import TokenBudget, cost_model, predicted_peak
+from ..probing.plan import Plan
+from ..window.token_budget import TokenBudget, cost_model, predicted_peak
 from .data_scan import probe_batches
-from .plan import Plan
 
 
 def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
@@ -103,11 +103,12 @@ def _expected_cuts(lengths: list[int] | None, per_rank: int, budget: TokenBudget
                    rows_at_longest: int) -> dict[str, float]:
     """Forwards per optimizer step and padded / real tokens this budget gives on the user's data (windows of a
     fixed shuffle), next to "samples" mode's plan at the micro-batch that fits the worst case, each cut by the rule
-    that would run it (`partition_padded`, `plan.near_equal_groups`)."""
+    that would run it (`partition_padded`, `window.cuts.near_equal_groups`)."""
     import random
 
-    from ..token_budget import partition_padded
-    from .plan import near_equal_groups, plan_batch
+    from ..probing.plan import plan_batch
+    from ..window.cuts import near_equal_groups
+    from ..window.token_budget import partition_padded
 
     if not lengths:
         return {}

@@ -19,18 +19,18 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from .. import allocator, levers
-from ..compat import trainer_internals
-from ..fused_loss import loss_path
+from .. import levers
+from ..compat import allocator, trainer_internals
+from ..config.settings import Settings
+from ..levers.kernels.fused_loss import loss_path
 from ..probing.loop import ProbeResult
 from ..probing.meters import CpuMeter, CudaMeter, Meter
+from ..probing.plan import Plan
 from ..probing.probe import probe_model, resolve_budget
 from ..probing.report import plan_figures, plan_line
 from ..probing.seed import probe_with_estimate, trainer_reason
-from ..settings import Settings
-from ..units import detect_unit, make_cutter
+from ..window.units import detect_unit, make_cutter
 from .data_scan import probe_batches, train_lengths
-from .plan import Plan
 from .store import PLAN_FILE, PlanFileError, load_plan, plan_key, save_plan
 from .tokens import token_plan
 

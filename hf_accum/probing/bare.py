@@ -10,7 +10,7 @@ def bare_model(args: Any):
     """The bare model `hf-accum probe MODEL` measures: loaded (quantized if asked), LoRA, checkpointing."""
     import torch
 
-    from ..loading import add_lora, load_model, require_bitsandbytes
+    from .loading import add_lora, load_model, require_bitsandbytes
 
     quantization = None
     if args.load_in_4bit or args.load_in_8bit:

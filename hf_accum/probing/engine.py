@@ -19,12 +19,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..oom import guarded
-from ..planning.plan import Plan, forward_breakpoints
-from ..preserve import modes_and_rng_preserved
-from ..protocol import Collective, StopTraining
+from ..window.oom import guarded
+from ..window.protocol import Collective, StopTraining
 from .loop import MakeBatch, NothingFitsError, ProbeResult, probe_micro_batches
 from .meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes, format_bytes
+from .plan import Plan, forward_breakpoints
+from .preserve import modes_and_rng_preserved
 from .probe import plan_from_result
 
 SCRATCH = ".hf_accum_probe_state"  # under output_dir: the engine's state while the probe runs, removed after

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..planning.plan import Plan
 from . import paper_pairs
 from .loop import MakeBatch, ProbeResult
 from .paper_meter import PaperMeter, StorageCounter
 from .paper_quantized import quantized_model
+from .plan import Plan
 from .probe import make_step_fn, probe_model
 from .reserved import CachingAllocator, expandable_from_env
 
@@ -312,8 +312,8 @@ def _at(lever, k: int | None, fn):
 def on_paper(model: torch.nn.Module, device: str, autocast: bool) -> str:
     """Set the model's fused loss (if installed) to run on paper the kernel the device would run before a
     measurement, and say which: a kernel whose allocations fake tensors do not see runs as its memory model."""
-    from .. import kernels
-    from ..fused_loss import installed_patch
+    from ..levers import kernels
+    from ..levers.kernels.fused_loss import installed_patch
 
     patch = installed_patch(model)
     if patch is None:
@@ -322,7 +322,7 @@ def on_paper(model: torch.nn.Module, device: str, autocast: bool) -> str:
     name = patch.kernel or kernels.default(device, weight.dtype, autocast)
     patch.kernel, patch.paper = name, True
     how = ("its operators, counted one by one" if kernels.get(name).COUNTED_BY_OPS
-           else "its memory model (hf_accum/kernels/)")
+           else "its memory model (hf_accum/levers/kernels/)")
     return (f"loss: the fused loss, kernel {name} (the default for {str(weight.dtype).removeprefix('torch.')} on "
             f"{device}; the probe times every kernel that runs and may take another), by {how}")
 

@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from ..oom import guarded
-from ..planning.levels import CheckpointChooser, Choice, Level, fit_time_line, scale_line
-from ..planning.search import MicroBatchSearch
+from ..window.oom import guarded
+from .level_choice import CheckpointChooser, Choice, Level, fit_time_line, scale_line
 from .loop import (
     Log,
     ProbeResult,
@@ -28,6 +27,7 @@ from .loop import (
     probe_micro_batches,
 )
 from .meters import Meter
+from .search import MicroBatchSearch
 
 MAX_VERIFY_STEPS = 3  # verifying steps before the chooser falls back to a measured point
 

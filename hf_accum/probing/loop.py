@@ -15,13 +15,11 @@ from typing import Any
 
 import torch
 
-from ..fit_hints import fit_hints
-from ..oom import guarded
-from ..planning.plan import (
-    choose_fastest,
-)
-from ..planning.search import MicroBatchSearch
+from ..config.fit_hints import fit_hints
+from ..window.oom import guarded
 from .meters import Meter, format_bytes
+from .plan import choose_fastest
+from .search import MicroBatchSearch
 
 StepFn = Callable[[int], Any]
 MakeBatch = Callable[[int], dict[str, Any]]  # micro_batch_size -> collated batch at the worst-case length

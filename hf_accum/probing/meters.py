@@ -328,7 +328,7 @@ class CudaMeter(Meter):
             self.device = torch.device("cuda", torch.cuda.current_device())
 
     def measure(self, fn: Callable[[], Any], *, micro_batch_size: int | None = None) -> Measurement:
-        from ..oom import free_memory
+        from ..window.oom import free_memory
 
         free_memory()  # drop the previous trial's cached segments: reserved must reflect this run only
         torch.cuda.synchronize(self.device)

@@ -28,7 +28,7 @@ def load_config(name: str):
     """The config of ``name`` (a folder with config.json, or a hub id), or one ValueError line as the probe gives."""
     from transformers import AutoConfig
 
-    from ..loading import hub_unreachable, not_loadable
+    from .loading import hub_unreachable, not_loadable
 
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         raise ValueError(f"--model {name}: the folder holds no config.json; give a folder saved with save_pretrained "
@@ -67,7 +67,7 @@ def with_fused_loss(build, setting: bool | None):
         return build
 
     def built():
-        from ..fused_loss import patch_model, unsupported_reason
+        from ..levers.kernels.fused_loss import patch_model, unsupported_reason
 
         model = build()
         why = unsupported_reason(model, verify=False)

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from ..planning.plan import forward_breakpoints
 from .estimate import (
     checkpoint_lever,
     cuda_assumptions,
@@ -30,6 +29,7 @@ from .loop import ProbeResult, probe_micro_batches
 from .meters import Measurement
 from .paper_meter import PaperMeter
 from .paper_quantized import quantized_model
+from .plan import forward_breakpoints
 from .probe import seq_len_problem, stepping
 from .reserved import expandable_from_env
 

@@ -14,16 +14,8 @@ from typing import Any
 import torch
 
 from ..compat import bitsandbytes_cpu
-from ..fit_hints import levers_on
-from ..kernels.timing import measure_kernels
-from ..planning.plan import (
-    Plan,
-    forward_breakpoints,
-    indivisible_target,
-    plan_batch,
-    plan_for_micro,
-)
-from ..preserve import fresh_optimizer_like, preserved
+from ..config.fit_hints import levers_on
+from .kernel_timing import measure_kernels
 from .levels import probe_levels
 from .loop import (
     DEFAULT_BUDGET_FRACTION,
@@ -37,6 +29,8 @@ from .loop import (
     probe_micro_batches,
 )
 from .meters import CpuMeter, CudaMeter, Meter, format_bytes, live_tensor_bytes
+from .plan import Plan, forward_breakpoints, indivisible_target, plan_batch, plan_for_micro
+from .preserve import fresh_optimizer_like, preserved
 
 # (budget, meter) -> (seed, record); the seed: an int (the micro-batch search's), or with a lever a dict of its
 # positions' seeds (the level search's anchors)

@@ -10,7 +10,7 @@ A pure model of PyTorch's rules (c10/cuda/CUDACachingAllocator.cpp), one stream,
   > 1 MiB; with expandable segments: >= 512 bytes in both);
 - with none, a new segment is reserved (`segment_size`): 2 MiB for the small pool, 20 MiB for a request under
   10 MiB, else the request rounded up to 2 MiB. With ``expandable_segments:True`` (what hf_accum sets, see
-  `hf_accum.allocator`) each pool has one segment that grows in pages instead (2 MiB small, 20 MiB large), mapped
+  `hf_accum.compat.allocator`) each pool has one segment that grows in pages instead (2 MiB small, 20 MiB large), mapped
   after its last free block;
 - a freed block merges with free neighbours in its segment and stays reserved (cached) until `empty_cache`, which
   releases whole free segments (expandable: the free pages).
@@ -52,8 +52,8 @@ def segment_size(rounded: int) -> int:
 
 def expandable_from_env(environ=os.environ) -> bool:
     """Whether the run's allocator grows segments in place: ``PYTORCH_CUDA_ALLOC_CONF`` as set, or hf_accum's default
-    (`hf_accum.allocator` sets ``expandable_segments:True`` when the variable is unset)."""
-    from ..allocator import SETTING, VARIABLE
+    (`hf_accum.compat.allocator` sets ``expandable_segments:True`` when the variable is unset)."""
+    from ..compat.allocator import SETTING, VARIABLE
 
     conf = environ.get(VARIABLE, SETTING).replace(" ", "").lower()
     return "expandable_segments:true" in conf

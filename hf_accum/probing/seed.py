@@ -162,7 +162,7 @@ def unsupported_reason(model: torch.nn.Module, autocast_dtype: torch.dtype | Non
 
 
 def _fused_patch(model: torch.nn.Module):
-    from ..fused_loss import causal_lm_module
+    from ..levers.kernels.fused_loss import causal_lm_module
 
     inner = causal_lm_module(model)
     patch = None if inner is None else getattr(inner.__dict__.get("forward"), "_hf_accum_fused_loss", None)
@@ -223,7 +223,7 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
                     if isinstance(getattr(m, "gradient_checkpointing", None), bool)}
 
     def build() -> torch.nn.Module:
-        from ..fused_loss import patch_model
+        from ..levers.kernels.fused_loss import patch_model
 
         built = AutoModelForCausalLM.from_config(config, dtype=dtype)
         if any(checkpointed.values()):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..loading import hub_unreachable
+from ..probing.loading import hub_unreachable
 from .config import DATA_FILE_BUILDERS, Recipe, RecipeError
 from .sections import DataSection
 

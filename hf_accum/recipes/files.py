@@ -11,10 +11,10 @@ from typing import Any
 
 SECTIONS = ("model", "data", "lora", "training")
 
-_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # hf_accum/
-# hf_accum/recipes_data: a wheel's copy of recipes/, in a checkout a symlink to it; recipes/ itself for a checkout
+_HERE = Path(__file__).resolve().parent  # hf_accum/recipes/
+# hf_accum/recipes/yaml: a wheel's copy of recipes/, in a checkout a symlink to it; recipes/ itself for a checkout
 # whose git wrote the symlink as a plain file (core.symlinks=false).
-RECIPE_DIRS = (_PACKAGE_DIR / "recipes_data", _PACKAGE_DIR.parent / "recipes")
+RECIPE_DIRS = (_HERE / "yaml", _HERE.parent.parent / "recipes")
 
 
 class RecipeError(ValueError):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
+from ..config.settings import Settings
 from ..levers.checkpointing import checkpointing_enabled
-from ..loading import hub_unreachable, load_model, not_loadable, require_bitsandbytes
-from ..settings import Settings
+from ..probing.loading import hub_unreachable, load_model, not_loadable, require_bitsandbytes
 from .config import Recipe, RecipeError, _quiet_deprecations
 
 logger = logging.getLogger(__name__)
@@ -123,8 +123,8 @@ def configure_checkpointing_for_lora(args) -> bool:
 def add_lora(model, recipe: Recipe, args):
     """`loading.add_lora` (shared with `hf-accum probe`) with the recipe's LoRA and k-bit settings; a
     `lora.target_modules` name that matches no layer of this model is a RecipeError listing the layers there are."""
-    from ..loading import add_lora as shared_add_lora
-    from ..lora_targets import linear_names, unmatched_target
+    from ..probing.loading import add_lora as shared_add_lora
+    from ..trainer.checks.lora_targets import linear_names, unmatched_target
 
     checkpointing = configure_checkpointing_for_lora(args)
     given = recipe.lora.get("target_modules")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 
-from ..paths import PLAN_FILE, can_create_in, nearest_existing
+from ..config.paths import PLAN_FILE, can_create_in, nearest_existing
 from .config import RecipeError
 
 _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
@@ -78,7 +78,7 @@ def resolve_resume(value, output_dir: str, target: int) -> str | None:
             )
         return None
     if value is True:
-        from ..checkpoints import newest_complete_checkpoint
+        from ..trainer.resilience.checkpoints import newest_complete_checkpoint
 
         path = newest_complete_checkpoint(output_dir, say_skipped=True)  # a newer one passed over is named, and why
         if path is None:

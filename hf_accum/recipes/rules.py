@@ -15,13 +15,13 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ..loading import KBIT_PREPARATIONS, missing_path
+from ..probing.loading import KBIT_PREPARATIONS, missing_path
 from .files import RecipeError
 from .values import decode, describe, fits, kind
 
 # model.task -> the peft task type of its LoRA. "dpo" trains a causal LM on preference pairs.
 TASKS = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS", "dpo": "CAUSAL_LM", "grpo": "CAUSAL_LM"}
-# hf_accum.loss.NORMALIZATIONS (loss.py imports torch; a test keeps the two equal)
+# hf_accum.window.loss.NORMALIZATIONS (loss.py imports torch; a test keeps the two equal)
 LOSS_NORMALIZATIONS = ("tokens", "samples", "model")
 # model.dtype: the floating dtypes weights are loaded in (torch's names), "auto" (the checkpoint's) or null (float32)
 WEIGHT_DTYPES = ("float32", "float", "bfloat16", "float16", "half", "float64", "double", "auto")

@@ -206,7 +206,7 @@ def _trainer(recipe: Recipe, args, model, tokenizer, data, callbacks):
         trainer_class = AccumDPOTrainer if recipe.model.task == "dpo" else AccumSFTTrainer
         return trainer_class(model=model, args=args, train_dataset=data.dataset, eval_dataset=data.eval_dataset,
                              processing_class=tokenizer, callbacks=callbacks)
-    from ..trainer import AccumTrainer
+    from ..trainer.mixin import AccumTrainer
 
     return AccumTrainer(model=model, args=args, train_dataset=data.dataset, eval_dataset=data.eval_dataset,
                         data_collator=data.collator, processing_class=tokenizer, callbacks=callbacks)
@@ -360,7 +360,7 @@ def _training_plan(plan: dict[str, Any]) -> dict[str, Any]:
 def _evaluate(built: Built, say) -> dict[str, Any]:
     """The held-out rows (data.eval_examples), evaluated once after training unless an evaluation during training
     already ran at the last step: eval_loss is the exact mean over every target token (pair, example), whatever eval
-    batch the trainer planned (hf_accum/evaluation.py)."""
+    batch the trainer planned (hf_accum/window/evaluation.py)."""
     if built.data.eval_dataset is None:
         return {}
     trainer = built.trainer

@@ -8,8 +8,8 @@ import os
 import time
 from typing import Any
 
-from ..planning.plan import Plan
 from ..planning.store import library_version, stored_probe
+from ..probing.plan import Plan
 
 
 def describe(plan: dict[str, Any]) -> str:

@@ -232,8 +232,8 @@ def single_mode(out, rank):
     from deepspeed.comm.torch import build_shm_op
 
     from hf_accum.compat import deepspeed_integration
-    from hf_accum.planning.plan import Plan
-    from hf_accum.protocol import StopTraining
+    from hf_accum.probing.plan import Plan
+    from hf_accum.window.protocol import StopTraining
     from tests.test_oom_recovery import OOMAt
 
     result = {"shm_op": build_shm_op() is not None}
