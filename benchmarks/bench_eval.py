@@ -29,7 +29,7 @@ from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
 from hf_accum import AccumTrainer, AccumTrainingArguments  # noqa: E402
 from tests.exactness import lm_examples, pad_collate, sum_over_items_loss, tiny_gpt2  # noqa: E402
-from tests.test_evaluation import reference  # noqa: E402
+from tests.window.test_evaluation import reference  # noqa: E402
 
 N, BATCHES = 64, range(1, 17)
 

@@ -42,7 +42,7 @@ def exactness_rows(skip_ddp: bool):
                 errs.append((err, loss_err))
             rows.append((name, *errs[0], *errs[1]))
         if not skip_ddp:
-            from tests.test_ddp import RUNS, check_run, launch_two_ranks
+            from tests.integrations.test_ddp import RUNS, check_run, launch_two_ranks
 
             for trainer in ("plain", "accum"):
                 out = os.path.join(tmp, "ddp_" + trainer)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import settings
 
 # Property tests draw the same examples on every run (CI must not pass or fail by the draw); a defect one of them
-# finds is pinned as its own test (see tests/test_plan.py::test_known_staircase_case_misses_the_goal).
+# finds is pinned as its own test (see tests/probing/test_plan.py::test_known_staircase_case_misses_the_goal).
 settings.register_profile("deterministic", derandomize=True, database=None)
 settings.load_profile("deterministic")
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from hf_accum.loop import Accumulator, windows
+from tests.integrations.test_ddp import _torchrun
+from tests.trainer.test_oom_recovery import OOMAt
 
 from .exactness import lm_examples, pad_collate, reference_step, relative_error, tiny_gpt2
-from .test_ddp import _torchrun
-from .test_oom_recovery import OOMAt
 
 # Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
 # two-rank runs at once on 2 cores were seen to hang.

@@ -41,7 +41,6 @@ def test_reward_pair_sits_beside_sft_and_dpo(tmp_path):
 def test_accum_reward_trainer_is_exact_through_an_oom(tmp_path, caplog):
     pytest.importorskip("trl")
     from hf_accum.trl import AccumRewardConfig, AccumRewardTrainer
-
-    from .test_trl_mixins import reward_exact
+    from tests.integrations.test_trl_mixins import reward_exact
 
     assert reward_exact(tmp_path, caplog, AccumRewardConfig, AccumRewardTrainer) <= 1e-6

@@ -13,7 +13,7 @@ the eval-batch measurement. docs/bitsandbytes-cpu-packing.md is the report for b
 forwards then take the same dequantizing path as training ones); a layer already converted before hf_accum saw it
 is converted back with bitsandbytes' own inverse (what its `state_dict` and `.cuda()` do). Where bitsandbytes
 packs but this flag is gone (it changed the mechanism) training is refused: nothing else could keep it off.
-Pinned by tests/test_bitsandbytes_cpu.py.
+Pinned by tests/compat/test_bitsandbytes_cpu.py.
 """
 
 from __future__ import annotations

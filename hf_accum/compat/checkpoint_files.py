@@ -1,5 +1,5 @@
 """Reading a checkpoint's files without running them: its saved TrainingArguments (unpickled without importing
-or executing anything) and which optimizer state it holds. Pinned by tests/test_checkpoints.py and test_compat.py.
+or executing anything) and which optimizer state it holds. Pinned by tests/trainer/test_checkpoints.py and test_compat.py.
 """
 
 from __future__ import annotations

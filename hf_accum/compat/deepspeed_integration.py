@@ -1,5 +1,5 @@
 """DeepSpeed, through transformers' and accelerate's integration: the ZeRO stage, the config's batch fields, the
-engine's accumulation boundary and its state. Pinned by tests/test_compat.py and tests/workers/deepspeed_worker.py.
+engine's accumulation boundary and its state. Pinned by tests/compat/test_compat.py and tests/workers/deepspeed_worker.py.
 """
 
 from __future__ import annotations

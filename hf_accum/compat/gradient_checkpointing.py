@@ -1,5 +1,5 @@
 """transformers' gradient checkpointing, per layer: which layers can recompute, how many do, and switching them
-(used by the levers in `hf_accum/levers/`; what the user asked for is read there). Pinned by tests/test_checkpoint_layers.py and tests/test_compat.py.
+(used by the levers in `hf_accum/levers/`; what the user asked for is read there). Pinned by tests/levers/test_checkpoint_layers.py and tests/compat/test_compat.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def enable_all(model, kwargs: dict | None) -> None:
 # (in training, with grad enabled), through the `_gradient_checkpointing_func` that `*_checkpointing_enable` sets on
 # every module carrying the flag. `every_n_layers` picks evenly spaced layers; hf_accum sets the flags itself to
 # checkpoint exactly k layers, the first k: their recompute runs after the later layers' activations are freed in
-# the backward, so it does not add to the peak (tests/test_compat.py pins the flag and the enable path).
+# the backward, so it does not add to the peak (tests/compat/test_compat.py pins the flag and the enable path).
 def checkpoint_owner(model):
     """The module whose `activation_checkpointing_enable` / `gradient_checkpointing_enable` applies (through peft's
     wrappers, which forward attribute access to the transformers model); None when there is none."""

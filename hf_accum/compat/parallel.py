@@ -1,6 +1,6 @@
 """How the model is parallelized, read from torch and accelerate: accelerate's FSDP, DDP's and FSDP2's
 gradient-sync switches, parameters sharded in place or at load time (what `hf_accum/integrations/engines/` reads to tell the
-engines apart). Pinned by tests/test_compat.py.
+engines apart). Pinned by tests/compat/test_compat.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """torch.distributed's default process group: its size and its private key-value store (the rank-agreement
-protocol's out-of-band channel). Pinned by tests/test_compat.py.
+protocol's out-of-band channel). Pinned by tests/compat/test_compat.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """torch features hf_accum uses where present: the profiler's events, the attention implementation, the chunked
-linear + cross-entropy (fused_loss.py) and autocast. Pinned by tests/test_compat.py and tests/test_fused_loss.py.
+linear + cross-entropy (fused_loss.py) and autocast. Pinned by tests/compat/test_compat.py and tests/levers/test_fused_loss.py.
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ unless it believes the loss is already normalized for accumulation. The rule cha
 - transformers 5.17: divides iff `(not model_accepts_loss_kwargs or num_items_in_batch is None)
   and compute_loss_func is None`;
 - transformers >= 5.2x: a class attribute `loss_is_scaled_for_ga` overrides that rule when not None.
-`tests/test_compat.py` fails when a new version changes this, and `AccumTrainer` checks the returned value
+`tests/compat/test_compat.py` fails when a new version changes this, and `AccumTrainer` checks the returned value
 of its first training step against this prediction at run time.
 
 Also the private Trainer fields the window engine, the evaluation and the check read or set (each with the test
-that pins it in tests/test_compat.py), and the two private Trainer methods `AccumulationMixin` overrides instead of
+that pins it in tests/compat/test_compat.py), and the two private Trainer methods `AccumulationMixin` overrides instead of
 adding callbacks to the user's list: `_maybe_log_save_evaluate` (the loop calls it right after the callbacks'
 `on_step_end`, before it logs and saves) and `_save_checkpoint` (where `on_save` would come right after).
 """
@@ -93,7 +93,7 @@ def add_input_tokens_seen(trainer, local_tokens: int) -> None:
 
 def window_length(trainer) -> int:
     """Micro-batches in the current window: `Trainer.training_step` divides the loss by this private attribute
-    (set by `_inner_training_loop` per window); `tests/test_compat.py` pins that it is the divisor."""
+    (set by `_inner_training_loop` per window); `tests/compat/test_compat.py` pins that it is the divisor."""
     return trainer.current_gradient_accumulation_steps
 
 

@@ -1,5 +1,5 @@
 """TRL internals hf_accum touches: the metrics TRL gathers inside compute_loss (kept out of the probe's steps)
-and whether TRL fuses the LM head. Pinned by tests/test_trl.py and tests/test_compat.py.
+and whether TRL fuses the LM head. Pinned by tests/test_trl.py and tests/compat/test_compat.py.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def grpo_generated_slices(trainer, loaded, rows_per_forward=contextlib.nullconte
     so it empties the buffer (as a resume does) and takes every slice. TRL runs the no-gradient forwards of
     generation (the reference's log-probabilities, where beta > 0) in chunks of per_device_train_batch_size rows:
     ``rows_per_forward()`` is the context that sets it to the plan's rows per forward (the planner's, given by the
-    caller: compat/ does not reach into planning/). Pinned by tests/test_compat.py."""
+    caller: compat/ does not reach into planning/). Pinned by tests/compat/test_compat.py."""
     trainer._buffered_inputs = None
     with rows_per_forward():
         trainer._prepare_inputs(loaded)
@@ -107,7 +107,7 @@ def grpo_reused_slices(trainer) -> list[dict] | None:
     = accumulation (hf_accum's layout) that is one generation every `num_iterations` optimizer steps. The batch
     then holds `old_per_token_logps` (TRL computes them at generation when the accumulation is not a multiple of
     that period), so the later steps' importance ratios are against the generating policy, as TRL's. An empty
-    buffer (a resumed run) generates, as TRL does. Pinned by tests/test_compat.py."""
+    buffer (a resumed run) generates, as TRL does. Pinned by tests/compat/test_compat.py."""
     if trainer._buffered_inputs is None or trainer.state.global_step % trainer.num_iterations == 0:
         return None
     return list(trainer._buffered_inputs)
@@ -123,7 +123,7 @@ def grpo_entropy_bonus(trainer) -> bool:
 def grpo_entropy_coef_scaled(trainer, factor: float):
     """GRPOTrainer's static `entropy_coef` times ``factor`` for one forward (`_compute_loss` reads it as the
     bonus's coefficient and logs it as the ``entropy_coef`` metric at the window's last forward: the metric keeps
-    the user's value). Pinned by tests/test_compat.py."""
+    the user's value). Pinned by tests/compat/test_compat.py."""
     coef = trainer.entropy_coef
     logged = trainer._metrics["train"]["entropy_coef"]
     before = len(logged)
@@ -154,7 +154,7 @@ def grpo_entropies(trainer, batch: dict, rows: int):
 def grpo_entropy_mask_fixed(trainer, keep):
     """GRPOTrainer's `get_high_entropy_mask` (`_compute_loss`'s token filter, top_entropy_quantile < 1) returns
     ``keep`` (this forward's rows of a mask computed over the whole window) for one forward. Pinned by
-    tests/test_compat.py."""
+    tests/compat/test_compat.py."""
     trainer.get_high_entropy_mask = lambda entropies, mask, threshold: keep.to(mask.device) & mask.bool()
     try:
         yield

@@ -360,7 +360,7 @@ def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest:
     """The predicted peak at every micro-batch 1 .. largest + 1 (the probe measured only the sizes its search
     proposed). Up to `MEASURE_EVERY_UP_TO` sizes each is run; beyond, 1, 2, the probe's sizes and the last two are
     run and those between are interpolated: a step's memory grows linearly with its rows between the sizes measured
-    (the estimates of tests/test_estimate.py differ by the same bytes per row from micro 2 on)."""
+    (the estimates of tests/probing/test_estimate.py differ by the same bytes per row from micro 2 on)."""
     last = max(largest, 0) + 1
     known = {m: v for m, v in (meter.peaks if known is None else known).items() if m <= last}  # the probe's own trials
     wanted = set(range(1, last + 1)) if last <= MEASURE_EVERY_UP_TO else {1, 2, last - 1, last} | set(known)

@@ -15,7 +15,7 @@ The steps are bitsandbytes' own where they are Python: the forward dequantizes t
 dtype (`F.dequantize_4bit`, whose kernels bitsandbytes registers fake implementations for, so the buffer it returns
 is counted) and multiplies; the backward dequantizes again for the input's gradient. That is what
 `MatMul4Bit` / `gemm_4bit`'s default kernel (the one the CPU runs) allocate; int8 runs bitsandbytes' `MatMul8bitFp`
-itself (the CPU's training path: it keeps the layer's input for the backward). tests/test_estimate_quantized.py
+itself (the CPU's training path: it keeps the layer's input for the backward). tests/probing/test_estimate_quantized.py
 checks one layer against the real bitsandbytes layer's measured peak, and whole models against the probe.
 """
 

@@ -5,7 +5,7 @@ A step's peak does not depend on the card, only the search's verdicts do, so eac
 `loop.probe_micro_batches`, from its own budget) is run on one warmed model, and a size an earlier card's search
 stepped is read back instead of stepped again (`Remembered`). Every step frees what it allocated and the meter
 empties the allocator's cache before each one, so a size measured after other sizes measures what it would first
-(`tests/test_fits.py` checks every cell against that card's own `estimate`).
+(`tests/probing/test_fits.py` checks every cell against that card's own `estimate`).
 """
 
 from __future__ import annotations

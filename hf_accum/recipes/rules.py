@@ -5,7 +5,7 @@ choice) with the one line that says the fix.
 Nothing here imports torch, transformers, peft or TRL: `hf-accum train lora_sft learning_rate=-1` answers as fast
 as a mistyped key. The checks that need the built arguments (the world size, a DeepSpeed config) stay in
 `AccumTrainingArguments.__post_init__`, the ones that need the model in `recipes.model`. Every value a training rule
-refuses, the arguments refuse too, for a user of the Python API (tests/test_recipe_checks.py): the table adds speed,
+refuses, the arguments refuse too, for a user of the Python API (tests/recipes/test_recipe_checks.py): the table adds speed,
 never a rule of its own.
 """
 
@@ -31,7 +31,7 @@ WEIGHT_DTYPES = ("float32", "float", "bfloat16", "float16", "half", "float64", "
 EXTRA_TYPES: dict[tuple[str, str], Any] = {("training", "resume_from_checkpoint"): bool | str | None,
                                            ("training", "checkpoint_layers"): int | str | None}
 # List fields whose class takes one item as well (TRL's DPOConfig.__post_init__ wraps a string loss_type in a list;
-# pinned by tests/test_recipe_checks.py): the type check accepts what the class accepts.
+# pinned by tests/recipes/test_recipe_checks.py): the type check accepts what the class accepts.
 ONE_FOR_A_LIST: dict[tuple[str, str], Any] = {("training", "loss_type"): str}
 
 

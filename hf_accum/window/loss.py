@@ -60,7 +60,7 @@ class LabelSpec:
 
 # Models whose own loss skips another label value than -100, read from a named config field, and divides by the
 # number of labels it kept (so hf_accum can drive it exactly once it counts the same labels). Allow-list: a new
-# entry needs a test against an independent reference (tests/test_labels.py).
+# entry needs a test against an independent reference (tests/window/test_labels.py).
 _IGNORE_INDEX_FIELDS = {
     "segformer": "semantic_loss_ignore_index",
 }

@@ -2,7 +2,7 @@
 
 **Invariant: in each window every rank makes the same collective calls, in the same order.** A rank that made
 one more or one fewer would hang the others (or pair its values with another call's). Each transition below
-says which collective it makes; `tests/test_protocol.py` counts them on every path with a fake collective.
+says which collective it makes; `tests/window/test_protocol.py` counts them on every path with a fake collective.
 
 Phases of one window (``begin`` .. ``finish``), under the ``rerun`` policy:
 

@@ -9,7 +9,7 @@ chunk pads only to its own longest row, and cut into contiguous groups:
    longest ones leaves the shortest, cheapest rows for later groups);
 2. among partitions with that many groups (or with ``groups`` forced higher, so that every rank runs the same
    number of forwards), the one with the least padding: a small dynamic programme over the sorted lengths
-   (contiguous groups of the sorted rows are optimal: tests/test_token_budget.py checks it by brute force);
+   (contiguous groups of the sorted rows are optimal: tests/window/test_token_budget.py checks it by brute force);
 3. one more forward while the window's padded tokens exceed ``PADDING_TARGET`` (1.10) times its real tokens, up to
    as many forwards as equal micro-batches sized for the window's longest row would take ("samples" mode's count).
    At the fewest forwards a long-tailed window pads ~1.29 tokens per real token (benchmarks/bench_token_budget.py,

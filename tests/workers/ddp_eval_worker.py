@@ -1,6 +1,6 @@
 """Run under `torchrun --nproc_per_node 2`: evaluates one float64 GPT-2 on the same data at several eval batch
 sizes with two gloo ranks, through AccumTrainer and through transformers' Trainer, and saves the eval_loss each
-gave (rank 0) for tests/test_evaluation.py to check against its single-process reference."""
+gave (rank 0) for tests/window/test_evaluation.py to check against its single-process reference."""
 
 import argparse
 import json
@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.test_evaluation import N_EVAL, eval_data, eval_model  # noqa: E402
+from tests.window.test_evaluation import N_EVAL, eval_data, eval_model  # noqa: E402
 
 
 def main():
@@ -44,7 +44,7 @@ def main():
                           compute_loss_func=sum_over_items_loss)
             results[f"{name}:{b}"] = trainer.evaluate()["eval_loss"]
     # rank 1 alone runs out of memory at its first evaluation forward: it re-runs that batch in halves by itself
-    from tests.test_oom_recovery import OOMAt
+    from tests.trainer.test_oom_recovery import OOMAt
 
     args = AccumTrainingArguments(output_dir=os.path.join(opts.out, "oom"), per_device_eval_batch_size=8,
                                   report_to=[], use_cpu=True, disable_tqdm=True, remove_unused_columns=False,

@@ -29,7 +29,7 @@ def skip_shm_comm_op():
     """DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce op (`deepspeed_shm_comm`, 30-100 s, in
     ~/.cache/torch_extensions) when its comm backend starts; that op serves only `inference_all_reduce` (tensor-
     parallel inference), never training's collectives, which go through torch.distributed (gloo). Marking it
-    incompatible, where DeepSpeed's own check reads it, skips the compile (pinned in tests/test_deepspeed.py)."""
+    incompatible, where DeepSpeed's own check reads it, skips the compile (pinned in tests/integrations/test_deepspeed.py)."""
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -124,7 +124,7 @@ def real_step_peak(trainer):
 
 def train_mode(out, rank):
     from tests.exactness import tiny_gpt2
-    from tests.test_resume import StopAt
+    from tests.trainer.test_resume import StopAt
 
     result = {"initial": {n: p.detach().clone() for n, p in tiny_gpt2().named_parameters()}}
     runs = {"ddp": {}, "zero2": {"stage": 2}, "zero3": {"stage": 3},
@@ -182,7 +182,7 @@ def train_mode(out, rank):
 def oom_mode(out, rank):
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from tests.exactness import tiny_gpt2, train_recording_outcome
-    from tests.test_oom_recovery import OOMAt
+    from tests.trainer.test_oom_recovery import OOMAt
 
     try:
         args = AccumTrainingArguments(output_dir=os.path.join(out, "world_one"), report_to=[], use_cpu=False,
@@ -203,7 +203,7 @@ def probe_oom_mode(out, rank):
     """auto_tune under ZeRO-3, out of memory in rank 1's first probe trial (its second forward, after the warm-up):
     every rank must stop, none hang, and the weights must never have been stepped."""
     from tests.exactness import train_recording_outcome
-    from tests.test_oom_recovery import OOMAt
+    from tests.trainer.test_oom_recovery import OOMAt
 
     trainer = trainer_for(os.path.join(out, "probe_oom"), stage=3, tuned=True)
     if rank == 1:
@@ -234,7 +234,7 @@ def single_mode(out, rank):
     from hf_accum.compat import deepspeed_integration
     from hf_accum.probing.plan import Plan
     from hf_accum.window.protocol import StopTraining
-    from tests.test_oom_recovery import OOMAt
+    from tests.trainer.test_oom_recovery import OOMAt
 
     result = {"shm_op": build_shm_op() is not None}
     trainer = trainer_for(os.path.join(out, "fill"), stage=2, micro=4)

@@ -110,7 +110,7 @@ def train_mode(src, out, rank):
 
 def oom_mode(src, out, rank):
     from tests.exactness import train_recording_outcome
-    from tests.test_oom_recovery import OOMAt
+    from tests.trainer.test_oom_recovery import OOMAt
 
     model = load(src, True)
     trainer = trainer_for(model, args_for(os.path.join(out, "oom")))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.exactness import lm_examples, pad_collate, tiny_gpt2  # noqa: E402
-from tests.test_oom_recovery import OOMAt  # noqa: E402
+from tests.trainer.test_oom_recovery import OOMAt  # noqa: E402
 
 
 def full(t):

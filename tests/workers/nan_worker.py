@@ -7,7 +7,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.test_nonfinite import NaNAt  # noqa: E402
+from tests.trainer.test_nonfinite import NaNAt  # noqa: E402
 
 
 def main():

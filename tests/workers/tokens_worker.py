@@ -15,7 +15,7 @@ def main():
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from tests.exactness import StepRecorder, pad_collate, recording, tiny_llama
-    from tests.test_token_budget import long_tailed
+    from tests.window.test_token_budget import long_tailed
 
     out, rank = sys.argv[1], int(os.environ["RANK"])
     flat = len(sys.argv) > 2 and sys.argv[2] == "flat"

@@ -6,7 +6,7 @@ wraps, hf_accum sets the sft term's weight in `DPOTrainer.loss_weights` to ``wei
 ``token_share = n * W / N``: ``n`` the chosen completion tokens of the forward (after the causal shift, as TRL counts
 them), ``N`` those of the whole window on every rank (one collective per window). So the term contributes
 ``weight * (sum of the chosen tokens' NLL) / N`` per forward, and the window's loss holds ``weight x`` the token mean
-over the window, whatever the cut. `tests/test_dpo.py` checks it against a float64 reference written by hand.
+over the window, whatever the cut. `tests/integrations/test_dpo.py` checks it against a float64 reference written by hand.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ takes the term out of TRL's loss (the weight is 0 during `compute_loss`), reads 
 data-parallel averaging then makes it the mean over every rank's forwards, as in TRL). The token / pair loss stays
 exact; the router term is the mean over the forwards that actually ran (TRL's when the window is not cut).
 
-`tests/test_router_aux.py` pins the TRL attributes used here and that the result equals TRL's at GA 1, 2, 3.
+`tests/integrations/test_router_aux.py` pins the TRL attributes used here and that the result equals TRL's at GA 1, 2, 3.
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ def _truncating(name: str, how: str) -> Callable[[Any], tuple[int, str] | None]:
     return length_bound
 
 
-# The TRL trainers (as `trl` exports them; tests/test_trl_mixins.py pins that these are exactly the Trainer
+# The TRL trainers (as `trl` exports them; tests/integrations/test_trl_mixins.py pins that these are exactly the Trainer
 # classes in trl's namespace) and what the mixin does over each. A TRL class missing here is refused.
 TRL_TRAINERS: dict[str, MixedInto] = {
     # a token mean (or a sample mean with loss_normalization="samples")

@@ -20,7 +20,7 @@ A kernel module states:
   estimate then runs it); False when they happen inside one operator or a Triton launch (the estimate then runs
   its memory model, `paper.py`).
 
-Adding one: its file, its tests (tests/test_kernels.py runs every registered kernel that runs here against the
+Adding one: its file, its tests (tests/levers/test_kernels.py runs every registered kernel that runs here against the
 float64 reference), one `register` line in `kernels/__init__.py`, and the docs.
 """
 

@@ -1,0 +1,94 @@
+"""FSDP2 applied at load time (transformers' DistributedConfig) with two gloo ranks on CPU: AccumTrainer ends with
+the weights DDP ends with on the same data and target (accumulation 2); the meter and the probe count each rank's
+local shards; the window protocol treats it as a sharded engine, and an OOM on one rank stops every rank with the
+plan to restart with; resuming (which transformers cannot do exactly for such a model) is refused before any work."""
+
+import json
+import time
+
+import pytest
+import torch
+import transformers
+from packaging import version
+
+from tests.exactness import tiny_llama
+from tests.integrations.test_ddp import _torchrun
+
+# Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
+# two-rank runs at once on 2 cores were seen to hang.
+pytestmark = pytest.mark.xdist_group("torchrun")
+
+needs_load_time_fsdp2 = pytest.mark.skipif(
+    version.parse(transformers.__version__) < version.parse("5.18"),
+    reason="load-time FSDP2 (DistributedConfig fsdp_size) needs transformers newer than 5.17")
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    src = tmp_path_factory.mktemp("fsdp2") / "model"
+    initial = tiny_llama(torch.float64)
+    initial.save_pretrained(src)
+    return src, {n: p.detach() for n, p in initial.named_parameters()}
+
+
+@pytest.mark.slow
+@needs_load_time_fsdp2
+def test_load_time_fsdp2_matches_ddp_and_the_meter_and_probe_count_local_shards(tmp_path, saved_model):
+    src, start = saved_model
+    proc = _torchrun("fsdp2_worker.py", "train", src, tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for res in ranks:
+        assert res["sharded"] and res["fsdp2_policy"] == "stop" and res["ddp_policy"] == "rerun"
+        # the meter reads each rank's local shards (a DTensor's storage pointer is not readable) and counts the
+        # memory they keep alive: on CPU, transformers' load-time sharding leaves each shard a view of a storage
+        # of the parameter's full size, so that is what the plan must budget for
+        assert res["meter_bytes"] == res["local_storage_bytes"] >= res["local_shard_bytes"]
+        assert res["local_shard_bytes"] < sum(p.numel() * 8 for p in start.values())
+        # the probe's figure: every measured step starts from this rank's weights, zeroed gradient shards and
+        # AdamW state shards, counted here after one real step by the storages behind the local shards
+        assert res["probe_baselines"] and set(res["probe_baselines"]) == {res["counted_step_bytes"]}
+        assert res["counted_step_bytes"] < res["unsharded_step_bytes"]
+        ddp, fsdp = res["ddp"], res["fsdp2"]
+        num = sum(float(((fsdp[n] - start[n]) - (ddp[n] - start[n])).pow(2).sum()) for n in start)
+        den = sum(float((ddp[n] - start[n]).pow(2).sum()) for n in start)
+        assert den > 0 and (num / den) ** 0.5 <= 1e-5
+        # transformers checkpoints no optimizer state for a model sharded at load time: resuming is refused
+        # before any work, naming the argument and the ways on, and a stop's advice is not "resume"
+        assert res["resume_refusal"].startswith("resume_from_checkpoint=True cannot resume exactly")
+        assert "from_pretrained(CHECKPOINT, distributed_config=...)" in res["resume_refusal"]
+        assert res["untouched_by_refusal"]
+        assert "cannot be resumed" in res["stop_advice"] and "resume_from_checkpoint" not in res["stop_advice"]
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    assert ranks[0]["probe_baselines"] != ranks[1]["probe_baselines"], "each rank measured its own shards"
+    # what a stop writes: the weights (gathered) and the state, never an optimizer file that could not be loaded
+    files = ranks[0]["checkpoint_files"]
+    assert "model.safetensors" in files and "trainer_state.json" in files and "optimizer.pt" not in files
+
+
+@pytest.mark.slow
+@needs_load_time_fsdp2
+def test_load_time_fsdp2_oom_on_one_rank_stops_every_rank_with_the_plan(tmp_path, saved_model):
+    src, _ = saved_model
+    start = time.monotonic()
+    proc = _torchrun("fsdp2_worker.py", "oom", src, tmp_path, timeout=300)
+    seconds = time.monotonic() - start
+    assert proc.returncode != 0 and seconds < 240, "a clean stop, no hang"
+    plan = "per_device_train_batch_size=1 and gradient_accumulation_steps=4 (micro 1 × accumulation 4 × world 2 = 8)"
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"oom.rank{r}.json").read_text())
+        assert got["raised"]["type"] == "StopTraining" and got["step"] == 1, got
+        assert "out of memory in a micro-batch" in got["raised"]["message"]
+        assert plan in got["raised"]["message"] and "cannot be resumed" in got["raised"]["message"]
+    # rank 0 did not run out of memory: it stopped because rank 1 did, and says so
+    assert "on another rank" in json.loads((tmp_path / "oom.rank0.json").read_text())["raised"]["message"]
+
+
+@pytest.mark.slow
+def test_an_fsdp_request_that_would_fall_back_is_refused_on_every_rank(tmp_path):
+    proc = _torchrun("fallback_worker.py", tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for r in (0, 1):
+        messages = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert "fsdp=" in messages["fsdp_on_cpu"] and "accelerate runs MULTI_CPU" in messages["fsdp_on_cpu"]
+        assert "training sees world size 1: every rank would train on the same data" in messages["world_one"]
