@@ -180,14 +180,7 @@ def estimate_model(build, *, seq_len: int, target_batch_size: int, device_memory
     a label per sample)."""
     budget_bytes = _checked_budget(device, task, device_memory, budget_bytes, budget_fraction, checkpoint_layers)
     autocast = torch.bfloat16 if bf16 else None
-
-    def built() -> torch.nn.Module:  # the model, and DPO's frozen reference copy, each quantized as asked
-        return quantized_model(build(), quantization, **(quantization_options or {}))
-
-    with torch.device("meta"):
-        model = built()
-        pair_step = paper_pairs.step_for(pairs, model, seq_len, precompute_ref_log_probs=precompute_ref_log_probs,
-                                         reference=built)
+    model, pair_step = _meta_models(build, quantization, quantization_options, pairs, seq_len, precompute_ref_log_probs)
     lever = checkpoint_lever(model, checkpoint_layers) if levels is None else dataclasses.replace(levels, model=model)
     loss_line = on_paper(model, device, autocast is not None) if pair_step is None else pair_step.loss_line
     expandable = expandable_from_env()
@@ -213,6 +206,19 @@ def estimate_model(build, *, seq_len: int, target_batch_size: int, device_memory
             meter.close()
     level = chosen if lever is not None else checkpointed_now(model)
     return _estimate_of(result, plan, seq_len, device, loss_line, level_peaks, level, lever is not None, expandable)
+
+
+def _meta_models(build, quantization, quantization_options, pairs, seq_len, precompute_ref_log_probs):
+    """The model on the meta device and the pair step (None but for ``pairs``), DPO's frozen reference copy built as
+    the model is: each quantized as asked."""
+
+    def built() -> torch.nn.Module:
+        return quantized_model(build(), quantization, **(quantization_options or {}))
+
+    with torch.device("meta"):
+        model = built()
+        return model, paper_pairs.step_for(pairs, model, seq_len, precompute_ref_log_probs=precompute_ref_log_probs,
+                                           reference=built)
 
 
 def _checked_budget(device: str, task: str, device_memory: int, budget_bytes: int | None,

@@ -28,7 +28,9 @@ tokens per optimizer step, trains with a progress bar, and writes to `output_dir
 :func:`load_trained` rebuilds the base model from that `recipe.yaml` and loads the adapter onto it.
 
 The code follows that flow, one module per step: :mod:`.config` (YAML + overrides) -> :mod:`.model` ->
-:mod:`.data` -> :mod:`.run`.
+:mod:`.data` -> :mod:`.run`; :mod:`.recipe_paper` is a recipe's estimate on paper (`hf-accum probe --estimate
+RECIPE`). The YAMLs ship in `yaml/` (in a checkout a link to the repository's `recipes/`). Imports the trainer, the
+TRL classes and every wing below them; only the CLI imports it.
 """
 
 from __future__ import annotations
