@@ -14,9 +14,11 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path[:0] = [os.path.dirname(HERE), HERE]  # hf_accum from this checkout, and bench_gpu's sections beside us
 
-import bench_gpu as bench  # noqa: E402
+from gpu_bench.context import GPU, QUICK, Clock, Ctx  # noqa: E402
+from gpu_bench.run import environment  # noqa: E402
+from gpu_bench.s6_tokens import fused_step  # noqa: E402
 
 import hf_accum.levers.kernels.fused_loss as fl  # noqa: E402
 from hf_accum.levers.kernels import chunked  # noqa: E402
@@ -28,21 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="128,512,2048,8192")
     parser.add_argument("--out", default=os.environ.get("OUT") or os.path.join("runs", "fused_chunks"))
     opts = parser.parse_args(argv)
-    settings = bench.QUICK if opts.quick else bench.GPU
-    ctx = bench.Ctx(settings, opts.quick, bench.Clock(None), opts.out)
+    settings = QUICK if opts.quick else GPU
+    ctx = Ctx(settings, opts.quick, Clock(None), opts.out)
     model = ctx.llama()
     seq, micro = settings.seq6, settings.micro6
     default_rows = fl.chunk_rows(model.config.vocab_size)
     rows = [int(r) for r in opts.rows.split(",")]
-    results = {"device": bench.environment(ctx, argv or [])["device"], "seq": seq, "micro": micro,
+    results = {"device": environment(ctx, argv or [])["device"], "seq": seq, "micro": micro,
                "vocab": model.config.vocab_size, "default_rows": default_rows,
-               "unfused": bench.fused_step(ctx, model, seq, micro, False), "fused": {}}
+               "unfused": fused_step(ctx, model, seq, micro, False), "fused": {}}
     original, forced = chunked.chunk_rows, fl.IMPLEMENTATION
     try:
         fl.IMPLEMENTATION = "chunked"  # the rows are this kernel's
         for r in rows:
             chunked.chunk_rows = lambda vocab, logits=0, r=r: r
-            results["fused"][r] = bench.fused_step(ctx, model, seq, micro, True)
+            results["fused"][r] = fused_step(ctx, model, seq, micro, True)
     finally:
         chunked.chunk_rows, fl.IMPLEMENTATION = original, forced
     base = results["unfused"]

@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -23,12 +24,17 @@ SECTIONS = ["1_model", "2_probe", "3_train", "4_oom", "5_throughput", "6_tokens"
 
 
 def load_script():
-    if "bench_gpu" not in sys.modules:  # dataclasses look their module up in sys.modules
+    """benchmarks/bench_gpu.py run as a script is (its sys.path: this checkout and benchmarks/), and the names its
+    sections' package (benchmarks/gpu_bench/) defines, in one namespace."""
+    if "bench_gpu" not in sys.modules:
         spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
         module = importlib.util.module_from_spec(spec)
         sys.modules["bench_gpu"] = module
         spec.loader.exec_module(module)
-    return sys.modules["bench_gpu"]
+    names = {}
+    for part in ("context", "data", "s2_probe", "s4_oom", "s8_levers", "run"):
+        names.update(vars(importlib.import_module(f"gpu_bench.{part}")))
+    return types.SimpleNamespace(**names)
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +180,7 @@ def test_a_section_whose_time_runs_out_keeps_what_it_measured(tmp_path, monkeypa
         clock.end = time.monotonic() - 1.0
         return row
 
-    monkeypatch.setattr(bench, "probe_and_sweep", first_then_time_up)
+    monkeypatch.setattr(importlib.import_module("gpu_bench.s2_probe"), "probe_and_sweep", first_then_time_up)
     out = bench.section_probe(ctx)
     assert out["partial"] is True and len(out["figures"]["rows"]) == 1
     assert out["figures"]["rows"][0]["chosen_micro"] >= 1
@@ -303,7 +309,7 @@ def test_the_levers_sweep_records_an_oom_and_goes_on(tmp_path, monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(bench, "make_step_fn", failing_step_fn)
+    monkeypatch.setattr(importlib.import_module("gpu_bench.s8_levers"), "make_step_fn", failing_step_fn)
     levels = [("none", 0), ("full", 2)]
     rows, not_run = bench.lever_sweep(ctx, model, 16, levels, end=time.monotonic() + 600)
     got = {(r["level"], r["micro"]): r["result"] for r in rows}
