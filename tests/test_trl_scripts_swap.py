@@ -1,4 +1,4 @@
-"""scripts/trl_scripts_swap.py on TRL's installed `trl/scripts/sft.py`, unpacked and packed: the script with
+"""scripts/swap/trl_scripts_swap.py on TRL's installed `trl/scripts/sft.py`, unpacked and packed: the script with
 AccumSFTTrainer / AccumSFTConfig substituted (as a user would) runs with `--target_batch_size 8`, exits 0, saves,
 and logs the losses of the plain script at the same effective batch (4 x 2), to float32 noise."""
 
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "swap"
 
 
 def _load(name):

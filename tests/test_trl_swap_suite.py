@@ -1,4 +1,4 @@
-"""The pure parts of scripts/trl_swap_suite.py and scripts/trl_standins.py: which hub ids have stand-ins, the stand-in
+"""The pure parts of scripts/swap/trl_swap_suite.py and scripts/swap/trl_standins.py: which hub ids have stand-ins, the stand-in
 datasets' columns per config, the modes, and which regressions are the allowed (refused, batch-dependent) loss types.
 """
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "swap"
 
 
 def _load(name):

@@ -1,8 +1,8 @@
 """Run TRL's own SFT / DPO / Reward / GRPO trainer tests plain and with hf_accum's classes swapped in, offline, side by side.
 
-    python scripts/trl_swap_suite.py TESTS_DIR [FILES...] [--modes plain,swapped,swapped-ga2,swapped-ga3,swapped-target]
+    python scripts/swap/trl_swap_suite.py TESTS_DIR [FILES...] [--modes plain,swapped,swapped-ga2,swapped-ga3,swapped-target]
                                      [-k EXPR] [--ga-k EXPR] [--timeout 300]
-    python scripts/trl_swap_suite.py TESTS_DIR --extract GIT_DIR COMMIT   # TRL's tests/ of COMMIT into TESTS_DIR
+    python scripts/swap/trl_swap_suite.py TESTS_DIR --extract GIT_DIR COMMIT   # TRL's tests/ of COMMIT into TESTS_DIR
 
 TESTS_DIR holds `tests/` of TRL at (or as near as can be had to) the installed version; never inside this repository.
 FILES default to tests/test_sft_trainer.py tests/test_dpo_trainer.py tests/test_reward_trainer.py.
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from trainer_swap_suite import outcomes  # noqa: E402  (junit -> {test id: (result, message)})
 

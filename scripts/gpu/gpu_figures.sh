@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures in one device call (issue "GPU figures"): the wheels the GPU image lacks (../shared/gpu/README.md),
-# the GPU-marked tests, then bench_gpu in full. Usage on the device machine: bash scripts/gpu_figures.sh MINUTES
+# the GPU-marked tests, then bench_gpu in full. Usage on the device machine: bash scripts/gpu/gpu_figures.sh MINUTES
 set -o pipefail
 minutes=${1:-6}
 out=${OUT:-runs/gpu}

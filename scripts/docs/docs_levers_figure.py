@@ -2,7 +2,7 @@
 layer at a lever's level against none at the same micro-batch). The figures are the table's: CPU from
 benchmarks/bench_checkpoint_levels.py, H100 from bench_gpu's levers section (benchmarks/RESULTS.md, run 4).
 
-    python scripts/docs_levers_figure.py docs/img/levers.png
+    python scripts/docs/docs_levers_figure.py docs/img/levers.png
 """
 
 import sys

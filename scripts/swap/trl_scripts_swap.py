@@ -1,7 +1,7 @@
 """Run TRL's installed example scripts (`trl/scripts/sft.py`, `dpo.py`, `reward.py`) plain and with hf_accum's
 classes swapped in, offline, with a target, and compare their first logged losses.
 
-    python scripts/trl_scripts_swap.py [--cases sft,sft-packed,dpo,reward] [--steps 3] [--jobs 2] [--work DIR]
+    python scripts/swap/trl_scripts_swap.py [--cases sft,sft-packed,dpo,reward] [--steps 3] [--jobs 2] [--work DIR]
 
 "Swapped" is what a user does to an existing script: a text substitution of the trainer and its config in a copy of
 the installed file (`SFTTrainer(` -> `AccumSFTTrainer(`, `SFTConfig` in the parser's dataclasses -> `AccumSFTConfig`,
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-4  # relative: float32 sums in another order (the plan's micro-batch may differ from 4)
 
 # script -> (trainer, config): the substitution

@@ -1,14 +1,14 @@
 """Run transformers' own Trainer tests plain and with `Trainer` swapped for `AccumTrainer` (optionally with a target
 set), side by side.
 
-    python scripts/trainer_swap_suite.py TESTS_DIR [FILES...] [--modes plain,swapped,swapped-target] [--timeout 120]
+    python scripts/swap/trainer_swap_suite.py TESTS_DIR [FILES...] [--modes plain,swapped,swapped-target] [--timeout 120]
                                          [-k EXPR] [--site DIR]
 
 TESTS_DIR holds `tests/__init__.py` and `tests/trainer/` of transformers at (or as near as can be had to) the
 installed version. The files are not ours: they are never copied into this repository, and the script refuses a
 TESTS_DIR inside it. To fill TESTS_DIR from a git directory of transformers (or a fork of it):
 
-    python scripts/trainer_swap_suite.py TESTS_DIR --extract GIT_DIR COMMIT
+    python scripts/swap/trainer_swap_suite.py TESTS_DIR --extract GIT_DIR COMMIT
 
 FILES are paths relative to TESTS_DIR (default: tests/trainer). `--site` adds a folder of extra test
 dependencies (e.g. `pip install --target DIR parameterized timeout-decorator`) to the runs' PYTHONPATH.
@@ -40,7 +40,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = HERE.parents[1]
 BAD = ("failed", "error")
 MODES = ("plain", "swapped", "swapped-target")
 
