@@ -193,7 +193,7 @@ def add_trl_fused_head(model, outputs: tuple[str, ...] = SFT_HEAD_OUTPUTS) -> No
     """TRL's fused LM head on ``model`` (a transformers model, before LoRA wraps it) as AccumSFTTrainer runs it:
     `add_fused_lm_head` computing ``outputs``, and every call with ``fused_lm_head=True`` (the trainer passes it; the
     estimate's step calls ``model(**batch)``). One way for a recipe on paper
-    (`probing.recipe_paper`) and for the seed of a trainer's probe (`probing.seed`)."""
+    (`recipes.recipe_paper`) and for the seed of a trainer's probe (`probing.seed`)."""
     from trl.trainer.utils import add_fused_lm_head
 
     add_fused_lm_head(model, outputs=outputs)

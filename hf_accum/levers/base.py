@@ -3,12 +3,12 @@
 A lever trades memory for step time: gradient checkpointing per layer, selective checkpointing, activation offload.
 The probe chooses its level by measured step time within the budget, unless the user pinned it; either way the plan
 records it. Everything lever-specific lives in the lever's own module; the probe (`probing.levels.probe_levels`), the
-plan (`planning.plan.Plan.levers`), the plan file, the planner and the logged figures iterate the registered levers
+plan (`probing.plan.Plan.levers`), the plan file, the planner and the logged figures iterate the registered levers
 through this protocol and name none of them. Adding one: its file, its tests, one `register_lever` line in
 `levers/__init__.py`, and its docs (docs/development.md, "Adding a lever").
 
 A plan record is a small dict of plain JSON numbers, ``{"layers": 2, "of": 4}``: every integer but ``of`` counts
-layers at some level, so their sum is at most ``of`` (`planning.plan.Plan` checks that much; the lever's own
+layers at some level, so their sum is at most ``of`` (`probing.plan.Plan` checks that much; the lever's own
 ``check_record`` the rest). ``"pinned": true`` marks a level the user set (recorded, not chosen).
 """
 
@@ -25,7 +25,7 @@ from ..config.settings import Settings
 class Levels(Protocol):
     """A lever's levels on one model, for the probe: positions ``0..count``, memory not growing and time not falling
     as the position grows (0: the lever off). The probe measures the ``anchors`` (0 first, ``count`` last) and
-    interpolates between them (`planning.levels.CheckpointChooser`)."""
+    interpolates between them (`probing.level_choice.CheckpointChooser`)."""
 
     name: str  # the lever's name
     count: int  # the last position

@@ -3,7 +3,7 @@ levels the tuner may choose from (k of the L decoder layers recompute in the bac
 transformers' own flags and hooks are touched only through `compat.gradient_checkpointing`.
 
 Requests (`args.AccumTrainingArguments.checkpoint_layers`, ``levers="checkpointing=K"`` and the boolean flag):
-"auto" (the tuner measures and chooses k, `planning.levels`; without the tuner: off), an int k (exactly the first
+"auto" (the tuner measures and chooses k, `probing.level_choice`; without the tuner: off), an int k (exactly the first
 k decoder layers), True/False (every layer / none, transformers' own switch, obeyed as given). The plan records
 ``{"layers": k, "of": L}`` (with ``"pinned": true`` when the user set it).
 """

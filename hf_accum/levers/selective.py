@@ -12,7 +12,7 @@ them fully checkpointed, the next ``selective`` selectively, the rest not at all
 As a lever its levels are one chain of per-layer states along which memory falls and time grows: position p in
 0..2L, p <= L: the first p layers selective (the rest none); p > L: the first p - L full, the rest selective. The
 probe measures the anchors none (0), all selective (L) and all full (2L), stopping at the first that holds the window,
-and `planning.levels.CheckpointChooser` interpolates between them. It contains the checkpointing lever's ends (none,
+and `probing.level_choice.CheckpointChooser` interpolates between them. It contains the checkpointing lever's ends (none,
 all full), so it is searched instead of it (``replaces``); a user's checkpointing setting other than "auto" keeps
 it out of the search. Pinned with ``levers="selective=S"`` (S layers selective, after the
 ``levers="checkpointing=K"`` fully checkpointed ones), ``"selective=off"`` leaves the search to checkpointing alone.

@@ -8,7 +8,7 @@ start (probe, stored or given plan), after an out-of-memory error (through its `
 back (`step_ended`, after `grow_back_steps` clean optimizer steps) and when the eval batch is measured. The trainer
 reads `trainer.plan`; recipes and the CLI save through `save()`.
 
-The planner holds its trainer weakly and never imports trainer.py: what must run through the Trainer (one real
+The planner holds its trainer weakly and never imports the trainer: what must run through the Trainer (one real
 training step through the DeepSpeed engine, one prediction step) is handed in as a step function.
 """
 

@@ -12,7 +12,7 @@ The time of one optimizer step at (m, k) is ``ceil(per_rank / m)`` forwards of `
 near-equal share of the window (``ceil(per_rank / forwards)``). The fastest predicted pair within the budget is
 proposed; the caller verifies it by a real step unless a measured fitting point at that level already covers it
 (same k, at least as many rows), records the outcome, and a failure backs off to the next best
-(:meth:`CheckpointChooser.propose` / :meth:`CheckpointChooser.record`, as `planning.search.MicroBatchSearch`). A measured
+(:meth:`CheckpointChooser.propose` / :meth:`CheckpointChooser.record`, as `probing.search.MicroBatchSearch`). A measured
 level's own largest fit is always a verified fallback, so the search ends on a point measured to fit, or on None
 only when no level fits micro-batch 1 (with every layer checkpointed: nothing is left to free).
 """

@@ -1,6 +1,6 @@
 """The probe across the levels of any registered lever (`levers.base.Levels`: positions 0..count, memory falling as
 the position grows): the micro-batch search at the lever's anchors, the step-time lines, and
-`planning.levels.CheckpointChooser`'s proposals, interpolating between the anchors, verified by real steps
+`probing.level_choice.CheckpointChooser`'s proposals, interpolating between the anchors, verified by real steps
 (`probe_levels`). Every rank agrees on every measured figure, so all choose the same.
 """
 

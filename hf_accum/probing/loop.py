@@ -1,4 +1,4 @@
-"""The probe loop: real training steps at the micro-batch sizes `planning.search.MicroBatchSearch` proposes, through a
+"""The probe loop: real training steps at the micro-batch sizes `probing.search.MicroBatchSearch` proposes, through a
 meter (`probe_micro_batches`), what it measured (`Trial`, `ProbeResult`), and the ranks' agreement on it.
 
 One warm-up step (not a trial: it creates the optimizer's state), then the trials the search proposes; an

@@ -121,7 +121,7 @@ def data_length(recipe, args, paper: PaperRecipe, tokenizer) -> tuple[int, str]:
         finally:
             enable_progress_bar()
         what, length = "examples", sequence_length
-        if task == "dpo":  # a pair's row as the trainer's collator builds it (the probe's pick, `trl_support`)
+        if task == "dpo":  # a pair's row as the trainer's collator builds it (the probe's pick, `integrations.trl.support`)
             from ..integrations.trl.support import dpo_row_length
 
             what, length = "pairs", lambda r: dpo_row_length(r, args.max_length) or sequence_length(r)

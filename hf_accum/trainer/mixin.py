@@ -2,8 +2,8 @@
 memory-planned micro-batch, and recovery from out-of-memory errors mid-training.
 
 `AccumulationMixin` is a thin adapter. It holds a `Planner` (planning/planner.py: the one writer of the plan and
-of every batch setting it implies), a window engine (`window.py`, which knows no Trainer: it cuts and runs each
-window and owns the rank-agreement protocol, `protocol.py`) and the engine it runs on (`engines/`: one process,
+of every batch setting it implies), a window engine (`window/engine.py`, which knows no Trainer: it cuts and runs each
+window and owns the rank-agreement protocol, `window/protocol.py`) and the engine it runs on (`integrations/engines/`: one process,
 DDP, FSDP or DeepSpeed behind one seam; it never asks which). The overrides below only hand them the Trainer's
 pieces, each calling `super()`:
 - `get_batch_samples` begins the window (its count on every rank); where the probe runs through the engine

@@ -204,7 +204,7 @@ def _check(lengths: Sequence[int], budget: int | TokenBudget) -> None:
 
 
 def plan_budget(plan) -> TokenBudget | None:
-    """The window engine's token budget for ``plan`` (a `planning.plan.Plan`; None, or a plan without a token
+    """The window engine's token budget for ``plan`` (a `probing.plan.Plan`; None, or a plan without a token
     budget: the engine cuts by rows)."""
     if plan is None or plan.token_budget is None:
         return None

@@ -21,7 +21,7 @@ LAYERS = 4
 
 
 def layer_levers(plan):
-    """The plan's layer levers; the loss kernel's record (kernels/lever.py, measured times) checked apart."""
+    """The plan's layer levers; the loss kernel's record (levers/kernels/lever.py, measured times) checked apart."""
     levers = dict(plan.levers or {})
     kernel = levers.pop("loss_kernel", None)
     assert kernel is None or kernel["kernel"] in ("torch", "chunked")

@@ -81,7 +81,7 @@ def adjust_args_copy(trainer) -> None:
             "is off for this trainer (the arguments you passed are unchanged).", trainer._normalization,
         )
         args.average_tokens_across_devices = False
-    if args.use_liger_kernel:  # one loss path (kernels/liger.py); AccumTrainingArguments did it as it was made
+    if args.use_liger_kernel:  # one loss path (levers/kernels/liger.py); AccumTrainingArguments did it as it was made
         from ...levers.kernels import liger
 
         liger.configure(args, args.device.type)

@@ -2,7 +2,7 @@
 with a large learning rate overflow in backward), and stepping on them leaves NaN weights.
 
 Checked once per optimizer step, on the device, combined with the window loss's check into the one host sync the
-window already makes (window.py `_done`). The max-abs (inf-)norm is used, not the 2-norm clipping computes: it is
+window already makes (window/engine.py `_done`). The max-abs (inf-)norm is used, not the 2-norm clipping computes: it is
 infinite or NaN exactly when some element is, where a 2-norm of finite fp16 gradients can overflow."""
 
 from __future__ import annotations
