@@ -5,6 +5,7 @@ sections, `key=value` overrides applied, every key and value that needs no model
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import os
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import rules
+from . import profile, rules
 from .files import SECTIONS, RecipeError, parse_value, read_yaml, recipe_path
 from .rules import TASKS
 from .sections import DataSection, ModelSection
@@ -250,6 +251,8 @@ class Recipe:
     data: DataSection
     lora: dict[str, Any]
     training: dict[str, Any]
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
+    """section.key -> "recipe", "profile", "override", "machine" or "default" (hf_accum.recipes.profile)."""
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self.data)
@@ -299,16 +302,31 @@ class Recipe:
         return out
 
 
-def load_recipe(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[str] = ()) -> Recipe:
-    """Read a recipe (name, path or mapping), apply overrides, check every key and value that needs no model."""
+def load_recipe(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[str] = (), *,
+                device: str | None = None) -> Recipe:
+    """Read a recipe (name, path or mapping), apply its `tiny:` profile when the model is tiny, then the overrides,
+    check every key and value that needs no model, and fill what the machine decides (``device``: "cuda"/"cpu"; None:
+    this machine's). `Recipe.sources` says where each value came from (see `profile`)."""
     if isinstance(recipe, dict):
         name, path, config = "custom", None, recipe
     else:
         p = recipe_path(recipe)
         name, path, config = p.stem, str(p), read_yaml(p)
+    config, tiny_profile = profile.split(config)
+    keys = valid_keys(task_of(config, overrides))
+    for section, values in tiny_profile.items():  # checked whichever model runs
+        for key in values:
+            resolve_key(f"{section}.{key}", keys)
+    layers = {"recipe": profile.keys_of(config), "profile": set()}
+    if profile.model_name(config, overrides) == profile.PROFILE:
+        config = profile.merge(config, tiny_profile)
+        layers["profile"] = profile.keys_of(tiny_profile)
+    before = copy.deepcopy(config)
     config = apply_overrides(config, overrides)
     _steps_imply_strategy(config, overrides)
     _layers_override_the_flag(config, overrides)
+    layers["override"] = {k for k in profile.keys_of(config) if k not in profile.keys_of(before)} | (
+        profile.override_keys(resolve_key(o.split("=", 1)[0].strip(), keys) for o in overrides if "=" in o))
     keys = valid_keys(task_of(config))
     for section, values in config.items():
         if section not in SECTIONS:
@@ -328,10 +346,12 @@ def load_recipe(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[
     if task != "seq_cls" and "max_length" in (config.get("data") or {}):
         raise RecipeError(f"data.max_length does not apply to model.task={task!r}: TRL tokenizes and truncates, so set "
                           "training.max_length instead")
+    layers["machine"] = profile.fill_machine(config, device)
     model = ModelSection(**config.get("model", {}))
     data = DataSection(**config.get("data", {}))
     out = Recipe(name, path, model, data, dict(config.get("lora", {})), dict(config.get("training", {})))
     _check_sections(out)
+    out.sources = profile.sources(out.to_dict(), **layers)
     return out
 
 
@@ -436,11 +456,21 @@ def _quiet_deprecations():
 
 
 def format_recipe(recipe: Recipe) -> str:
-    """The resolved recipe as YAML (every key, overrides applied): what `recipe.yaml` in output_dir holds."""
+    """The resolved recipe as YAML, each key with its source as a comment (recipe, profile, override, machine,
+    default): what `--print-config` prints and `recipe.yaml` in output_dir holds (it loads back as a recipe)."""
     import yaml
 
-    header = f"# resolved recipe {recipe.name!r}" + (f" from {recipe.path}" if recipe.path else "") + "\n"
-    return header + yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+    lines = [f"# resolved recipe {recipe.name!r}" + (f" from {recipe.path}" if recipe.path else ""),
+             "# source of each value: recipe (its file), profile (its tiny: section, for model tiny only), override "
+             "(your key=value), machine (device, precision, budget), default (the section's own)"]
+    for section, values in recipe.to_dict().items():
+        lines.append(f"{section}:" + ("" if values else " {}"))
+        for key, value in values.items():
+            flow = isinstance(value, dict | list) and bool(value)  # a list or mapping on one line
+            text = yaml.safe_dump({key: value}, default_flow_style=flow, width=10**6, sort_keys=False).strip()
+            text = text.removeprefix("{").removesuffix("}") if flow else text
+            lines.append(f"  {text}  # {recipe.sources.get(f'{section}.{key}', 'recipe')}")
+    return "\n".join(lines) + "\n"
 
 
 def write_recipe(recipe: Recipe, path: str) -> None:

@@ -72,7 +72,7 @@ def test_overrides_resolve_dotted_bare_and_aliased_keys_with_yaml_values():
     assert out["model"]["quantization"]["bnb_4bit_quant_type"] == "fp4"
     assert out["training"]["report_to"] is None
     assert [recipes.parse_value(v) for v in ("no", "off", "true", "False", "1e-4")] == ["no", "off", True, False, 1e-4]
-    assert config["training"]["max_steps"] != 7  # the original is left alone
+    assert "max_steps" not in config["training"]  # the original is left alone
 
 
 @pytest.mark.parametrize("key,suggested", [
