@@ -189,13 +189,14 @@ def _from_config(paper, kind, num_labels, dtype, tokenizer, revision, trust_remo
 
 
 # --- the command ------------------------------------------------------------------------------------------------
-def prepare(recipe_name: str, overrides=()):
-    """(recipe, args, paper, tokenizer): the recipe loaded as `hf-accum train` loads it, its settings on paper, and
-    its tokenizer where one is available offline (None otherwise)."""
+def prepare(recipe_name: str, overrides=(), device: str | None = None):
+    """(recipe, args, paper, tokenizer): the recipe loaded as `hf-accum train` loads it on ``device`` (its machine
+    values: bf16 and bfloat16 weights on cuda; None: this machine's), its settings on paper, and its tokenizer where one
+    is available offline (None otherwise)."""
     from .config import RecipeError, load_recipe
     from .model import build_tokenizer
 
-    recipe = load_recipe(recipe_name, overrides)
+    recipe = load_recipe(recipe_name, overrides, device=device.split(":")[0] if device else None)
     args = recipe.validate()
     paper = settings(recipe, args)
     try:
@@ -213,7 +214,7 @@ def estimate_recipe(recipe_name: str, overrides=(), *, device: str | None = None
     from ..probing.estimate import estimate_model
     from ..probing.paper import machine_device, machine_memory
 
-    recipe, args, paper, tokenizer = prepare(recipe_name, overrides)
+    recipe, args, paper, tokenizer = prepare(recipe_name, overrides, device)
     if recipe.model.name == "tiny" and tokenizer is None:
         raise ValueError("the tiny model's tokenizer could not be built")
     device = device or paper.device or machine_device()

@@ -16,6 +16,7 @@ from . import preflight
 from .config import Recipe, RecipeError, _quiet_deprecations, load_recipe, write_recipe
 from .data import build_data, grpo_stats, preference_stats, sft_stats
 from .model import add_lora, build_model, build_tokenizer, check_layers_requested
+from .profile import toy_warning
 from .rewards import REWARDS
 from .summary import describe, run_summary
 
@@ -168,6 +169,9 @@ def build(recipe: Recipe, args, say: Callable[[str], None], callbacks: Sequence[
         + _quantization_text(recipe.model.quantization)
         + f"), LoRA r={model.peft_config['default'].r}: {trainable:,} trainable of {total:,} parameters"
     )
+    toy = toy_warning(recipe, args, model)  # a pretrained model run with the tiny demonstration's settings
+    if toy:
+        say(toy)
     trainer = _trainer(recipe, args, model, tokenizer, data, list(callbacks))
     if recipe.model.task == "grpo":  # TRL tokenizes each prompt for generation: count that
         from ..compat.trl_internals import grpo_prompt_lengths
