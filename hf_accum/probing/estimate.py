@@ -194,7 +194,7 @@ def estimate_model(build, *, seq_len: int, target_batch_size: int, device_memory
                 model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
                 budget_bytes=budget_bytes, make_batch=batches(model, seq_len, pair_step, task), autocast_dtype=autocast,
                 max_micro_batch=max_micro_batch, meter=meter, log=log, lever=lever, forward=forward_of(pair_step),
-                optimizer_kwargs={**optimizer_kwargs(device), **(optimizer or {})})
+                optimizer_kwargs=adamw_kwargs(device, optimizer))
             chosen = None if lever is None else result.extra["checkpointing"]["chosen_k"]
             level_peaks = _level_peaks(result, lever, chosen)
             if all_peaks:
@@ -355,6 +355,15 @@ def optimizer_kwargs(device: str) -> dict[str, Any]:
     """AdamW as torch picks it for the device: on CUDA the foreach kernels (their temporaries span every parameter of
     a dtype at once), on CPU one parameter at a time. Fake tensors sit on the CPU, so CUDA's choice is made here."""
     return {"foreach": True} if device == "cuda" else {}
+
+
+def adamw_kwargs(device: str, optimizer: dict[str, Any] | None) -> dict[str, Any]:
+    """The device's AdamW with ``optimizer``'s keywords over it; fused AdamW (optim adamw_torch_fused, the
+    trainer's default on CUDA) has no foreach kernels, and torch refuses both at once."""
+    kwargs = {**optimizer_kwargs(device), **(optimizer or {})}
+    if kwargs.get("fused"):
+        kwargs.pop("foreach", None)
+    return kwargs
 
 
 MEASURE_EVERY_UP_TO = 16  # above this many sizes, the sizes between measured ones are read off the line between them

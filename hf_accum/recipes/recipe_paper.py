@@ -197,13 +197,29 @@ def prepare(recipe_name: str, overrides=(), device: str | None = None):
     from .model import build_tokenizer
 
     recipe = load_recipe(recipe_name, overrides, device=device.split(":")[0] if device else None)
-    args = recipe.validate()
+    args = _validate_on_paper(recipe)
     paper = settings(recipe, args)
     try:
         tokenizer = build_tokenizer(recipe)
     except (RecipeError, OSError):
         tokenizer = None  # a hub model not in the cache: the length is the truncation length
     return recipe, args, paper, tokenizer
+
+
+def _validate_on_paper(recipe):
+    """`recipe.validate()`; bf16 for a GPU estimated on a machine without one (TrainingArguments refuses bf16 where
+    torch sees no GPU) is checked as bf16=false and estimated as set."""
+    import torch
+
+    if not recipe.training.get("bf16") or torch.cuda.is_available():
+        return recipe.validate()
+    recipe.training["bf16"] = False
+    try:
+        args = recipe.validate()
+    finally:
+        recipe.training["bf16"] = True
+    args.bf16 = True
+    return args
 
 
 def estimate_recipe(recipe_name: str, overrides=(), *, device: str | None = None, device_memory: int | None = None,
