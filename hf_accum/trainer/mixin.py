@@ -46,7 +46,7 @@ from ..window.units import detect_unit, make_cutter
 from . import scaled_loss
 from .checks import accumulation_check, construction
 from .checks.accumulation_check import AccumulationCheck, run_accumulation_check
-from .checks.preflight import check_output_dir_writable, check_training_data
+from .checks.preflight import check_model_computes_a_loss, check_output_dir_writable, check_training_data
 from .eval_hooks import EvaluationHooks
 from .resilience import finite_grads, stopping
 from .resilience.checkpoints import check_resume
@@ -256,6 +256,7 @@ class AccumulationMixin(StepHooks, EvaluationHooks):
     def _check_before_probe(self) -> None:
         """Everything the arguments, the data and the model's config can tell, before any model work and before
         anything is written to output_dir (`preflight.py`)."""
+        check_model_computes_a_loss(self)
         if self._normalization != "model":
             self._label_spec()  # refuses a model whose loss hf_accum cannot drive exactly
         if self._adapter.check_data(self):
