@@ -4,6 +4,7 @@ what the output directory and resume_from_checkpoint decide before any model wor
 import enum
 import json
 import os
+import re
 from typing import Any, Literal
 
 import pytest
@@ -108,6 +109,22 @@ def test_resume_values(tmp_path):
         preflight.resolve_resume(str(tmp_path / "nope"), out, 16)
     with pytest.raises(RecipeError, match=r"trained with target_batch_size=16, but target_batch_size=8 now"):
         preflight.resolve_resume(True, out, 8)
+
+
+def test_resume_true_with_no_complete_checkpoint_names_the_bad_file_and_a_way_out_that_works(tmp_path):
+    """Issue 59, item 12: the only checkpoint's optimizer.pt is cut short. The refusal names that file, and its way
+    out (another output_dir) is one the next run takes: "leave it unset" was refused there, pointing back here."""
+    out = str(tmp_path / "run")
+    folder = checkpoint(out, 2)
+    torch.save({"state": list(range(1000))}, os.path.join(folder, "optimizer.pt"))
+    with open(os.path.join(folder, "optimizer.pt"), "r+b") as f:
+        f.truncate(f.seek(0, 2) // 2)
+    with pytest.raises(RecipeError) as refused:
+        preflight.resolve_resume(True, out, 16)
+    message = str(refused.value)
+    assert re.search(r"holds no complete checkpoint \(checkpoint-2: its file optimizer\.pt: .*truncated", message)
+    assert message.endswith("start over with output_dir=ANOTHER_DIR (these folders stay as they are)")
+    assert preflight.resolve_resume(None, str(tmp_path / "another"), 16) is None  # the way out runs
 
 
 @pytest.mark.parametrize("damage", ["trainer_state.json", "optimizer.pt"])
