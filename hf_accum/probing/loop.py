@@ -133,11 +133,16 @@ def probe_micro_batches(
     if warmup:
         # The optimizer allocates its state (Adam: two tensors per parameter) in its first step; a trial
         # without it would under-measure every later step by that much.
-        say("warm-up step at micro-batch 1 (creates the optimizer state; not a trial)")
+        upto = f", up to {max_micro_batch}" if max_micro_batch else ""
+        say(f"searching the largest micro-batch within {format_bytes(budget_bytes, 'MiB')} MiB{upto}, each trial one "
+            "real training step; first a warm-up step at micro-batch 1 (creates the optimizer state; not a trial)")
         result.warmup_seconds, oom = guarded(lambda: meter.time(lambda: step_fn(1), micro_batch_size=1))
         if oom:
             trials.append(Trial(1, None, None, None, False, "out of memory"))
+            say("micro-batch 1: out of memory")
             return result
+        if meter.times_steps:
+            say(f"warm-up step: {result.warmup_seconds:.1f} s")
 
     while (micro := search.propose()) is not None:
         trials.append(_run_trial(step_fn, meter, search, micro, limit_bytes, say))

@@ -184,11 +184,11 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
         "hf_accum/plan_reused": int(reused),
         # an uneven plan's micro is the most rows of a forward: micro x accumulation can exceed the window, so the
         # window and its forwards are logged as such
-        "hf_accum/window/engine": plan.window,
+        "hf_accum/window": plan.window,
         "hf_accum/forwards": plan.forwards,
     }
     if plan.token_budget is not None:
-        figures["hf_accum/window/token_budget"] = plan.token_budget
+        figures["hf_accum/token_budget"] = plan.token_budget
         extra = (probe or {}).get("extra") or {}
         for name, value in extra.get("expected", {}).items():
             figures[f"hf_accum/expected_{name}" if not name.startswith("samples") else f"hf_accum/{name}"] = value
