@@ -21,7 +21,11 @@ def parse_size(text: str) -> int:
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
         raise ValueError(f"--device-memory={text!r}: give a positive size such as 80GiB, 24GB or 17179869184")
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if not unit and size < 2**20:  # "80": a card's GiB with the unit left out, not 80 bytes
+        raise ValueError(f"--device-memory={text!r} has no unit and reads as {size} bytes: did you mean "
+                         f"{m.group(1)}GiB? Give the unit (80GiB, 24GB), or bytes of at least 1 MiB")
+    return size
 
 
 def load_config(name: str):
