@@ -218,3 +218,17 @@ def test_contradicting_checkpointing_flags_are_refused_before_the_model_loads(mo
     assert main(["probe", *estimate, "--gradient-checkpointing", "--checkpoint-layers", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "contradict each other: give one" in err
+
+
+def test_the_tiny_model_is_estimated_as_any_other(capsys):
+    """Issue 59, item 18: `--estimate --model tiny` was refused ("the built-in tiny model has none [config.json]"),
+    though the tiny model is built from a config in code; its config is the model's own."""
+    from hf_accum import tiny
+    from hf_accum.probing.paper import load_config
+
+    assert load_config("tiny").to_dict() == tiny.build_model().config.to_dict()
+    assert main(["probe", "--estimate", "--model", "tiny", "--device", "cpu", "--device-memory", "1GiB",
+                 "--seq-len", "64", "--target-batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "estimating tiny for cpu with 1.0 GiB" in out
+    assert re.search(r"largest micro-batch that fits: 8\b", out) and "plan: micro 8 × accumulation 1 × world 1 = 8" in out
