@@ -306,7 +306,7 @@ def _report_probe(args: argparse.Namespace, result, plan, seq_len: int, *, budge
 
 # --- train -------------------------------------------------------------------------------------------
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
-    from .recipes.files import available_recipes  # reads the recipes folder; imports neither torch nor yaml
+    from .recipes.files import available_recipes, recipe_dirs  # read the folder; import neither torch nor yaml
 
     p = sub.add_parser(
         "train", help="run a recipe (a name from recipes/ or a YAML path) with key=value overrides",
@@ -317,7 +317,7 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
                "key when one section has it (max_steps=100), model=HUB_ID_OR_DIR, dataset=HUB_ID_OR_FILE. Values "
                "are YAML scalars. Checkpoints: save_steps=N; continue a run with resume_from_checkpoint=true (the "
                "newest complete checkpoint in output_dir) or =PATH. Recipes: "
-               f"{', '.join(available_recipes())} (see recipes/*.yaml).",
+               f"{', '.join(available_recipes())} (the YAML files in {recipe_dirs()[0] if recipe_dirs() else '-'}).",
     )
     p.add_argument("recipe", help="recipe name (e.g. lora_sft) or path of a recipe YAML file")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of recipe keys")

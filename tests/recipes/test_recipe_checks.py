@@ -278,3 +278,13 @@ def test_a_model_name_written_as_a_path_that_does_not_exist_says_no_such_directo
     assert str(info.value).startswith(expected)
     rules.check_values({"model": {"name": "org/name"}})  # a hub id, and an existing path, pass
     rules.check_values({"model": {"name": "./"}})
+
+
+def test_the_unknown_recipe_error_names_a_folder_that_holds_the_recipes():
+    """Issue 59, item 13: the error named every folder searched, one of which a wheel install does not have."""
+    from hf_accum.recipes.files import recipe_path
+
+    with pytest.raises(RecipeError, match=r"the recipes are in (\S+)\)$") as refused:
+        recipe_path("nope")
+    folder = re.search(r"the recipes are in (\S+)\)$", str(refused.value)).group(1)
+    assert os.path.isfile(os.path.join(folder, "lora_sft.yaml"))
