@@ -160,7 +160,7 @@ def _check_probe_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         try:
             from matplotlib.backend_bases import FigureCanvasBase
         except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'hf-accum[plot]'") from None
+            raise UsageError("--plot needs matplotlib (the plot extra): pip install matplotlib") from None
         kinds = FigureCanvasBase.get_supported_filetypes()
         suffix = os.path.splitext(args.plot)[1].lstrip(".").lower()
         if suffix not in kinds:
@@ -370,7 +370,7 @@ def _require_recipe_extra() -> None:
     missing = [name for name in ("yaml", "datasets") if importlib.util.find_spec(name) is None]
     if missing:
         raise UsageError(f"recipes need pyyaml and datasets ({', '.join(missing)} missing): "
-                         "pip install 'hf-accum[recipes]'")
+                         "pip install pyyaml datasets trl (the recipes extra)")
 
 
 class _Parser(argparse.ArgumentParser):

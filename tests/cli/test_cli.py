@@ -97,7 +97,7 @@ def test_probe_bad_input_is_one_line_with_the_fix_and_exit_2(argv, message, monk
 def test_quantization_without_bitsandbytes_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as if not installed
     assert main(["probe", "--load-in-4bit"]) == 2
-    assert re.search(r"needs bitsandbytes, which is not installed.*pip install 'hf-accum\[qlora\]'", error_line(capsys))
+    assert re.search(r"needs bitsandbytes, which is not installed.*pip install 'bitsandbytes>=0.45' \(the qlora extra", error_line(capsys))
 
 
 def test_8bit_on_a_machine_without_cuda_is_refused_before_loading(capsys):
