@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-
 import transformers
 
 from hf_accum import AccumTrainer, AccumTrainingArguments

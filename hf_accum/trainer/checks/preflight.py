@@ -147,11 +147,11 @@ def check_model_computes_a_loss(trainer) -> None:
     """A transformers base model (`LlamaModel`, `BertModel`: no head) returns hidden states and no loss, and its
     forward takes no labels (transformers' Trainer then drops the labels column, and the collator fails on it), so
     there is nothing to train: refused in one line unless the trainer computes the loss itself."""
+    import inspect
+
     from transformers import PreTrainedModel
 
     from ...compat.trainer_internals import computes_own_loss
-
-    import inspect
 
     model = trainer.model
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a PEFT adapter
