@@ -410,11 +410,32 @@ def _parse(parser: argparse.ArgumentParser, raw: list[str]) -> argparse.Namespac
     args, extra = parser.parse_known_args(_join_negative_values(raw))
     overrides = [item for item in extra if "=" in item and not item.startswith("-")]
     unknown = [item for item in extra if item not in overrides]
+    if unknown and vars(args).get("overrides") is not None:  # `train`: a key given as a flag (--max_steps=5)
+        keys = _flags_as_overrides(unknown)
+        if keys:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}; recipe keys are key=value without dashes: "
+                         f"{' '.join(keys)}")
     if unknown or (overrides and vars(args).get("overrides") is None):
         parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
     if overrides:
         args.overrides = [*args.overrides, *overrides]
     return args
+
+
+def _flags_as_overrides(unknown: list[str]) -> list[str]:
+    """``--max_steps=5`` / ``--max_steps 5`` as the overrides they were meant to be (``max_steps=5``); [] when
+    ``unknown`` is not only flags with values."""
+    keys, items = [], list(unknown)
+    while items:
+        item = items.pop(0)
+        if not re.fullmatch(r"--?[A-Za-z_][\w.]*(=.*)?", item):
+            return []
+        if "=" not in item:
+            if not items or items[0].startswith("-"):
+                return []
+            item = f"{item}={items.pop(0)}"
+        keys.append(item.lstrip("-"))
+    return keys
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -232,3 +232,15 @@ def test_the_tiny_model_is_estimated_as_any_other(capsys):
     out = capsys.readouterr().out
     assert "estimating tiny for cpu with 1.0 GiB" in out
     assert re.search(r"largest micro-batch that fits: 8\b", out) and "plan: micro 8 × accumulation 1 × world 1 = 8" in out
+
+
+@pytest.mark.parametrize("argv, meant", [(["--max_steps=5"], "max_steps=5"), (["--max_steps", "5"], "max_steps=5"),
+                                         (["--lora.r=8", "--max_steps=3"], "lora.r=8 max_steps=3")])
+def test_a_recipe_key_given_as_a_flag_is_answered_with_the_override_it_meant(argv, meant, capsys):
+    """Issue 59, item 4: `hf-accum train lora_sft --max_steps=5` said only "unrecognized arguments"."""
+    assert main(["train", "lora_sft", *argv]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"hf-accum train: unrecognized arguments: {' '.join(argv)}; recipe keys are key=value "
+                           f"without dashes: {meant} (see ")
+    assert main(["train", "lora_sft", "--bogus"]) == 2  # a flag with no value is not taken for a key
+    assert "recipe keys" not in error_line(capsys)
