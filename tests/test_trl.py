@@ -133,3 +133,16 @@ def test_examples_truncation_leaves_no_completion_are_counted_and_said(tmp_path,
     build(rows(1000))  # only the first example is long: one dropped
     assert [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()][0].startswith(
         "hf_accum: 1 of 40 training examples were dropped")
+
+
+@pytest.mark.parametrize("config, field", [("AccumSFTConfig", "max_length"), ("AccumDPOConfig", "max_length"),
+                                           ("AccumRewardConfig", "max_length"),
+                                           ("AccumGRPOConfig", "max_completion_length")])
+@pytest.mark.parametrize("value", [-3, 0])
+def test_a_token_limit_that_is_not_positive_is_refused(tmp_path, config, field, value):
+    """Issue 59, item 1: max_length=-3 trained, as "drop the last 3 tokens" of every example."""
+    import hf_accum.trl
+
+    with pytest.raises(ValueError, match=rf"^{field}={value} must be a positive number of tokens \(or None: no limit\)"):
+        getattr(hf_accum.trl, config)(output_dir=str(tmp_path), use_cpu=True, **{field: value})
+    getattr(hf_accum.trl, config)(output_dir=str(tmp_path), use_cpu=True, **{field: None})  # no limit: allowed

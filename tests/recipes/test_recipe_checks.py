@@ -288,3 +288,14 @@ def test_the_unknown_recipe_error_names_a_folder_that_holds_the_recipes():
         recipe_path("nope")
     folder = re.search(r"the recipes are in (\S+)\)$", str(refused.value)).group(1)
     assert os.path.isfile(os.path.join(folder, "lora_sft.yaml"))
+
+
+def test_a_bare_max_length_goes_to_the_section_where_it_applies():
+    """Issue 59, item 5: a bare `max_length=` offered data.max_length or training.max_length, then refused
+    data.max_length for a TRL recipe. A bare key now resolves to the one section where it applies."""
+    from hf_accum.recipes.config import resolve_key, valid_keys
+
+    for task in ("causal_lm", "dpo", "grpo"):  # TRL's trainers truncate: training.max_length
+        if "max_length" in valid_keys(task)["training"]:
+            assert resolve_key("max_length", valid_keys(task)) == ("training", "max_length")
+    assert resolve_key("max_length", valid_keys("seq_cls")) == ("data", "max_length")  # its own tokenizer call
