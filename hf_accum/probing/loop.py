@@ -269,10 +269,12 @@ def _nothing_fits_message(result: ProbeResult) -> str:
     first = next((t for t in result.trials if t.micro_batch_size == 1 and t.checkpointed_layers in (None, full)
                   and t.status != "refused"), None)
     need = None if first is None else (first.reserved_bytes or first.peak_bytes)
+    setting = result.extra.get("budget_setting")  # what gave the budget, so the message names what to raise
+    budget = format_bytes(result.budget_bytes) + (f" ({setting})" if setting else "")
     amount = (
-        f"needs {format_bytes(need)}, {format_bytes(need - result.budget_bytes)} over the budget of {format_bytes(result.budget_bytes)}"
+        f"needs {format_bytes(need)}, {format_bytes(need - result.budget_bytes)} over the budget of {budget}"
         if need
-        else f"ran out of memory under the budget of {format_bytes(result.budget_bytes)}"
+        else f"ran out of memory under the budget of {budget}"
     )
     on = result.extra.get("levers_on")  # the levers already in use are not suggested
     if levels is not None:

@@ -181,6 +181,9 @@ def test_nothing_fits_says_by_how_much_and_what_helps(tmp_path, tok):
     with pytest.raises(NothingFitsError, match="gradient checkpointing.*LoRA.*4-bit") as info:
         trainer.tune()
     assert "over the budget" in str(info.value)
+    # issue 59, item 8: the message names the setting that made the budget, and how to change it
+    assert f"over the budget of 0.2 MiB (memory_budget_bytes={MiB // 4}: raise it, or unset it for 90% of the " \
+           "device)" in str(info.value)
 
 
 def test_probe_seq_len_needs_a_causal_lm(tmp_path, tok):
