@@ -95,6 +95,12 @@ def resolve_resume(value, output_dir: str, target: int) -> str | None:
                 f"resume_from_checkpoint={path!r}: no such checkpoint directory; give a checkpoint-N directory, or "
                 "true for the newest complete checkpoint in output_dir"
             )
+        from ..trainer.resilience.checkpoints import inspect_checkpoint
+
+        problem = inspect_checkpoint(path).problem  # before the model is built, as the trainer would refuse it after
+        if problem:
+            raise RecipeError(f"resume_from_checkpoint={path!r} cannot be resumed: {problem}; resume_from_checkpoint="
+                              "true picks the newest complete checkpoint, or start over with output_dir=ANOTHER_DIR")
     stored = stored_target(path)
     if stored is not None and stored != target:
         raise RecipeError(

@@ -125,6 +125,10 @@ def test_resume_true_with_no_complete_checkpoint_names_the_bad_file_and_a_way_ou
     assert re.search(r"holds no complete checkpoint \(checkpoint-2: its file optimizer\.pt: .*truncated", message)
     assert message.endswith("start over with output_dir=ANOTHER_DIR (these folders stay as they are)")
     assert preflight.resolve_resume(None, str(tmp_path / "another"), 16) is None  # the way out runs
+    # by path: refused here, before any model is built (issue 59, item 14: it was built and the data tokenized first)
+    with pytest.raises(RecipeError, match=r"cannot be resumed: its file optimizer\.pt: .*truncated.*"
+                                          r"resume_from_checkpoint=true picks the newest complete checkpoint"):
+        preflight.resolve_resume(folder, out, 16)
 
 
 @pytest.mark.parametrize("damage", ["trainer_state.json", "optimizer.pt"])
