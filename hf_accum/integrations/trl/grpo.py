@@ -112,7 +112,10 @@ class GRPOAdapter(TrainerAdapter):
         cut = forward_rows(trainer, batch_samples[0])
         if slices is None:
             trainer.model.train()  # TRL's _prepare_inputs generates for training only in train mode
-            with generation_in_chunks(trainer, cut or trainer.args.per_device_train_batch_size):
+            # with no target, TRL's one generation call, as GRPOTrainer makes it (chunks would change the
+            # sampling stream); with one, at most the plan's rows per forward at a time
+            target = trainer.settings.target_batch_size
+            with generation_in_chunks(trainer, (cut or trainer.args.per_device_train_batch_size) if target else None):
                 rows = functools.partial(rows_per_device, trainer.args, cut)
                 slices = trl_internals.grpo_generated_slices(trainer, batch_samples[0], rows)
         if trainer.args.top_entropy_quantile < 1.0:
@@ -247,23 +250,26 @@ def generate_in_chunks(generate: Callable[[list], tuple], prompts: list, rows: i
 
 
 @contextlib.contextmanager
-def generation_in_chunks(trainer, rows: int):
+def generation_in_chunks(trainer, rows: int | None):
     """During one generation batch, TRL's transformers generation (not vLLM, not continuous batching, not images)
     runs in chunks of at most ``rows`` prompts (the plan's rows per forward; fewer after an OOM in generation), so
-    the KV cache of the whole generation batch is never held at once. Not under DeepSpeed or FSDP, whose generation
-    gathers parameters with collectives: every rank must call it as often (TRL's one call is kept)."""
+    the KV cache of the whole generation batch is never held at once. ``rows`` None (no target): TRL's one call, in
+    chunks only after an OOM in it. Not under DeepSpeed or FSDP, whose generation gathers parameters with
+    collectives: every rank must call it as often (TRL's one call is kept)."""
     own = trainer.__dict__.get("_generate_single_turn")  # a patched generation (tests) is chunked too
     original = own or trainer._generate_single_turn
     plain = not (trainer.use_vllm or trainer.args.use_transformers_continuous_batching
                  or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled)
-    rows = min(rows, trainer.__dict__.get("_hf_accum_generation_rows") or rows)
+    rows = min(filter(None, (rows, trainer.__dict__.get("_hf_accum_generation_rows"))), default=None)
 
     def chunked(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
         if not plain or images is not None or multimodal_fields:
             return original(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
+        size = rows or len(prompt_ids)
         result, fitted = generate_in_chunks(
-            lambda part: original(part, images, multimodal_fields, num_generations, *args, **kwargs), prompt_ids, rows)
-        trainer._hf_accum_generation_rows = fitted
+            lambda part: original(part, images, multimodal_fields, num_generations, *args, **kwargs), prompt_ids, size)
+        if fitted < size or rows is not None:
+            trainer._hf_accum_generation_rows = fitted
         return result
 
     trainer._generate_single_turn = chunked
