@@ -13,7 +13,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from datasets import Dataset
 from transformers import (
     BartConfig,
