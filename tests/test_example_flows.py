@@ -10,6 +10,7 @@ mean over the window's 16 samples, checked against an independent float64 refere
 
 import copy
 from itertools import chain
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,7 @@ def test_run_classification_flow_the_4x_case(tmp_path):
     plain, ours = logged_losses(trainers["plain"])[0], logged_losses(trainers["ours"])[0]
     assert plain == pytest.approx(sum_of_means, rel=1e-5) and 3.5 < plain / exact < 4.5
     assert ours == pytest.approx(exact, rel=1e-5)
+    manual = (Path(__file__).resolve().parents[1] / "docs" / "exactness.md").read_text()
+    assert f"`Trainer` {plain:.4f} | `AccumTrainer` {ours:.4f} | {exact:.4f} |" in manual  # "The 4× case"
+    print(f"\n4x case (Llama sequence classification, 16 = 4 x 4): plain Trainer logs {plain:.4f} (sum of micro-batch "
+          f"means {sum_of_means:.4f}); AccumTrainer {ours:.4f}; float64 reference {exact:.4f}")

@@ -145,3 +145,38 @@ def test_generated_predictions_and_metrics_are_seq2seq_trainers(tmp_path, build)
         out[name] = predicted.predictions, predicted.label_ids, trainer.evaluate()["eval_tokens"]
     assert (out["plain"][0] == out["ours"][0]).all() and (out["plain"][1] == out["ours"][1]).all()
     assert out["plain"][2] == out["ours"][2]
+
+
+# transformers' tests/trainer/test_trainer_seq2seq.py needs the hub (t5-small, gsm8k); its two checks that do not
+# depend on a pretrained model, offline, with our classes:
+@pytest.mark.parametrize("target", [16, None], ids=["target", "no_target"])
+def test_num_return_sequences_are_all_gathered(tmp_path, target):
+    """transformers' test_return_sequences: evaluate(generation_config=...) with num_return_sequences k gives
+    k x the eval set's predictions (Seq2SeqTrainer gathers with accelerator.gather); with a target, the eval batch is
+    measured generating k sequences per example."""
+    from transformers import GenerationConfig
+
+    data = seq2seq_examples(7, seed=3)
+    args = _args(AccumSeq2SeqTrainingArguments, tmp_path, predict_with_generate=True, target_batch_size=target,
+                 per_device_eval_batch_size=2)
+    trainer = AccumSeq2SeqTrainer(model=tiny_bart(torch.float32), args=args, data_collator=pad_collate,
+                                  compute_metrics=lambda p: {"samples": p[0].shape[0]}, eval_dataset=data)
+    for k in (3, 1):
+        config = GenerationConfig(max_new_tokens=5, min_new_tokens=1, num_beams=3, num_return_sequences=k,
+                                  decoder_start_token_id=2, eos_token_id=1, pad_token_id=0)
+        assert trainer.evaluate(generation_config=config)["eval_samples"] == 7 * k
+
+
+def test_a_bad_generation_config_fails_early(tmp_path):
+    """transformers' test_bad_generation_config_fail_early, with our arguments and trainer: Seq2SeqTrainer's error."""
+    from transformers import GenerationConfig
+
+    bad = GenerationConfig(do_sample=False, top_p=0.9)
+    said = []
+    for trainer_cls, args_cls in [(Seq2SeqTrainer, Seq2SeqTrainingArguments),
+                                  (AccumSeq2SeqTrainer, AccumSeq2SeqTrainingArguments)]:
+        args = _args(args_cls, tmp_path, predict_with_generate=True, generation_config=bad)
+        with pytest.raises(ValueError, match="GenerationConfig is invalid|generation config instance is invalid") as e:
+            trainer_cls(model=tiny_bart(torch.float32), args=args, data_collator=pad_collate)
+        said.append(str(e.value))
+    assert said[0] == said[1]

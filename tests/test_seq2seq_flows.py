@@ -10,6 +10,7 @@ reference (the model's logits, cross-entropy by hand): the plain value against t
 ours against the whole window."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from hf_accum import AccumSeq2SeqTrainer, AccumSeq2SeqTrainingArguments, tiny
 from tests.exactness import logged_losses, recording
 
 TOK = tiny.build_tokenizer()
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def bart():
@@ -169,6 +171,12 @@ def test_the_4x_case_plain_logs_the_sum_of_micro_batch_means_ours_the_windows_me
     plain, ours = logged_losses(results["plain"])[0], logged_losses(results["ours"])[0]
     assert plain == pytest.approx(sum_of_means, rel=1e-5) and 3.5 < plain / exact < 4.5
     assert ours == pytest.approx(exact, rel=1e-5)
+    # the numbers the manual's and README's 4x rows state (docs/exactness.md, "The 4× case")
+    manual, readme = (ROOT / "docs" / "exactness.md").read_text(), (ROOT / "README.md").read_text()
+    tokens = sum(int(b["labels"].ne(-100).sum()) for b in window)
+    assert f"`Seq2SeqTrainer` {plain:.4f} | `AccumSeq2SeqTrainer` {ours:.4f} | {exact:.4f} |" in manual
+    assert f"{tokens} target tokens" in manual and f"{tokens} target tokens" in readme
+    assert f"`AccumSeq2SeqTrainer` {ours:.4f} = the float64 reference; `Seq2SeqTrainer` {plain:.4f}" in readme
     print(f"\n4x case (BART, 16 = 4 x 4, {sum(int(b['labels'].ne(-100).sum()) for b in window)} target tokens): "
           f"plain Seq2SeqTrainer logs {plain:.4f} (sum of micro-batch means {sum_of_means:.4f}); "
           f"AccumSeq2SeqTrainer {ours:.4f}; float64 reference {exact:.4f}")

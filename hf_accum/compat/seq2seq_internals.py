@@ -40,8 +40,9 @@ def generating_at_full_length(trainer, given: dict):
     """Inside, `Seq2SeqTrainer.prediction_step` generates with what ``evaluate(**given)`` will use, at full length."""
     unset = object()
     before = getattr(trainer, "_gen_kwargs", unset)
-    config = trainer.accelerator.unwrap_model(trainer.model).generation_config
-    trainer._gen_kwargs = full_length(evaluation_generation_kwargs(trainer, given), config)
+    kwargs = evaluation_generation_kwargs(trainer, given)
+    config = kwargs.get("generation_config") or trainer.accelerator.unwrap_model(trainer.model).generation_config
+    trainer._gen_kwargs = full_length(kwargs, config)
     try:
         yield trainer._gen_kwargs
     finally:
