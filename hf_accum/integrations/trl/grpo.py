@@ -17,7 +17,9 @@ One optimizer step is one generation batch, as TRL does by default (`steps_per_g
 target is completions per optimizer step (prompts x `num_generations`). At each window's start the mixin has TRL
 generate and score the whole generation batch (`window`: TRL's own `_prepare_inputs`, rewards and advantages over
 the whole batch), then cuts its slices into forwards of whole completion rows; each forward's `compute_loss` is
-TRL's, made to return the mean over the forward's own count (`chunk`), which the mixin scales to its exact share.
+TRL's, made to return the mean over the forward's own count (`chunk`), which the mixin scales to its exact share; a
+token loss without the entropy bonus is handed the window's count, as TRL hands it, and returns its share itself
+(`share`), so with no target the steps are TRL's bit for bit (as is the one generation call, `generation_in_chunks`).
 With `num_iterations` > 1 the next windows train on the same generation batch again (TRL's buffer). The entropy
 filter and bonus are defined over the whole generation batch (grpo_entropy.py). Under a token budget
 (micro_batching="tokens") a row's length is its prompt plus its completion's real length (`CompletionRows`).
@@ -132,8 +134,12 @@ class GRPOAdapter(TrainerAdapter):
     def chunk(self, trainer, inputs, local_count):
         # TRL divides dapo's token sum by num_items_in_batch / world x accumulation / steps_per_generation, and the
         # other losses' means by the accumulation: with the window length 1 and this count, every loss type returns
-        # the forward's own mean, which the mixin scales to its exact share of the window.
+        # the forward's own mean, which the mixin scales to its exact share of the window. A token loss (no entropy
+        # bonus) is handed the window's count instead, as TRL hands it: it returns its share itself (`share`: 1),
+        # with TRL's own float operations.
         count = local_count * trainer.accelerator.num_processes * trainer.args.steps_per_generation
+        if self.share(trainer) is not None:
+            count = trainer._engine.window.items.to(count.device, count.dtype) * trainer.args.steps_per_generation
         inputs = trimmed(inputs)
         factor = None
         if trl_internals.grpo_entropy_bonus(trainer):
@@ -141,6 +147,14 @@ class GRPOAdapter(TrainerAdapter):
                                           trainer._engine.share(local_count), trainer.accelerator.num_processes)
         keep = inputs.pop(ENTROPY_MASK, None)
         return {**inputs, "num_items_in_batch": count}, forward_context(trainer, factor, keep)
+
+    def share(self, trainer):
+        engine = trainer._engine  # in a window (not the probe's lone steps, whose forwards return their own mean)
+        if engine is None or engine.window is None or trainer.args.loss_type not in TOKEN_MEAN_LOSSES:
+            return None
+        if trl_internals.grpo_entropy_bonus(trainer):
+            return None
+        return torch.ones((), dtype=torch.float64, device=trainer.args.device)
 
     def cutter(self, cutter: Cutter) -> Cutter:
         return CompletionRows(cutter.unit, cutter.labels)
