@@ -180,3 +180,27 @@ def test_a_bad_generation_config_fails_early(tmp_path):
             trainer_cls(model=tiny_bart(torch.float32), args=args, data_collator=pad_collate)
         said.append(str(e.value))
     assert said[0] == said[1]
+
+
+@pytest.mark.slow  # a pytest subprocess: mostly imports
+def test_the_peer_harness_swaps_seq2seq_trainer_and_its_arguments(tmp_path):
+    """scripts/swap/swap_conftest.py (trainer_swap_suite.py's plugin) hands transformers' test_trainer_seq2seq.py our
+    Seq2Seq classes: in swapped-target mode `Seq2SeqTrainer` is ours, and its arguments ours with the implied
+    target (swapped mode swaps the trainer alone, as for `Trainer`)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "test_names.py").write_text(
+        "from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments\n"
+        "def test_names():\n"
+        "    args = Seq2SeqTrainingArguments('out', per_device_train_batch_size=2, use_cpu=True, report_to='none')\n"
+        "    print('CLASSES', Seq2SeqTrainer.__name__, type(args).__name__, getattr(args, 'target_batch_size', None))\n")
+    env = {**os.environ, "HF_ACCUM_SWAP": "1", "HF_ACCUM_SWAP_TARGET": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "scripts" / "swap"), str(root)])}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "test_names.py", "-p", "swap_conftest", "-p",
+                          "no:cacheprovider"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    line = next(x for x in out.stdout.splitlines() if "CLASSES" in x)
+    assert line.endswith("CLASSES AccumSeq2SeqTrainer TargetedSeq2SeqTrainingArguments 2"), out.stdout[-2000:]
