@@ -224,7 +224,8 @@ class AccumulationMixin(StepHooks, EvaluationHooks):
         # Every loss path divides by num_items_in_batch (or its own count, the same number): a chunk mean.
         # Clamped so an all-masked chunk gives 0 instead of 0/0 on paths that divide by it.
         local_for_loss = local.clamp(min=1).to(self.args.device)
-        share = engine.share(local)
+        own = self._adapter.share(self)  # GRPO's token losses divide by the window's count themselves
+        share = engine.share(local) if own is None else own
         scale, undo = share, 1
         if trainer_internals.trainer_divides_by_accumulation(self, local_for_loss):
             undo = trainer_internals.window_length(self)
