@@ -178,7 +178,7 @@ def dropped_by_truncation(given, prepared, args) -> str | None:
     """The line saying how many training examples SFTTrainer dropped because truncation to ``max_length`` left them
     no completion token (TRL filters them out without a word, so a run on half its data looks like any other); None
     when none were, or the counts cannot be compared (unsized data, packing: rows are not examples)."""
-    if args.max_length is None or getattr(args, "packing", False):
+    if args.max_length is None or args.packing:  # SFTConfig: packed rows are not examples
         return None
     try:
         before, after = len(given), len(prepared)
