@@ -85,3 +85,15 @@ def test_the_version_is_the_distributions(command):
     out = subprocess.run([*command, "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"hf-accum {importlib.metadata.version('hf-accum')}"
     assert importlib.metadata.version("hf-accum") == hf_accum.__version__
+
+
+def test_the_recipe_folder_named_to_a_user_is_the_installed_one():
+    """`hf-accum train --help` and the unknown-recipe error name the folder that holds the recipes in this install
+    (issue 59, item 13: both named the repository's recipes/, which a wheel install does not have)."""
+    hf_accum_cli = str(Path(sys.executable).parent / "hf-accum")
+    folder = str(INSTALLED / "recipes" / "yaml")
+    helped = subprocess.run([hf_accum_cli, "train", "--help"], capture_output=True, text=True, check=True).stdout
+    assert folder in " ".join(helped.split()) and "recipes/*.yaml" not in helped
+    refused = subprocess.run([hf_accum_cli, "train", "nope"], capture_output=True, text=True)
+    assert refused.returncode == 2 and f"the recipes are in {folder})" in refused.stderr
+    assert (Path(folder) / "lora_sft.yaml").is_file()

@@ -13,12 +13,13 @@ _quiet.install()  # a few exact messages of other libraries that no user can act
 
 # Imported on first use: `import hf_accum` (and so `hf-accum --help`) must not pay for torch and transformers.
 _LAZY = {"AccumTrainer": ".trainer", "AccumTrainingArguments": ".args", "AccumulationMixin": ".trainer",
-         "estimate": ".probing.paper"}
+         "AccumSeq2SeqTrainer": ".trainer.seq2seq", "AccumSeq2SeqTrainingArguments": ".trainer.seq2seq", "estimate": ".probing.paper"}
 
 if TYPE_CHECKING:
     from .args import AccumTrainingArguments
     from .probing.paper import estimate
     from .trainer.mixin import AccumTrainer, AccumulationMixin
+    from .trainer.seq2seq import AccumSeq2SeqTrainer, AccumSeq2SeqTrainingArguments
 
 
 def __getattr__(name: str) -> Any:
@@ -31,4 +32,5 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-__all__ = ["AccumTrainer", "AccumTrainingArguments", "AccumulationMixin", "__version__", "estimate"]
+__all__ = ["AccumSeq2SeqTrainer", "AccumSeq2SeqTrainingArguments", "AccumTrainer", "AccumTrainingArguments",
+           "AccumulationMixin", "__version__", "estimate"]

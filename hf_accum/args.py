@@ -34,6 +34,10 @@ _FLAG_DEFAULT_IS_NONE = {f.name: f.default for f in dataclasses.fields(TrainingA
     "gradient_checkpointing") is None
 
 
+# the token limits TRL's configs declare (checked where the config has them)
+_TOKEN_LIMITS = ("max_length", "max_prompt_length", "max_completion_length")
+
+
 @dataclass
 class AccumTrainingArguments(TrainingArguments):
     if not _FLAG_DEFAULT_IS_NONE:  # pragma: no cover - transformers < 5.23 (ci/oldest-constraints.txt)
@@ -256,6 +260,7 @@ class AccumTrainingArguments(TrainingArguments):
             )
         require_positive("per_device_train_batch_size", self.per_device_train_batch_size)
         require_positive("gradient_accumulation_steps", self.gradient_accumulation_steps)
+        self._check_lengths()
         if self.target_batch_size is not None:
             require_positive("target_batch_size", self.target_batch_size)
         if self.check_accumulation_tolerance is not None and not (
@@ -307,6 +312,16 @@ class AccumTrainingArguments(TrainingArguments):
             what = "is negative" if is_number(self.learning_rate) and self.learning_rate < 0 else \
                 "is not a finite number"
             raise ValueError(f"learning_rate={self.learning_rate!r} {what}: set a positive learning_rate, e.g. 2e-4.")
+
+    def _check_lengths(self) -> None:
+        """The TRL configs' token limits (SFT's and DPO's max_length, GRPO's max_completion_length, ...): a negative
+        one would slice `[:-3]`, dropping the last tokens of every example instead of failing."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _TOKEN_LIMITS and value is not None and (
+                    not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{f.name}={value!r} must be a positive number of tokens (or None: no limit), e.g. "
+                                 f"{f.name}=1024.")
 
     def _resolve_checkpoint_layers(self) -> None:
         """checkpoint_layers: "auto", an int k >= 0, or None (the boolean flag decides), from what the user set; read

@@ -160,7 +160,7 @@ def _check_probe_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         try:
             from matplotlib.backend_bases import FigureCanvasBase
         except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'hf-accum[plot]'") from None
+            raise UsageError("--plot needs matplotlib (the plot extra): pip install matplotlib") from None
         kinds = FigureCanvasBase.get_supported_filetypes()
         suffix = os.path.splitext(args.plot)[1].lstrip(".").lower()
         if suffix not in kinds:
@@ -306,7 +306,7 @@ def _report_probe(args: argparse.Namespace, result, plan, seq_len: int, *, budge
 
 # --- train -------------------------------------------------------------------------------------------
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
-    from .recipes.files import available_recipes  # reads the recipes folder; imports neither torch nor yaml
+    from .recipes.files import available_recipes, recipe_dirs  # read the folder; import neither torch nor yaml
 
     p = sub.add_parser(
         "train", help="run a recipe (a name from recipes/ or a YAML path) with key=value overrides",
@@ -317,7 +317,7 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
                "key when one section has it (max_steps=100), model=HUB_ID_OR_DIR, dataset=HUB_ID_OR_FILE. Values "
                "are YAML scalars. Checkpoints: save_steps=N; continue a run with resume_from_checkpoint=true (the "
                "newest complete checkpoint in output_dir) or =PATH. Recipes: "
-               f"{', '.join(available_recipes())} (see recipes/*.yaml).",
+               f"{', '.join(available_recipes())} (the YAML files in {recipe_dirs()[0] if recipe_dirs() else '-'}).",
     )
     p.add_argument("recipe", help="recipe name (e.g. lora_sft) or path of a recipe YAML file")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of recipe keys")
@@ -370,7 +370,7 @@ def _require_recipe_extra() -> None:
     missing = [name for name in ("yaml", "datasets") if importlib.util.find_spec(name) is None]
     if missing:
         raise UsageError(f"recipes need pyyaml and datasets ({', '.join(missing)} missing): "
-                         "pip install 'hf-accum[recipes]'")
+                         "pip install pyyaml datasets trl (the recipes extra)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -410,11 +410,32 @@ def _parse(parser: argparse.ArgumentParser, raw: list[str]) -> argparse.Namespac
     args, extra = parser.parse_known_args(_join_negative_values(raw))
     overrides = [item for item in extra if "=" in item and not item.startswith("-")]
     unknown = [item for item in extra if item not in overrides]
+    if unknown and vars(args).get("overrides") is not None:  # `train`: a key given as a flag (--max_steps=5)
+        keys = _flags_as_overrides(unknown)
+        if keys:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}; recipe keys are key=value without dashes: "
+                         f"{' '.join(keys)}")
     if unknown or (overrides and vars(args).get("overrides") is None):
         parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
     if overrides:
         args.overrides = [*args.overrides, *overrides]
     return args
+
+
+def _flags_as_overrides(unknown: list[str]) -> list[str]:
+    """``--max_steps=5`` / ``--max_steps 5`` as the overrides they were meant to be (``max_steps=5``); [] when
+    ``unknown`` is not only flags with values."""
+    keys, items = [], list(unknown)
+    while items:
+        item = items.pop(0)
+        if not re.fullmatch(r"--?[A-Za-z_][\w.]*(=.*)?", item):
+            return []
+        if "=" not in item:
+            if not items or items[0].startswith("-"):
+                return []
+            item = f"{item}={items.pop(0)}"
+        keys.append(item.lstrip("-"))
+    return keys
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,27 +65,17 @@ def build_tokenizer():
 
 
 # --- model -------------------------------------------------------------------------------------------
-def build_model(
-    kind: str = "causal_lm",
-    *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    seed: int = 0,
-    dtype: torch.dtype | str | None = None,
-    tokenizer=None,
-    num_labels: int = 2,
-):
-    """A randomly initialised tiny Llama (`kind` "causal_lm" or "seq_cls"), seeded, vocab sized to `tokenizer`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+def build_config(kind: str = "causal_lm", *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                 tokenizer=None, num_labels: int = 2):
+    """The tiny Llama's config (`build_model` builds from it; `hf-accum probe --estimate --model tiny` reads it)."""
+    from transformers import LlamaConfig
 
-    classes = {"causal_lm": LlamaForCausalLM, "seq_cls": LlamaForSequenceClassification}
-    if kind not in classes:
-        raise ValueError(f"build_model(kind={kind!r}): kind must be one of {sorted(classes)}")
+    if kind not in _KINDS:
+        raise ValueError(f"build_model(kind={kind!r}): kind must be one of {sorted(_KINDS)}")
     if hidden_size % num_heads:
         raise ValueError(f"build_model: hidden_size={hidden_size} must be a multiple of num_heads={num_heads}")
     tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
@@ -98,10 +88,32 @@ def build_model(
         eos_token_id=tokenizer.eos_token_id,
         num_labels=num_labels,
         tie_word_embeddings=False,  # LoRA recipes target/save lm_head separately from the embeddings
+        architectures=[_KINDS[kind]],
     )
+
+
+_KINDS = {"causal_lm": "LlamaForCausalLM", "seq_cls": "LlamaForSequenceClassification"}
+
+
+def build_model(
+    kind: str = "causal_lm",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    seed: int = 0,
+    dtype: torch.dtype | str | None = None,
+    tokenizer=None,
+    num_labels: int = 2,
+):
+    """A randomly initialised tiny Llama (`kind` "causal_lm" or "seq_cls"), seeded, vocab sized to `tokenizer`."""
+    import transformers
+
+    config = build_config(kind, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                          tokenizer=tokenizer, num_labels=num_labels)
     with torch.random.fork_rng(devices=[]):  # seeds the init without disturbing the caller's RNG stream
         torch.manual_seed(seed)
-        model = classes[kind](config)
+        model = getattr(transformers, _KINDS[kind])(config)
     if dtype is not None:
         model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     return model

@@ -25,6 +25,7 @@ says (it is turned off, logged, because hf_accum counts across ranks itself).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from transformers import Trainer
@@ -43,11 +44,14 @@ from .integrations.trl.support import (  # noqa: F401 (public here)
     TRL_TRAINERS,
     MixedInto,
     dpo_refusal,
+    dropped_by_truncation,
     mixed_into,
     reward_refusal,
 )
 from .planning.rows import rows_per_device
 from .trainer.mixin import AccumulationMixin
+
+logger = logging.getLogger("hf_accum.trainer")  # the trainer's messages, under the logger they always had
 
 # TRL's configs default gradient_checkpointing to True; an unset flag (None) lets the tuner choose per layer instead
 # (args.AccumTrainingArguments.checkpoint_layers). An explicit True/False is obeyed.
@@ -89,7 +93,13 @@ class AccumSFTTrainer(_TRLAccumulation, SFTTrainer):
     _lm_head_fused_by = "TRL's fused LM head (trl.trainer.utils.add_fused_lm_head)" if trl_internals.trl_fuses_lm_head() else None
 
     def __init__(self, *args, **kwargs):
+        import inspect
+
+        given = inspect.signature(SFTTrainer.__init__).bind(self, *args, **kwargs).arguments.get("train_dataset")
         super().__init__(*args, **kwargs)
+        dropped = dropped_by_truncation(given, self.train_dataset, self.args)
+        if dropped:
+            logger.warning(dropped)
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         if isinstance(self.model.get_output_embeddings(), BaseTunerLayer):

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
@@ -137,6 +139,18 @@ def tiny_t5(dtype=torch.float64, seed: int = 0) -> T5ForConditionalGeneration:
     return T5ForConditionalGeneration(cfg).to(dtype)
 
 
+def tiny_bart(dtype=torch.float64, seed: int = 0) -> BartForConditionalGeneration:
+    """BART's `forward` takes **kwargs but ignores `num_items_in_batch`: each forward returns its own token mean."""
+    torch.manual_seed(seed)
+    cfg = BartConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=PAD, bos_token_id=2, eos_token_id=1,
+        decoder_start_token_id=2, forced_eos_token_id=None,
+    )
+    return BartForConditionalGeneration(cfg).to(dtype)
+
+
 class NoLossKwargsLlama(LlamaForCausalLM):
     """A model class that, like several multimodal models in transformers 5.x, declines `num_items_in_batch`."""
 
@@ -233,7 +247,7 @@ def reference_step(model: nn.Module, batches: list[dict], kind: str, label_smoot
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
                                reduction="sum", label_smoothing=label_smoothing) / labels.ne(-100).sum()
     elif kind == "seq2seq":
-        dec = model._shift_right(batch["labels"])
+        dec = model.prepare_decoder_input_ids_from_labels(labels=batch["labels"])  # T5: _shift_right; BART: its own
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        decoder_input_ids=dec).logits
         labels = batch["labels"]

@@ -103,3 +103,46 @@ def test_eval_tokens_are_the_evaluation_tokens_and_eval_num_tokens_is_trl_s_trai
     assert metrics[AccumSFTTrainer]["eval_tokens"] == by_hand
     assert by_hand != metrics[AccumSFTTrainer]["eval_num_tokens"]
     assert "eval_tokens" not in metrics[SFTTrainer]
+
+
+def test_examples_truncation_leaves_no_completion_are_counted_and_said(tmp_path, caplog):
+    """Issue 59, item 9: half the examples longer than max_length trained on the other half, and only the example
+    count showed it. TRL drops an example whose completion truncation cut away; the run now says how many, why and
+    how to keep them."""
+    import logging
+
+    tok = tiny.build_tokenizer()
+
+    def rows(long_every):
+        return Dataset.from_list([{"prompt": [{"role": "user", "content": "abc " * (60 if i % long_every == 0 else 3)}],
+                                   "completion": [{"role": "assistant", "content": "ok"}]} for i in range(40)])
+
+    def build(data):
+        args = AccumSFTConfig(output_dir=str(tmp_path), target_batch_size=8, max_length=64, max_steps=1,
+                              report_to="none", use_cpu=True)
+        with caplog.at_level(logging.WARNING, logger="hf_accum"):
+            return AccumSFTTrainer(model=tiny.build_model(tokenizer=tok), args=args, train_dataset=data,
+                                   processing_class=tok)
+
+    trainer = build(rows(2))
+    assert len(trainer.train_dataset) == 20
+    said = [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()]
+    assert said == ["hf_accum: 20 of 40 training examples were dropped: truncated to max_length=64 they keep no "
+                    "completion token (TRL drops them). To train on them, raise max_length or shorten their prompts."]
+    caplog.clear()
+    build(rows(1000))  # only the first example is long: one dropped
+    assert [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()][0].startswith(
+        "hf_accum: 1 of 40 training examples were dropped")
+
+
+@pytest.mark.parametrize("config, field", [("AccumSFTConfig", "max_length"), ("AccumDPOConfig", "max_length"),
+                                           ("AccumRewardConfig", "max_length"),
+                                           ("AccumGRPOConfig", "max_completion_length")])
+@pytest.mark.parametrize("value", [-3, 0])
+def test_a_token_limit_that_is_not_positive_is_refused(tmp_path, config, field, value):
+    """Issue 59, item 1: max_length=-3 trained, as "drop the last 3 tokens" of every example."""
+    import hf_accum.trl
+
+    with pytest.raises(ValueError, match=rf"^{field}={value} must be a positive number of tokens \(or None: no limit\)"):
+        getattr(hf_accum.trl, config)(output_dir=str(tmp_path), use_cpu=True, **{field: value})
+    getattr(hf_accum.trl, config)(output_dir=str(tmp_path), use_cpu=True, **{field: None})  # no limit: allowed

@@ -41,9 +41,8 @@ def probe_batches(trainer, shortest: int | None = None,
     if not hasattr(loader, "dataset"):  # a trainer's own iterable (transformers' tests have one): scan its batches
         return _yielded_batches(trainer, loader)
     dataset, collate = loader.dataset, loader.collate_fn
-    try:
-        size = len(dataset)
-    except TypeError:
+    size = _length(dataset)
+    if size is None:  # outside the except block: a refusal of an iterable set is not chained to its TypeError
         return _bounded_batches(trainer, dataset, collate)
     if size == 0:
         raise ValueError("train_dataset is empty: nothing to probe or train on.")
@@ -91,6 +90,13 @@ def _checked_length(trainer, batch) -> int:
             "(e.g. tokenizer(..., truncation=True, max_length=...))."
         )
     return int(seq_len)
+
+
+def _length(dataset) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def _bounded_batches(trainer, dataset, collate):

@@ -152,9 +152,11 @@ def plan_eval_batch(trainer, dataset, *, budget: int | None, run) -> EvalBatchCh
     if agreed != choice.batch_size:
         choice = dataclasses.replace(choice, batch_size=agreed)
     given = args.per_device_eval_batch_size
+    held = "loss only" if loss_only else "generating to full length, its tokens kept" if getattr(
+        args, "predict_with_generate", False) else "logits kept"
     logger.warning("hf_accum: eval batch %d per rank: the largest whose measured evaluation step (the longest eval "
                    "example, %s) fits the budget of %s (peak %s, %d trials)%s%s", choice.batch_size,
-                   "loss only" if loss_only else "logits kept", format_bytes(budget), format_bytes(choice.peak_bytes),
+                   held, format_bytes(budget), format_bytes(choice.peak_bytes),
                    len(choice.trials),
                    "" if choice.accumulation_steps is None else
                    f"; eval_accumulation_steps {choice.accumulation_steps} unless set",

@@ -159,7 +159,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
             meter=prepared.meter,
             max_micro_batch=max_micro,
             optimize=args.auto_tune_optimize,
-            log=logger.info,
+            log=lambda line: _show("hf_accum probe: %s", args, line),  # each trial a line, seen without any setup
             lever=lever,
         )
 

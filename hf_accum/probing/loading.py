@@ -21,8 +21,8 @@ def require_bitsandbytes(what: str, instead: str) -> None:
         import bitsandbytes  # noqa: F401
     except ImportError as exc:
         raise ValueError(
-            f"{what} needs bitsandbytes, which is not installed ({exc}): pip install 'hf-accum[qlora]' "
-            f"(bitsandbytes >= 0.45; on CPU it runs NF4 training too), or {instead}."
+            f"{what} needs bitsandbytes, which is not installed ({exc}): pip install 'bitsandbytes>=0.45' "
+            f"(the qlora extra; on CPU it runs NF4 training too), or {instead}."
         ) from None
 
 

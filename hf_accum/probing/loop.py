@@ -133,11 +133,16 @@ def probe_micro_batches(
     if warmup:
         # The optimizer allocates its state (Adam: two tensors per parameter) in its first step; a trial
         # without it would under-measure every later step by that much.
-        say("warm-up step at micro-batch 1 (creates the optimizer state; not a trial)")
+        upto = f", up to {max_micro_batch}" if max_micro_batch else ""
+        say(f"searching the largest micro-batch within {format_bytes(budget_bytes, 'MiB')} MiB{upto}, each trial one "
+            "real training step; first a warm-up step at micro-batch 1 (creates the optimizer state; not a trial)")
         result.warmup_seconds, oom = guarded(lambda: meter.time(lambda: step_fn(1), micro_batch_size=1))
         if oom:
             trials.append(Trial(1, None, None, None, False, "out of memory"))
+            say("micro-batch 1: out of memory")
             return result
+        if meter.times_steps:
+            say(f"warm-up step: {result.warmup_seconds:.1f} s")
 
     while (micro := search.propose()) is not None:
         trials.append(_run_trial(step_fn, meter, search, micro, limit_bytes, say))
@@ -264,10 +269,12 @@ def _nothing_fits_message(result: ProbeResult) -> str:
     first = next((t for t in result.trials if t.micro_batch_size == 1 and t.checkpointed_layers in (None, full)
                   and t.status != "refused"), None)
     need = None if first is None else (first.reserved_bytes or first.peak_bytes)
+    setting = result.extra.get("budget_setting")  # what gave the budget, so the message names what to raise
+    budget = format_bytes(result.budget_bytes) + (f" ({setting})" if setting else "")
     amount = (
-        f"needs {format_bytes(need)}, {format_bytes(need - result.budget_bytes)} over the budget of {format_bytes(result.budget_bytes)}"
+        f"needs {format_bytes(need)}, {format_bytes(need - result.budget_bytes)} over the budget of {budget}"
         if need
-        else f"ran out of memory under the budget of {format_bytes(result.budget_bytes)}"
+        else f"ran out of memory under the budget of {budget}"
     )
     on = result.extra.get("levers_on")  # the levers already in use are not suggested
     if levels is not None:

@@ -21,15 +21,24 @@ def parse_size(text: str) -> int:
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
         raise ValueError(f"--device-memory={text!r}: give a positive size such as 80GiB, 24GB or 17179869184")
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if not unit and size < 2**20:  # "80": a card's GiB with the unit left out, not 80 bytes
+        raise ValueError(f"--device-memory={text!r} has no unit and reads as {size} bytes: did you mean "
+                         f"{m.group(1)}GiB? Give the unit (80GiB, 24GB), or bytes of at least 1 MiB")
+    return size
 
 
 def load_config(name: str):
-    """The config of ``name`` (a folder with config.json, or a hub id), or one ValueError line as the probe gives."""
+    """The config of ``name`` (a folder with config.json, a hub id, or "tiny", the built-in model), or one ValueError
+    line as the probe gives."""
     from transformers import AutoConfig
 
     from .loading import hub_unreachable, not_loadable
 
+    if name == "tiny":  # the built-in offline model, built from a config in code (as `hf-accum probe` loads it)
+        from .. import tiny
+
+        return tiny.build_config()
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         raise ValueError(f"--model {name}: the folder holds no config.json; give a folder saved with save_pretrained "
                          "or a hub id")
@@ -130,9 +139,6 @@ def refusal(args: Any) -> str | None:
     """The one line refusing what the estimate does not model, None when it can run (a recipe: `recipe_paper`)."""
     if args.recipe is not None:
         return None  # the bare model's flags are refused with a recipe; what a recipe sets: recipe_paper.settings
-    if args.model == "tiny":  # also what --model tiny gives: the built-in model has no config.json to build from
-        return ("--estimate builds the model from its config.json and the built-in tiny model has none: give --model "
-                "a folder holding config.json or a hub id, or probe tiny itself (drop --estimate: it is small)")
     if args.optimize != "memory":
         return "--estimate times nothing: drop --optimize throughput"
     return None

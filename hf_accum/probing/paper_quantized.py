@@ -49,7 +49,7 @@ def _bnb():
         import bitsandbytes
     except ImportError as exc:
         raise ValueError(f"quantization needs bitsandbytes to model its layers ({exc}): pip install "
-                         "'hf-accum[qlora]'") from None
+                         "bitsandbytes (the qlora extra)") from None
     return bitsandbytes
 
 

@@ -185,9 +185,18 @@ def probe_model(
         # the levers in use before the plan is made: "nothing fits" suggests only those that are off
         result.extra.update(seq_len=seq_len, levers_on=levers_on(model), **({} if estimated is None else
                                                                             {"estimate": estimated}))
+        result.extra["budget_setting"] = _budget_setting(budget_bytes, budget_fraction, budget_names)
         plan = _with_level(plan_from_result(result, target_batch_size, world_size), result)
         plan = _with_kernel(plan, result, model, step_fn, meter, budget, lever, autocast_dtype is not None, log)
     return result, plan
+
+
+def _budget_setting(budget_bytes: int | None, budget_fraction: float | None, names: tuple[str, str]) -> str:
+    """The setting that gave the budget, as the user spells it: a "nothing fits" message names what to raise."""
+    if budget_bytes is not None:
+        return f"{names[0]}={budget_bytes}: raise it, or unset it for {DEFAULT_BUDGET_FRACTION:.0%} of the device"
+    fraction = DEFAULT_BUDGET_FRACTION if budget_fraction is None else budget_fraction
+    return f"{names[1]}={fraction}" + ("" if fraction >= 1 else ": raise it up to 1")
 
 
 @contextlib.contextmanager

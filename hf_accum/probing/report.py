@@ -55,11 +55,24 @@ def summary(result: ProbeResult, plan: Plan, seq_len: int, budget_source: str | 
                          f"forwards of <= {chosen['micro']} rows, {how} ({levels['verify_steps']} verifying steps)")
     lines.append(f"largest micro-batch that fits: {result.max_micro_batch_size}")
     if result.next_size:
-        lines.append(f"next usable size {result.next_size} does not fit ({result.next_verdict})")
+        lines.append(_next_size_line(result))
     lines.append(f"plan: {plan.describe()}  ({plan.target_batch_size * seq_len:,} tokens per optimizer step at "
                  f"seq {seq_len})")
     lines += estimate_lines(result)
     return "\n".join(lines)
+
+
+def _next_size_line(result: ProbeResult) -> str:
+    """Why the plan does not take fewer forwards: the smallest size that would (the next of the plan's sizes, see
+    `plan.forward_breakpoints`) and how it is known not to fit."""
+    size, how = result.next_size, result.next_verdict
+    what = f"the next size that would take fewer forwards, {size},"
+    if how == "untried":
+        return f"{what} was not tried (the search stopped within its goal of the budget)"
+    if how == "predicted":
+        return f"{what} does not fit (predicted by the memory model)"
+    failed = min((t.micro_batch_size for t in result.trials if not t.fits), default=size)
+    return f"{what} does not fit ({'measured' if failed == size else f'{failed}, smaller, was measured not to'})"
 
 
 def to_json(result: ProbeResult, plan: Plan, seq_len: int) -> dict[str, Any]:
@@ -184,11 +197,11 @@ def plan_figures(plan: Plan, budget_bytes: int, probe: dict[str, Any] | None, *,
         "hf_accum/plan_reused": int(reused),
         # an uneven plan's micro is the most rows of a forward: micro x accumulation can exceed the window, so the
         # window and its forwards are logged as such
-        "hf_accum/window/engine": plan.window,
+        "hf_accum/window": plan.window,
         "hf_accum/forwards": plan.forwards,
     }
     if plan.token_budget is not None:
-        figures["hf_accum/window/token_budget"] = plan.token_budget
+        figures["hf_accum/token_budget"] = plan.token_budget
         extra = (probe or {}).get("extra") or {}
         for name, value in extra.get("expected", {}).items():
             figures[f"hf_accum/expected_{name}" if not name.startswith("samples") else f"hf_accum/{name}"] = value

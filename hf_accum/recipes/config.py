@@ -188,6 +188,10 @@ def _other_task_key(key: str, keys: dict[str, list[str]]) -> str | None:
             f"{key}=...")
 
 
+# data keys that apply only to a trainer config without the field (seq_cls tokenizes itself; TRL's trainers truncate)
+_DATA_KEYS_TRAINING_OWNS = ("max_length",)
+
+
 def resolve_key(key: str, keys: dict[str, list[str]] | None = None) -> tuple[str, ...]:
     """`"lr"`-style bare keys, aliases and dotted keys -> a (section, field[, subfield]) path; unknown -> error."""
     keys = keys or valid_keys()
@@ -195,6 +199,8 @@ def resolve_key(key: str, keys: dict[str, list[str]] | None = None) -> tuple[str
     parts = tuple(key.split("."))
     if len(parts) == 1:
         owners = [s for s, ks in keys.items() if parts[0] in ks]
+        if parts[0] in _DATA_KEYS_TRAINING_OWNS and "training" in owners:
+            owners = ["training"]  # the data key applies only where the trainer config has none (seq_cls)
         if len(owners) == 1:
             return (owners[0], parts[0])
         if len(owners) > 1:

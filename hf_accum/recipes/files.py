@@ -80,6 +80,11 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
 
 
 # --- finding a recipe ---------------------------------------------------------------------------------------
+def recipe_dirs() -> list[Path]:
+    """The folders that hold recipes here: the installed package's copy (a wheel has no repository `recipes/`)."""
+    return [d for d in RECIPE_DIRS if d.is_dir()]
+
+
 def available_recipes() -> list[str]:
     names: set[str] = set()
     for d in RECIPE_DIRS:
@@ -101,5 +106,5 @@ def recipe_path(recipe: str | os.PathLike) -> Path:
             return candidate
     raise RecipeError(
         f"unknown recipe {str(recipe)!r}: give one of {', '.join(available_recipes()) or '(none found)'} "
-        f"or the path of a YAML file (searched {', '.join(str(d) for d in RECIPE_DIRS)})"
+        f"or the path of a YAML file (the recipes are in {recipe_dirs()[0] if recipe_dirs() else 'no folder'})"
     )

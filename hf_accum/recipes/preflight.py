@@ -78,16 +78,15 @@ def resolve_resume(value, output_dir: str, target: int) -> str | None:
             )
         return None
     if value is True:
-        from ..trainer.resilience.checkpoints import newest_complete_checkpoint
+        from ..trainer.resilience.checkpoints import inspect_checkpoint, newest_complete_checkpoint
 
         path = newest_complete_checkpoint(output_dir, say_skipped=True)  # a newer one passed over is named, and why
         if path is None:
-            found = checkpoints(output_dir)
+            why = "; ".join(f"{name}: {inspect_checkpoint(os.path.join(output_dir, name)).problem}"
+                            for name in checkpoints(output_dir)) or "it has no checkpoint-N folder"
             raise RecipeError(
-                f"resume_from_checkpoint=true, but output_dir={output_dir!r} holds no complete checkpoint "
-                f"(checkpoint-N with trainer_state.json, optimizer and scheduler state, and {PLAN_FILE}"
-                + (f"; incomplete: {', '.join(found)}" if found else "")
-                + "); set resume_from_checkpoint=PATH to one, or leave it unset to start a new run"
+                f"resume_from_checkpoint=true, but output_dir={output_dir!r} holds no complete checkpoint ({why}); "
+                "start over with output_dir=ANOTHER_DIR (these folders stay as they are)"
             )
     else:
         path = str(value)
@@ -96,6 +95,12 @@ def resolve_resume(value, output_dir: str, target: int) -> str | None:
                 f"resume_from_checkpoint={path!r}: no such checkpoint directory; give a checkpoint-N directory, or "
                 "true for the newest complete checkpoint in output_dir"
             )
+        from ..trainer.resilience.checkpoints import inspect_checkpoint
+
+        problem = inspect_checkpoint(path).problem  # before the model is built, as the trainer would refuse it after
+        if problem:
+            raise RecipeError(f"resume_from_checkpoint={path!r} cannot be resumed: {problem}; resume_from_checkpoint="
+                              "true picks the newest complete checkpoint, or start over with output_dir=ANOTHER_DIR")
     stored = stored_target(path)
     if stored is not None and stored != target:
         raise RecipeError(

@@ -46,7 +46,7 @@ from ..window.units import detect_unit, make_cutter
 from . import scaled_loss
 from .checks import accumulation_check, construction
 from .checks.accumulation_check import AccumulationCheck, run_accumulation_check
-from .checks.preflight import check_output_dir_writable, check_training_data
+from .checks.preflight import check_model_computes_a_loss, check_output_dir_writable, check_training_data
 from .eval_hooks import EvaluationHooks
 from .resilience import finite_grads, stopping
 from .resilience.checkpoints import check_resume
@@ -224,7 +224,8 @@ class AccumulationMixin(StepHooks, EvaluationHooks):
         # Every loss path divides by num_items_in_batch (or its own count, the same number): a chunk mean.
         # Clamped so an all-masked chunk gives 0 instead of 0/0 on paths that divide by it.
         local_for_loss = local.clamp(min=1).to(self.args.device)
-        share = engine.share(local)
+        own = self._adapter.share(self)  # GRPO's token losses divide by the window's count themselves
+        share = engine.share(local) if own is None else own
         scale, undo = share, 1
         if trainer_internals.trainer_divides_by_accumulation(self, local_for_loss):
             undo = trainer_internals.window_length(self)
@@ -256,6 +257,7 @@ class AccumulationMixin(StepHooks, EvaluationHooks):
     def _check_before_probe(self) -> None:
         """Everything the arguments, the data and the model's config can tell, before any model work and before
         anything is written to output_dir (`preflight.py`)."""
+        check_model_computes_a_loss(self)
         if self._normalization != "model":
             self._label_spec()  # refuses a model whose loss hf_accum cannot drive exactly
         if self._adapter.check_data(self):

@@ -26,8 +26,8 @@ TARGET = SWAP and os.environ.get("HF_ACCUM_SWAP_TARGET", "0") == "1"  # swapped-
 RECORD = os.environ.get("HF_ACCUM_SWAP_RECORD")
 
 # Everything of hf_accum (and transformers' own subclasses) is imported before the swap, so the names they bind
-# at import time stay transformers' Trainer: AccumTrainer must derive from the real class, and Seq2SeqTrainer is
-# deliberately left as transformers wrote it (its tests are counted as not swapped).
+# at import time stay transformers' Trainer: AccumTrainer must derive from the real class, and so must
+# AccumSeq2SeqTrainer (tests/trainer/test_trainer_seq2seq.py's `Seq2SeqTrainer` is swapped for it).
 import transformers  # noqa: E402
 import transformers.trainer  # noqa: E402
 import transformers.trainer_seq2seq  # noqa: E402, F401
@@ -35,7 +35,8 @@ import transformers.trainer_seq2seq  # noqa: E402, F401
 from hf_accum.args import AccumTrainingArguments  # noqa: E402
 from hf_accum.compat import trainer_internals  # noqa: E402, F401
 from hf_accum.planning import tuning  # noqa: E402, F401
-from hf_accum.trainer import AccumTrainer  # noqa: E402
+from hf_accum.trainer import AccumTrainer, AccumulationMixin  # noqa: E402
+from hf_accum.trainer.seq2seq import AccumSeq2SeqTrainer, AccumSeq2SeqTrainingArguments  # noqa: E402
 
 ORIGINAL = transformers.trainer.Trainer
 _current_test: str | None = None
@@ -56,7 +57,7 @@ def _recording_init(init):
     def __init__(self, *args, **kwargs):
         # Every trainer, whatever its class, runs Trainer.__init__ exactly once.
         _write({"kind": "trainer", "test": _current_test, "cls": _qualname(type(self)),
-                "accum": isinstance(self, AccumTrainer)})
+                "accum": isinstance(self, AccumulationMixin)})
         return init(self, *args, **kwargs)
 
     return __init__
@@ -71,6 +72,9 @@ if SWAP:
         raise RuntimeError("swap_conftest: transformers.Trainer could not be replaced by AccumTrainer")
     _write({"kind": "swap", "replaced": ["transformers.Trainer", "transformers.trainer.Trainer"],
             "by": _qualname(AccumTrainer), "original": _qualname(ORIGINAL)})
+    transformers.Seq2SeqTrainer = AccumSeq2SeqTrainer
+    _write({"kind": "swap", "replaced": ["transformers.Seq2SeqTrainer"], "by": _qualname(AccumSeq2SeqTrainer),
+            "original": "transformers.trainer_seq2seq.Seq2SeqTrainer"})
 
 
 
@@ -85,8 +89,19 @@ class TargetedTrainingArguments(AccumTrainingArguments):
         super().__post_init__()
 
 
+class TargetedSeq2SeqTrainingArguments(AccumSeq2SeqTrainingArguments):
+    """`TargetedTrainingArguments` for `Seq2SeqTrainingArguments`."""
+
+    def __post_init__(self):
+        if self.target_batch_size is None:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            self.target_batch_size = self.per_device_train_batch_size * self.gradient_accumulation_steps * world
+        super().__post_init__()
+
+
 if TARGET:  # the tests' `from transformers import TrainingArguments` (and their subclasses of it) find it
     transformers.TrainingArguments = TargetedTrainingArguments
+    transformers.Seq2SeqTrainingArguments = TargetedSeq2SeqTrainingArguments
     _write({"kind": "swap", "replaced": ["transformers.TrainingArguments"], "by": _qualname(TargetedTrainingArguments),
             "original": "transformers.training_args.TrainingArguments"})
 
@@ -113,7 +128,7 @@ def pytest_collection_modifyitems(session, config, items):
             seen.add(name)
             cls = getattr(mod, "Trainer", None)
             _write({"kind": "module", "module": name, "trainer": _qualname(cls) if isinstance(cls, type) else None,
-                    "accum": isinstance(cls, type) and issubclass(cls, AccumTrainer)})
+                    "accum": isinstance(cls, type) and issubclass(cls, AccumulationMixin)})
 
 
 def pytest_runtest_logstart(nodeid, location):

@@ -16,8 +16,10 @@ dependencies (e.g. `pip install --target DIR parameterized timeout-decorator`) t
 Modes (default plain,swapped), run one after the other, each a pytest subprocess with `swap_conftest.py` loaded as a
 plugin and a junit report:
 - plain: transformers as installed (HF_ACCUM_SWAP=0);
-- swapped: `Trainer` is `AccumTrainer`, with the arguments as the tests give them (HF_ACCUM_SWAP=1);
-- swapped-target: swapped, and `TrainingArguments` is `AccumTrainingArguments` with every object given the
+- swapped: `Trainer` is `AccumTrainer` and `Seq2SeqTrainer` is `AccumSeq2SeqTrainer`, with the arguments as the tests
+  give them (HF_ACCUM_SWAP=1);
+- swapped-target: swapped, and `TrainingArguments` is `AccumTrainingArguments` (`Seq2SeqTrainingArguments`:
+  `AccumSeq2SeqTrainingArguments`) with every object given the
   `target_batch_size` its batch settings already imply (per_device_train_batch_size x gradient_accumulation_steps x
   world), as a new user would set it (HF_ACCUM_SWAP_TARGET=1): the probe and the planner run in every test, and the
   effective batch must come out the same.

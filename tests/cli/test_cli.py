@@ -97,7 +97,7 @@ def test_probe_bad_input_is_one_line_with_the_fix_and_exit_2(argv, message, monk
 def test_quantization_without_bitsandbytes_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as if not installed
     assert main(["probe", "--load-in-4bit"]) == 2
-    assert re.search(r"needs bitsandbytes, which is not installed.*pip install 'hf-accum\[qlora\]'", error_line(capsys))
+    assert re.search(r"needs bitsandbytes, which is not installed.*pip install 'bitsandbytes>=0.45' \(the qlora extra", error_line(capsys))
 
 
 def test_8bit_on_a_machine_without_cuda_is_refused_before_loading(capsys):
@@ -218,3 +218,29 @@ def test_contradicting_checkpointing_flags_are_refused_before_the_model_loads(mo
     assert main(["probe", *estimate, "--gradient-checkpointing", "--checkpoint-layers", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "contradict each other: give one" in err
+
+
+def test_the_tiny_model_is_estimated_as_any_other(capsys):
+    """Issue 59, item 18: `--estimate --model tiny` was refused ("the built-in tiny model has none [config.json]"),
+    though the tiny model is built from a config in code; its config is the model's own."""
+    from hf_accum import tiny
+    from hf_accum.probing.paper import load_config
+
+    assert load_config("tiny").to_dict() == tiny.build_model().config.to_dict()
+    assert main(["probe", "--estimate", "--model", "tiny", "--device", "cpu", "--device-memory", "1GiB",
+                 "--seq-len", "64", "--target-batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "estimating tiny for cpu with 1.0 GiB" in out
+    assert re.search(r"largest micro-batch that fits: 8\b", out) and "plan: micro 8 × accumulation 1 × world 1 = 8" in out
+
+
+@pytest.mark.parametrize("argv, meant", [(["--max_steps=5"], "max_steps=5"), (["--max_steps", "5"], "max_steps=5"),
+                                         (["--lora.r=8", "--max_steps=3"], "lora.r=8 max_steps=3")])
+def test_a_recipe_key_given_as_a_flag_is_answered_with_the_override_it_meant(argv, meant, capsys):
+    """Issue 59, item 4: `hf-accum train lora_sft --max_steps=5` said only "unrecognized arguments"."""
+    assert main(["train", "lora_sft", *argv]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"hf-accum train: unrecognized arguments: {' '.join(argv)}; recipe keys are key=value "
+                           f"without dashes: {meant} (see ")
+    assert main(["train", "lora_sft", "--bogus"]) == 2  # a flag with no value is not taken for a key
+    assert "recipe keys" not in error_line(capsys)

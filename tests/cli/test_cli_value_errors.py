@@ -50,6 +50,10 @@ CASES = [
     (["loss_normalization=mean"], "training.loss_normalization='mean' is not one of ['tokens', 'samples', 'model']"),
     (["save_strategy=sometimes"], "training.save_strategy takes one of 'no', 'steps', 'epoch', 'best'"),
     (["lora.r=0"], "lora.r=0 must be a positive integer"),
+    # issue 59, items 1 and 6: max_length=-3 trained (as "drop the last 3 tokens"); lora_dropout=2 was refused after
+    # 10 s of model building, blaming lora.target_modules
+    (["training.max_length=-3"], "training.max_length=-3 must be a positive number of tokens (or null: no limit)"),
+    (["lora.lora_dropout=2"], "lora.lora_dropout=2 must be a probability in [0, 1)"),
     (["beta=0.1"], "unknown key 'beta'. beta is a training key of the DPO and GRPO recipes (model.task=dpo/grpo: "
                    "lora_dpo, lora_grpo), not of this causal_lm recipe's trainer config"),
     (["model=./no_such_model"], "model.name='./no_such_model' is a path, but there is no such directory"),

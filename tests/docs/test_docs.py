@@ -132,7 +132,7 @@ def test_the_nav_names_every_page_and_the_pictures_exist():
 def test_the_levers_picture_shows_the_levers_table():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("figure", os.path.join(ROOT, "scripts", "docs_levers_figure.py"))
+    spec = importlib.util.spec_from_file_location("figure", os.path.join(ROOT, "scripts", "docs", "docs_levers_figure.py"))
     figure = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(figure)
     rows = {row.split("|")[1].strip(): row for row in read("docs/plan.md").splitlines()

@@ -113,7 +113,7 @@ def test_plot_without_matplotlib_fails_before_a_model_is_loaded(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert "rc 2" in done.stdout, done.stdout + done.stderr
-    assert "--plot needs matplotlib: pip install 'hf-accum[plot]'" in done.stderr
+    assert "--plot needs matplotlib (the plot extra): pip install matplotlib" in done.stderr
     assert "loading" not in done.stdout + done.stderr and not os.listdir(tmp_path)
     quick = _flat(read("docs/quickstart.md"))
-    assert "--plot needs matplotlib: pip install 'hf-accum[plot]'" in quick
+    assert "--plot needs matplotlib (the plot extra): pip install matplotlib" in quick

@@ -23,7 +23,7 @@ from tests.integrations.test_ddp import ROOT, _free_port, _torchrun, child_env, 
 pytestmark = pytest.mark.xdist_group("torchrun")
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="DeepSpeed is not installed (pip install 'hf-accum[deepspeed]')")
+                                     reason="DeepSpeed is not installed (pip install deepspeed, the deepspeed extra)")
 
 AUTO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
 PLAN = "micro 2 × accumulation 2 × world 2 = 8"

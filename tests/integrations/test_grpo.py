@@ -498,3 +498,38 @@ def test_generation_runs_in_chunks_of_the_planned_rows_and_an_oom_there_re_runs_
     assert [sum(len(b["advantages"]) for b in w) for w in trainer.windows] == [20, 20]
     want = reference_grad(initial, recorder.weights[0], trainer.windows[0], "grpo", 0.0, False, tiny.build_tokenizer())
     assert relative_error(recorder.grads[0], want) <= 1e-10
+
+
+def sampled_run(tmp_path, cls, config_cls, **config):
+    """Five optimizer steps with TRL's own sampling (temperature 1): the completions of every generation call and
+    the logged losses."""
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model("causal_lm", tokenizer=tok, hidden_size=32)
+    args = config_cls(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=4,
+                      **{**COMMON, "max_steps": 5, "learning_rate": 0.05, **config})
+    trainer = cls(model=model, args=args, train_dataset=prompts(40), processing_class=tok,
+                  reward_funcs=[reward_digits, reward_length])
+    trainer.remove_callback(PrinterCallback)
+    calls, sample = [], trainer._generate_single_turn
+
+    def generate(prompt_ids, *rest, **kwargs):
+        out = sample(prompt_ids, *rest, **kwargs)
+        calls.append(out[0])
+        return out
+
+    trainer._generate_single_turn = generate
+    trainer.train()
+    return calls, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_with_no_target_grpo_makes_trls_one_generation_call_and_its_steps(tmp_path, loss_type):
+    """Still a GRPOTrainer: with no target, one generation call per generation batch as TRL makes it (chunks would
+    change the sampling stream), so five steps sample TRL's completions and log its losses, bit for bit: grpo's (TRL
+    divides each micro-batch's mean by the accumulation, hf_accum multiplies it by its share, 1/4: the same float
+    operation) and dapo's (each forward is handed the window's token count, as TRL hands it: `GRPOAdapter.share`)."""
+    theirs = sampled_run(tmp_path / "trl", trl.GRPOTrainer, trl.GRPOConfig, loss_type=loss_type)
+    ours = sampled_run(tmp_path / "ours", AccumGRPOTrainer, AccumGRPOConfig, loss_type=loss_type)
+    assert [len(c) for c in theirs[0]] == [16] * 5
+    assert ours[0] == theirs[0]
+    assert len(ours[1]) == 5 and ours[1] == theirs[1]

@@ -133,6 +133,17 @@ def test_plan_and_measurements_are_shown_by_default_and_in_the_trainers_logs(tmp
     trainer.train()
     plan = trainer.plan
     shown = [r.getMessage() for r in caplog.records if r.name.startswith("hf_accum") and r.levelno >= logging.WARNING]
+    # the probe as it runs (issue 59, item 19: a long probe printed nothing through the Python API), one line each:
+    # what it searches, the warm-up step's time, every measured trial (size, peak, step time, fits)
+    probe = [line.removeprefix("hf_accum probe: ") for line in shown if line.startswith("hf_accum probe: ")]
+    first = next(i for i, line in enumerate(probe) if line.startswith("searching the largest micro-batch within "))
+    assert probe[first].startswith("searching the largest micro-batch within 8.0 MiB") and "warm-up" in probe[first]
+    assert re.fullmatch(r"warm-up step: \d+\.\d s", probe[first + 1])
+    measured = [t for t in trainer.probe_result.trials if t.status != "refused"]
+    trial_lines = [line for line in probe if re.match(r"micro-batch \d+: peak ", line)]
+    assert [int(line.split()[1].rstrip(":")) for line in trial_lines] == [t.micro_batch_size for t in measured]
+    assert all(re.search(r"MiB, \d+\.\d{3} s, (fits|over budget)$", line) for line in trial_lines)
+    shown = [line for line in shown if not line.startswith("hf_accum probe: ")]
     assert len(shown) == 1, shown
     # one short line: the plan, the peak measured against the budget, how it was found; details in the plan file
     assert shown[0].startswith(f"hf_accum plan: {plan.describe()}; peak ")
@@ -142,13 +153,12 @@ def test_plan_and_measurements_are_shown_by_default_and_in_the_trainers_logs(tmp
     # recorded for log_history and report_to, not printed as a second format of the plan (disable_tqdm: the
     # PrinterCallback prints every other log dict)
     assert "hf_accum/micro_batch_size" not in capsys.readouterr().out
-    measured = [t for t in trainer.probe_result.trials if t.status != "refused"]
     assert logged["hf_accum/micro_batch_size"] == plan.micro_batch_size
     assert logged["hf_accum/gradient_accumulation_steps"] == plan.gradient_accumulation_steps
     assert logged["hf_accum/budget_bytes"] == 8 * MiB and logged["hf_accum/probe_trials"] == len(measured)
     assert logged["hf_accum/peak_bytes_per_step"] in {t.peak_bytes for t in measured if t.fits}
     assert logged["hf_accum/plan_reused"] == 0
-    assert logged["hf_accum/window/engine"] == plan.window and logged["hf_accum/forwards"] == plan.forwards
+    assert logged["hf_accum/window"] == plan.window and logged["hf_accum/forwards"] == plan.forwards
     caplog.clear()
     reused = make(tmp_path, tok)
     reused.train()
@@ -171,6 +181,9 @@ def test_nothing_fits_says_by_how_much_and_what_helps(tmp_path, tok):
     with pytest.raises(NothingFitsError, match="gradient checkpointing.*LoRA.*4-bit") as info:
         trainer.tune()
     assert "over the budget" in str(info.value)
+    # issue 59, item 8: the message names the setting that made the budget, and how to change it
+    assert f"over the budget of 0.2 MiB (memory_budget_bytes={MiB // 4}: raise it, or unset it for 90% of the " \
+           "device)" in str(info.value)
 
 
 def test_probe_seq_len_needs_a_causal_lm(tmp_path, tok):

@@ -56,7 +56,7 @@ def test_interpolate(points, last, expected):
 
 
 @pytest.mark.parametrize("text, expected", [("80GiB", 80 * 2**30), ("24GB", 24 * 10**9), ("1.5 GiB", 3 * 2**29),
-                                            ("1024", 1024), ("512mib", 512 * MiB)])
+                                            ("1024B", 1024), ("17179869184", 16 * 2**30), ("512mib", 512 * MiB)])
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -64,6 +64,14 @@ def test_parse_size(text, expected):
 @pytest.mark.parametrize("text", ["80 parsecs", "", "-1GiB", "0"])
 def test_parse_size_refuses(text):
     with pytest.raises(ValueError, match="--device-memory"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["80", "1024", "24.5"])
+def test_a_size_with_no_unit_below_a_mebibyte_asks_for_the_unit(text):
+    """Issue 59, item 7: `--device-memory 80` was read as 80 bytes and answered with advice about checkpointing."""
+    with pytest.raises(ValueError, match=rf"^--device-memory='{text}' has no unit and reads as \d+ bytes: did you "
+                                         rf"mean {text}GiB\? Give the unit"):
         parse_size(text)
 
 

@@ -59,3 +59,22 @@ def test_the_default_budget_is_named_in_the_output(tmp_path, capsys):
     assert main(["probe", "--seq-len", "32", "--target-batch", "4", "--budget-bytes", str(30 * MiB)]) == 0
     out = capsys.readouterr().out
     assert f"budget: {30 * MiB} bytes (--budget-bytes)" in out and "default for --model tiny" not in out
+
+
+def test_the_next_size_line_says_what_was_measured_and_what_a_usable_size_is():
+    """Issue 59, item 15: "next usable size 6 does not fit (measured)" for a size never run, and "usable size"
+    defined nowhere. Now the line names the size by what it would change (fewer forwards) and says which size was
+    measured."""
+    from hf_accum.probing.report import _next_size_line
+
+    res = result(trial(1, 6), trial(4, 18), trial(5, 25, fits=False))
+    res.next_size, res.next_verdict = 6, "measured"  # 5 failed, so 6 is known not to fit without being run
+    assert _next_size_line(res) == ("the next size that would take fewer forwards, 6, does not fit (5, smaller, was "
+                                    "measured not to)")
+    res.trials.append(trial(6, 30, fits=False))
+    res.trials.remove(res.trials[2])
+    assert _next_size_line(res).endswith(", 6, does not fit (measured)")
+    res.next_verdict = "predicted"
+    assert _next_size_line(res).endswith(", 6, does not fit (predicted by the memory model)")
+    res.next_verdict = "untried"
+    assert _next_size_line(res).endswith(", 6, was not tried (the search stopped within its goal of the budget)")

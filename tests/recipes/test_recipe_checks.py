@@ -4,6 +4,7 @@ what the output directory and resume_from_checkpoint decide before any model wor
 import enum
 import json
 import os
+import re
 from typing import Any, Literal
 
 import pytest
@@ -108,6 +109,26 @@ def test_resume_values(tmp_path):
         preflight.resolve_resume(str(tmp_path / "nope"), out, 16)
     with pytest.raises(RecipeError, match=r"trained with target_batch_size=16, but target_batch_size=8 now"):
         preflight.resolve_resume(True, out, 8)
+
+
+def test_resume_true_with_no_complete_checkpoint_names_the_bad_file_and_a_way_out_that_works(tmp_path):
+    """Issue 59, item 12: the only checkpoint's optimizer.pt is cut short. The refusal names that file, and its way
+    out (another output_dir) is one the next run takes: "leave it unset" was refused there, pointing back here."""
+    out = str(tmp_path / "run")
+    folder = checkpoint(out, 2)
+    torch.save({"state": list(range(1000))}, os.path.join(folder, "optimizer.pt"))
+    with open(os.path.join(folder, "optimizer.pt"), "r+b") as f:
+        f.truncate(f.seek(0, 2) // 2)
+    with pytest.raises(RecipeError) as refused:
+        preflight.resolve_resume(True, out, 16)
+    message = str(refused.value)
+    assert re.search(r"holds no complete checkpoint \(checkpoint-2: its file optimizer\.pt: .*truncated", message)
+    assert message.endswith("start over with output_dir=ANOTHER_DIR (these folders stay as they are)")
+    assert preflight.resolve_resume(None, str(tmp_path / "another"), 16) is None  # the way out runs
+    # by path: refused here, before any model is built (issue 59, item 14: it was built and the data tokenized first)
+    with pytest.raises(RecipeError, match=r"cannot be resumed: its file optimizer\.pt: .*truncated.*"
+                                          r"resume_from_checkpoint=true picks the newest complete checkpoint"):
+        preflight.resolve_resume(folder, out, 16)
 
 
 @pytest.mark.parametrize("damage", ["trainer_state.json", "optimizer.pt"])
@@ -261,3 +282,24 @@ def test_a_model_name_written_as_a_path_that_does_not_exist_says_no_such_directo
     assert str(info.value).startswith(expected)
     rules.check_values({"model": {"name": "org/name"}})  # a hub id, and an existing path, pass
     rules.check_values({"model": {"name": "./"}})
+
+
+def test_the_unknown_recipe_error_names_a_folder_that_holds_the_recipes():
+    """Issue 59, item 13: the error named every folder searched, one of which a wheel install does not have."""
+    from hf_accum.recipes.files import recipe_path
+
+    with pytest.raises(RecipeError, match=r"the recipes are in (\S+)\)$") as refused:
+        recipe_path("nope")
+    folder = re.search(r"the recipes are in (\S+)\)$", str(refused.value)).group(1)
+    assert os.path.isfile(os.path.join(folder, "lora_sft.yaml"))
+
+
+def test_a_bare_max_length_goes_to_the_section_where_it_applies():
+    """Issue 59, item 5: a bare `max_length=` offered data.max_length or training.max_length, then refused
+    data.max_length for a TRL recipe. A bare key now resolves to the one section where it applies."""
+    from hf_accum.recipes.config import resolve_key, valid_keys
+
+    for task in ("causal_lm", "dpo", "grpo"):  # TRL's trainers truncate: training.max_length
+        if "max_length" in valid_keys(task)["training"]:
+            assert resolve_key("max_length", valid_keys(task)) == ("training", "max_length")
+    assert resolve_key("max_length", valid_keys("seq_cls")) == ("data", "max_length")  # its own tokenizer call

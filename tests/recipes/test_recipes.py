@@ -193,7 +193,7 @@ def test_lora_target_modules_that_match_nothing_list_the_layers():
 def test_4bit_without_bitsandbytes_says_what_to_install(monkeypatch):
     recipe = load_recipe("qlora_sft")
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes -> ImportError
-    with pytest.raises(RecipeError, match=r"needs bitsandbytes.*pip install 'hf-accum\[qlora\]'.*lora_sft"):
+    with pytest.raises(RecipeError, match=r"needs bitsandbytes.*pip install 'bitsandbytes>=0.45' \(the qlora extra.*lora_sft"):
         recipes.build_model(recipe, recipes.build_tokenizer(recipe))
 
 

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+import transformers
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
 from tests.exactness import lm_examples, pad_collate, tiny_llama
@@ -27,11 +28,12 @@ def snapshot(folder):
     return found
 
 
-def trainer_for(output_dir, rows, **kw):
+def trainer_for(output_dir, rows, model=None, collate=pad_collate, **kw):
     args = AccumTrainingArguments(output_dir=str(output_dir), target_batch_size=8, memory_budget_bytes=64 * MiB,
                                   use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
                                   remove_unused_columns=False, max_steps=2, **kw)
-    return AccumTrainer(model=tiny_llama(torch.float32), args=args, train_dataset=rows, data_collator=pad_collate)
+    return AccumTrainer(model=model or tiny_llama(torch.float32), args=args, train_dataset=rows,
+                        data_collator=collate)
 
 
 def all_masked(n=16):
@@ -109,3 +111,32 @@ def test_a_run_that_started_owns_its_folder_a_later_refusal_keeps_it(tmp_path):
     with pytest.raises(ValueError, match="resume_from_checkpoint=True has no checkpoint-N folder"):
         trainer.train(resume_from_checkpoint=True)
     assert out.is_dir(), "the folder of a run that trained is the run's: a later refused call leaves it"
+
+
+def list_collate(rows):
+    """A collator that returns Python lists where a model takes tensors."""
+    return {key: value.tolist() for key, value in pad_collate(rows).items()}
+
+
+@pytest.mark.parametrize("build, collate, message", [
+    (lambda: None, list_collate,
+     r"^data_collator returned 'input_ids' as a Python list, not a tensor: return torch tensors from the collator"),
+    (lambda: transformers.LlamaModel(tiny_llama(torch.float32).config), pad_collate,
+     r"^LlamaModel has no head and returns no loss: load it with its task's head \(AutoModelForCausalLM, or "
+     r"LlamaForCausalLM\), or pass compute_loss_func\.$"),
+])
+def test_a_batch_of_lists_and_a_model_with_no_head_are_refused_in_one_line(tmp_path, build, collate, message):
+    """Issue 59, items 2 and 3: a 23-line TypeError from our own checks and a KeyError from the collator before."""
+    out = tmp_path / "out"
+    trainer = trainer_for(out, lm_examples(16), model=build(), collate=collate)
+    refused_untouched(trainer, out, message)
+    assert not out.exists()
+
+
+def test_a_model_with_no_head_and_a_loss_of_its_own_is_trained(tmp_path):
+    """A base model whose loss the caller computes (compute_loss_func) is not refused."""
+    from hf_accum.trainer.checks.preflight import check_model_computes_a_loss
+
+    trainer = trainer_for(tmp_path / "out", lm_examples(16), model=transformers.LlamaModel(tiny_llama().config))
+    trainer.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.last_hidden_state.sum()
+    check_model_computes_a_loss(trainer)

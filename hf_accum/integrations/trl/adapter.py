@@ -38,6 +38,11 @@ class TrainerAdapter:
         ``local_count`` (the mixin's contract: it scales that mean to the chunk's share of the window)."""
         return inputs, contextlib.nullcontext()
 
+    def share(self, trainer):
+        """The factor of this forward's loss when `chunk` has it return its exact share of the window itself (None:
+        it returns the mean over its own count, which the mixin scales to its share)."""
+        return None
+
     def before_train(self, trainer) -> None:
         """Once the plan is in force, before `Trainer.train` builds the dataloader."""
 

@@ -17,7 +17,9 @@ One optimizer step is one generation batch, as TRL does by default (`steps_per_g
 target is completions per optimizer step (prompts x `num_generations`). At each window's start the mixin has TRL
 generate and score the whole generation batch (`window`: TRL's own `_prepare_inputs`, rewards and advantages over
 the whole batch), then cuts its slices into forwards of whole completion rows; each forward's `compute_loss` is
-TRL's, made to return the mean over the forward's own count (`chunk`), which the mixin scales to its exact share.
+TRL's, made to return the mean over the forward's own count (`chunk`), which the mixin scales to its exact share; a
+token loss without the entropy bonus is handed the window's count, as TRL hands it, and returns its share itself
+(`share`), so with no target the steps are TRL's bit for bit (as is the one generation call, `generation_in_chunks`).
 With `num_iterations` > 1 the next windows train on the same generation batch again (TRL's buffer). The entropy
 filter and bonus are defined over the whole generation batch (grpo_entropy.py). Under a token budget
 (micro_batching="tokens") a row's length is its prompt plus its completion's real length (`CompletionRows`).
@@ -112,7 +114,10 @@ class GRPOAdapter(TrainerAdapter):
         cut = forward_rows(trainer, batch_samples[0])
         if slices is None:
             trainer.model.train()  # TRL's _prepare_inputs generates for training only in train mode
-            with generation_in_chunks(trainer, cut or trainer.args.per_device_train_batch_size):
+            # with no target, TRL's one generation call, as GRPOTrainer makes it (chunks would change the
+            # sampling stream); with one, at most the plan's rows per forward at a time
+            target = trainer.settings.target_batch_size
+            with generation_in_chunks(trainer, (cut or trainer.args.per_device_train_batch_size) if target else None):
                 rows = functools.partial(rows_per_device, trainer.args, cut)
                 slices = trl_internals.grpo_generated_slices(trainer, batch_samples[0], rows)
         if trainer.args.top_entropy_quantile < 1.0:
@@ -129,8 +134,12 @@ class GRPOAdapter(TrainerAdapter):
     def chunk(self, trainer, inputs, local_count):
         # TRL divides dapo's token sum by num_items_in_batch / world x accumulation / steps_per_generation, and the
         # other losses' means by the accumulation: with the window length 1 and this count, every loss type returns
-        # the forward's own mean, which the mixin scales to its exact share of the window.
+        # the forward's own mean, which the mixin scales to its exact share of the window. A token loss (no entropy
+        # bonus) is handed the window's count instead, as TRL hands it: it returns its share itself (`share`: 1),
+        # with TRL's own float operations.
         count = local_count * trainer.accelerator.num_processes * trainer.args.steps_per_generation
+        if self.share(trainer) is not None:
+            count = trainer._engine.window.items.to(count.device, count.dtype) * trainer.args.steps_per_generation
         inputs = trimmed(inputs)
         factor = None
         if trl_internals.grpo_entropy_bonus(trainer):
@@ -138,6 +147,14 @@ class GRPOAdapter(TrainerAdapter):
                                           trainer._engine.share(local_count), trainer.accelerator.num_processes)
         keep = inputs.pop(ENTROPY_MASK, None)
         return {**inputs, "num_items_in_batch": count}, forward_context(trainer, factor, keep)
+
+    def share(self, trainer):
+        engine = trainer._engine  # in a window (not the probe's lone steps, whose forwards return their own mean)
+        if engine is None or engine.window is None or trainer.args.loss_type not in TOKEN_MEAN_LOSSES:
+            return None
+        if trl_internals.grpo_entropy_bonus(trainer):
+            return None
+        return torch.ones((), dtype=torch.float64, device=trainer.args.device)
 
     def cutter(self, cutter: Cutter) -> Cutter:
         return CompletionRows(cutter.unit, cutter.labels)
@@ -247,23 +264,26 @@ def generate_in_chunks(generate: Callable[[list], tuple], prompts: list, rows: i
 
 
 @contextlib.contextmanager
-def generation_in_chunks(trainer, rows: int):
+def generation_in_chunks(trainer, rows: int | None):
     """During one generation batch, TRL's transformers generation (not vLLM, not continuous batching, not images)
     runs in chunks of at most ``rows`` prompts (the plan's rows per forward; fewer after an OOM in generation), so
-    the KV cache of the whole generation batch is never held at once. Not under DeepSpeed or FSDP, whose generation
-    gathers parameters with collectives: every rank must call it as often (TRL's one call is kept)."""
+    the KV cache of the whole generation batch is never held at once. ``rows`` None (no target): TRL's one call, in
+    chunks only after an OOM in it. Not under DeepSpeed or FSDP, whose generation gathers parameters with
+    collectives: every rank must call it as often (TRL's one call is kept)."""
     own = trainer.__dict__.get("_generate_single_turn")  # a patched generation (tests) is chunked too
     original = own or trainer._generate_single_turn
     plain = not (trainer.use_vllm or trainer.args.use_transformers_continuous_batching
                  or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled)
-    rows = min(rows, trainer.__dict__.get("_hf_accum_generation_rows") or rows)
+    rows = min(filter(None, (rows, trainer.__dict__.get("_hf_accum_generation_rows"))), default=None)
 
     def chunked(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
         if not plain or images is not None or multimodal_fields:
             return original(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
+        size = rows or len(prompt_ids)
         result, fitted = generate_in_chunks(
-            lambda part: original(part, images, multimodal_fields, num_generations, *args, **kwargs), prompt_ids, rows)
-        trainer._hf_accum_generation_rows = fitted
+            lambda part: original(part, images, multimodal_fields, num_generations, *args, **kwargs), prompt_ids, size)
+        if fitted < size or rows is not None:
+            trainer._hf_accum_generation_rows = fitted
         return result
 
     trainer._generate_single_turn = chunked

@@ -172,3 +172,21 @@ def mixed_into(cls: type) -> tuple[str, MixedInto] | None:
             "hf_accum does not know the unit of its batches (rows, pairs, groups), so it cannot cut them exactly. "
             f"Use {name} without AccumulationMixin, or a trainer hf_accum supports ({', '.join(TRL_TRAINERS)})"))
     return f"trl.{name}", known
+
+
+def dropped_by_truncation(given, prepared, args) -> str | None:
+    """The line saying how many training examples SFTTrainer dropped because truncation to ``max_length`` left them
+    no completion token (TRL filters them out without a word, so a run on half its data looks like any other); None
+    when none were, or the counts cannot be compared (unsized data, packing: rows are not examples)."""
+    if args.max_length is None or args.packing:  # SFTConfig: packed rows are not examples
+        return None
+    try:
+        before, after = len(given), len(prepared)
+    except TypeError:
+        return None
+    if after >= before:
+        return None
+    return (f"hf_accum: {before - after} of {before} training examples were dropped: truncated to "
+            f"max_length={args.max_length} they keep no completion token (TRL drops them). To train on them, raise "
+            "max_length or shorten their prompts.")
+

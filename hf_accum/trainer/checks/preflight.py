@@ -49,8 +49,7 @@ def check_training_data(trainer) -> None:
             f"{target} rows (one optimizer step of {_target_name(args)}={target})."
         )
     _check_no_empty_rows(dataset)
-    if trainer._normalization == "tokens":  # the unit the trainer really normalizes by (a TRL base may set it)
-        _check_some_label_counts(trainer)
+    _check_batches(trainer, counts=trainer._normalization == "tokens")  # the unit it really normalizes by
     from ...args import AccumTrainingArguments
 
     if not isinstance(args, AccumTrainingArguments):
@@ -108,8 +107,10 @@ def _check_no_empty_rows(dataset) -> None:
             )
 
 
-def _check_some_label_counts(trainer, rows_per_batch: int = 64) -> None:
-    """At least one label counts somewhere in the training set, as the trainer's collator gives the batches."""
+def _check_batches(trainer, counts: bool, rows_per_batch: int = 64) -> None:
+    """The collator gives what a model takes: a mapping of tensors (a list where a tensor goes fails deep inside the
+    first forward); and, where the loss is a token mean (``counts``), at least one label counts somewhere in the
+    training set, as the trainer's collator gives the batches."""
     from ...probing.preserve import modes_and_rng_preserved
 
     loader = trainer.get_train_dataloader()
@@ -123,7 +124,8 @@ def _check_some_label_counts(trainer, rows_per_batch: int = 64) -> None:
                 logger.info("hf_accum: the training labels are not checked before the probe (the loader yields "
                             "%s, not a mapping of tensors).", type(batch).__name__)
                 return
-            if int(spec.count(batch)):
+            _check_tensors(batch)
+            if not counts or int(spec.count(batch)):
                 return
     raise ValueError(
         f"Every label of the training set is ignored ({spec.key!r} is {spec.ignore_index} everywhere, after the "
@@ -131,6 +133,36 @@ def _check_some_label_counts(trainer, rows_per_batch: int = 64) -> None:
         "and no optimizer step could be taken. Check that the collator masks only prompt and padding tokens (a "
         "response cut away by truncation leaves none: raise max_length), or set loss_normalization='samples'."
     )
+
+
+def _check_tensors(batch: Mapping) -> None:
+    for key, value in batch.items():
+        if isinstance(value, (list, tuple)):
+            raise ValueError(
+                f"data_collator returned {key!r} as a Python {type(value).__name__}, not a tensor: return torch "
+                "tensors from the collator (e.g. tokenizer.pad(..., return_tensors='pt'), DataCollatorWithPadding).")
+
+
+def check_model_computes_a_loss(trainer) -> None:
+    """A transformers base model (`LlamaModel`, `BertModel`: no head) returns hidden states and no loss, and its
+    forward takes no labels (transformers' Trainer then drops the labels column, and the collator fails on it), so
+    there is nothing to train: refused in one line unless the trainer computes the loss itself."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    from ...compat.trainer_internals import computes_own_loss
+
+    model = trainer.model
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a PEFT adapter
+    if computes_own_loss(trainer) or not isinstance(model, PreTrainedModel) or model.base_model is not model:
+        return
+    taken = inspect.signature(model.forward).parameters
+    if any(name in taken for name in ("labels", *(trainer.args.label_names or ()))):
+        return
+    name = type(model).__name__
+    raise ValueError(f"{name} has no head and returns no loss: load it with its task's head (AutoModelForCausalLM, "
+                     f"or {name.removesuffix('Model')}ForCausalLM), or pass compute_loss_func.")
 
 
 def _batches(loader, rows_per_batch: int):
