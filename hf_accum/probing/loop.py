@@ -142,7 +142,7 @@ def probe_micro_batches(
             say("micro-batch 1: out of memory")
             return result
         if meter.times_steps:
-            say(f"warm-up step: {result.warmup_seconds:.1f} s")
+            say(f"warm-up step: {result.warmup_seconds:.3f} s")
 
     while (micro := search.propose()) is not None:
         trials.append(_run_trial(step_fn, meter, search, micro, limit_bytes, say))

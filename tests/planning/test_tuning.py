@@ -138,7 +138,7 @@ def test_plan_and_measurements_are_shown_by_default_and_in_the_trainers_logs(tmp
     probe = [line.removeprefix("hf_accum probe: ") for line in shown if line.startswith("hf_accum probe: ")]
     first = next(i for i, line in enumerate(probe) if line.startswith("searching the largest micro-batch within "))
     assert probe[first].startswith("searching the largest micro-batch within 8.0 MiB") and "warm-up" in probe[first]
-    assert re.fullmatch(r"warm-up step: \d+\.\d s", probe[first + 1])
+    assert re.fullmatch(r"warm-up step: \d+\.\d{3} s", probe[first + 1])
     measured = [t for t in trainer.probe_result.trials if t.status != "refused"]
     trial_lines = [line for line in probe if re.match(r"micro-batch \d+: peak ", line)]
     assert [int(line.split()[1].rstrip(":")) for line in trial_lines] == [t.micro_batch_size for t in measured]
