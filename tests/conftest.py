@@ -56,6 +56,18 @@ def deep_folder(tmp_path_factory):
                                 num_hidden_layers=8)
 
 
+@pytest.fixture(scope="session")
+def ddp_runs(tmp_path_factory):
+    """One two-rank launch (`tests/workers/ddp_worker.py`) of every DDP case `tests/integrations/test_ddp.py` and
+    `tests/levers/test_fused_loss.py` check: the folder holding each run's per-rank records. Tests that read it are
+    in the xdist group "torchrun", so one worker launches it once."""
+    from tests.integrations.test_ddp import RUNS, UNEVEN, launch_two_ranks
+
+    out = tmp_path_factory.mktemp("ddp")
+    launch_two_ranks(out, [*RUNS, UNEVEN])
+    return out
+
+
 def sft_trainer(tok, model=None, **kw):
     """An `AccumTrainer` on 48 generated SFT rows (the tiny model unless ``model``), on CPU, saving and reporting
     nothing; ``kw`` are the arguments (each test module passes its own defaults)."""

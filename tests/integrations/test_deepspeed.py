@@ -275,13 +275,19 @@ def test_oom_under_zero3_stops_every_rank_and_use_cpu_false_is_refused(tmp_path)
     assert "on another rank" in json.loads((tmp_path / "oom.rank0.json").read_text())["raised"]["message"]
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """One one-process launch for the modes "single" and "defaults", in turn: the folder and the launch."""
+    out = tmp_path_factory.mktemp("deepspeed_one")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
+           os.path.join(ROOT, "tests", "workers", "deepspeed_worker.py"), "single,defaults", str(out)]
+    return out, run_two_ranks(cmd, child_env(), timeout=500)
+
+
 @pytest.mark.slow
 @needs_deepspeed
-def test_one_process_pieces_and_oom_stop(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
-           os.path.join(ROOT, "tests", "workers", "deepspeed_worker.py"), "single", str(tmp_path)]
-    env = child_env()
-    proc = run_two_ranks(cmd, env, timeout=300)
+def test_one_process_pieces_and_oom_stop(one_process):
+    tmp_path, proc = one_process
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((tmp_path / "single.json").read_text())
     assert res["shm_op"] is False  # nothing compiled
@@ -304,12 +310,10 @@ def test_one_process_pieces_and_oom_stop(tmp_path):
 
 @pytest.mark.slow
 @needs_deepspeed
-def test_deepspeed_with_default_arguments(tmp_path):
+def test_deepspeed_with_default_arguments(one_process):
     """One process, ZeRO-2, no hf_accum argument set beyond the target: it trains; an explicit max_nonfinite_steps is
     refused; nothing fitting because of DeepSpeed's default buckets says so, naming their keys."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
-           os.path.join(ROOT, "tests", "workers", "deepspeed_worker.py"), "defaults", str(tmp_path)]
-    proc = run_two_ranks(cmd, child_env(), timeout=300)
+    tmp_path, proc = one_process
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((tmp_path / "defaults.json").read_text())
     assert res["steps"] == 2 and res["limit"] is None

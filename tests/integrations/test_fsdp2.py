@@ -31,11 +31,21 @@ def saved_model(tmp_path_factory):
     return src, {n: p.detach() for n, p in initial.named_parameters()}
 
 
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory, saved_model):
+    """One launch for the runs that end cleanly: the fallback refusals (folder "fallback"), then, where transformers
+    can shard at load time, the FSDP2 training run; the folder and the launch."""
+    out = tmp_path_factory.mktemp("fsdp2_runs")
+    if version.parse(transformers.__version__) < version.parse("5.18"):  # no load-time FSDP2: the refusals alone
+        return out, _torchrun("fallback_worker.py", out / "fallback", timeout=300)
+    return out, _torchrun("fsdp2_worker.py", "fallback,train", saved_model[0], out, timeout=400)
+
+
 @pytest.mark.slow
 @needs_load_time_fsdp2
-def test_load_time_fsdp2_matches_ddp_and_the_meter_and_probe_count_local_shards(tmp_path, saved_model):
+def test_load_time_fsdp2_matches_ddp_and_the_meter_and_probe_count_local_shards(launch, saved_model):
     src, start = saved_model
-    proc = _torchrun("fsdp2_worker.py", "train", src, tmp_path, timeout=400)
+    tmp_path, proc = launch
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     for res in ranks:
@@ -85,9 +95,10 @@ def test_load_time_fsdp2_oom_on_one_rank_stops_every_rank_with_the_plan(tmp_path
 
 
 @pytest.mark.slow
-def test_an_fsdp_request_that_would_fall_back_is_refused_on_every_rank(tmp_path):
-    proc = _torchrun("fallback_worker.py", tmp_path, timeout=300)
+def test_an_fsdp_request_that_would_fall_back_is_refused_on_every_rank(launch):
+    out, proc = launch
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    tmp_path = out / "fallback"
     for r in (0, 1):
         messages = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert "fsdp=" in messages["fsdp_on_cpu"] and "accelerate runs MULTI_CPU" in messages["fsdp_on_cpu"]

@@ -377,11 +377,11 @@ def test_fused_loss_false_is_the_unfused_path(tmp_path, fused_calls):
 
 # --- DDP ---------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_ranks_fused_match_one_pass(tmp_path):
-    from tests.integrations.test_ddp import check_run, launch_two_ranks
+@pytest.mark.xdist_group("torchrun")  # the multi-rank worker, where tests/integrations/test_ddp.py reads ddp_runs too
+def test_two_ranks_fused_match_one_pass(ddp_runs):
+    from tests.integrations.test_ddp import check_run
 
-    launch_two_ranks(tmp_path, ["causal_lm:0"])
-    ranks, windows, err, ref = check_run(tmp_path, "causal_lm:0")
+    ranks, windows, err, ref = check_run(ddp_runs, "causal_lm:0")  # the launch test_ddp.py checks: fused_loss unset
     assert all(r["fused"] is True for r in ranks)  # the default (fused_loss unset) fused on both ranks
     # the loss kernel, where the probe timed one: the ranks' measurements agreed (MAX), one choice on both ranks
     records = [((r["plan"] or {}).get("levers") or {}).get("loss_kernel") for r in ranks]

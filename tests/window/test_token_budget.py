@@ -348,13 +348,21 @@ def test_a_stored_token_plan_is_reused_with_its_budget_and_cost_model(tmp_path):
     assert reused == plan and reused.token_budget is not None and reused.token_model == plan.token_model
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["padded", "flat"])
-def test_two_ranks_run_equally_many_forwards_and_stay_exact(tmp_path, kind):
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """One launch of `tokens_worker.py` for both kinds of batch, each in its own folder."""
     from tests.integrations.test_ddp import _torchrun
 
-    proc = _torchrun("tokens_worker.py", tmp_path, kind, timeout=400)
+    out = tmp_path_factory.mktemp("tokens")
+    return out, _torchrun("tokens_worker.py", out, "padded", "flat", timeout=400)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["padded", "flat"])
+def test_two_ranks_run_equally_many_forwards_and_stay_exact(two_rank_runs, kind):
+    out, proc = two_rank_runs
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    tmp_path = out / kind
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["own_fewest"] != r1["own_fewest"]  # on their own the ranks would run different counts
     assert r0["forwards"] == r1["forwards"] and len(r0["forwards"]) == 3

@@ -1,6 +1,8 @@
-"""Run under `torchrun --nproc_per_node 2`. Modes:
-- forward CALL: rank 1's forward number CALL raises an OOM (3: mid-window, 4: the window's final forward); then a clean run with the smaller micro-batch from the start.
-  Saves both runs' final weights and plans per rank.
+"""Run under `torchrun --nproc_per_node 2`: `ddp_oom_worker.py OUT MODE [MODE ...]`, the modes run in turn in one
+launch, each in its own folder OUT/MODE (a mode that stops the ranks comes last, alone). Modes:
+- forward:CALL: rank 1's forward number CALL raises an OOM (3: mid-window, 4: the window's final forward); then a
+  clean run with the smaller micro-batch from the start (trained once per launch, the same for every CALL).
+  Saves both runs' final weights and plans per rank, and what the hf_accum loggers said during the mode.
 - backward: rank 1 raises an OOM inside the window's final, gradient-synchronizing backward (must stop cleanly).
 - growback: rank 1's first forward raises an OOM; with grow_back_steps=1 both ranks return to micro 4 x 2 after
   step 2; then a clean run.
@@ -9,6 +11,7 @@
 """
 
 import json
+import logging
 import os
 import sys
 
@@ -53,30 +56,58 @@ def train(out, micro, accum, inject=None, collectives_in_compute_loss=False, **k
     return trainer
 
 
+class Said(logging.Handler):
+    """The messages the hf_accum loggers emit at WARNING and above, while they are still printed as before (Python's
+    last-resort stderr handler is attached beside it, so the launch's output is unchanged)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def main():
-    mode, out = sys.argv[1], sys.argv[2]
+    out, modes = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])
-    if mode == "forward":
-        call = int(sys.argv[3])
-        hit = train(os.path.join(out, "hit"), 4, 2, (lambda m: OOMAt(m, [call])) if rank == 1 else None)
-        clean = train(os.path.join(out, "clean"), 2, 4)
-        torch.save({"hit": hit.model.state_dict(), "clean": clean.model.state_dict()},
-                   os.path.join(out, f"weights.rank{rank}.pt"))
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"plan": hit.plan.to_dict(), "steps": [hit.state.global_step, clean.state.global_step]}, f)
-    elif mode == "growback":  # rank 1's first forward runs out of memory; both ranks grow back after 1 clean step
-        hit = train(os.path.join(out, "hit"), 4, 2, (lambda m: OOMAt(m, [1])) if rank == 1 else None,
-                    grow_back_steps=1)
-        clean = train(os.path.join(out, "clean"), 4, 2)
-        torch.save({"hit": hit.model.state_dict(), "clean": clean.model.state_dict()},
-                   os.path.join(out, f"weights.rank{rank}.pt"))
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"plan": hit.plan.to_dict(), "cut": hit._engine.cut_units}, f)
-    elif mode == "stop":
-        train(os.path.join(out, "hit"), 4, 2, (lambda m: OOMAt(m, [3])) if rank == 1 else None,
-              collectives_in_compute_loss=True)
-    else:
-        train(os.path.join(out, "hit"), 4, 2, (lambda m: OOMInBackward(m.lm_head, 2)) if rank == 1 else None)
+    said = Said()
+    for handler in (said, logging.lastResort):
+        logging.getLogger("hf_accum").addHandler(handler)
+    clean = None
+    for spec in modes:
+        mode, *call = spec.split(":")
+        folder = os.path.join(out, spec.replace(":", ""))
+        os.makedirs(folder, exist_ok=True)
+        said.lines = []
+        if mode == "forward":
+            hit = train(os.path.join(folder, "hit"), 4, 2,
+                        (lambda m, c=int(call[0]): OOMAt(m, [c])) if rank == 1 else None)
+            lines = list(said.lines)  # this mode's hit run
+            clean = clean or train(os.path.join(out, "clean"), 2, 4)  # the same clean run for every CALL
+            save(folder, rank, hit, clean, {"plan": hit.plan.to_dict(), "said": lines,
+                                            "steps": [hit.state.global_step, clean.state.global_step]})
+        elif mode == "growback":  # rank 1's first forward runs out of memory; both grow back after 1 clean step
+            hit = train(os.path.join(folder, "hit"), 4, 2, (lambda m: OOMAt(m, [1])) if rank == 1 else None,
+                        grow_back_steps=1)
+            lines = list(said.lines)  # this mode's hit run
+            save(folder, rank, hit, train(os.path.join(folder, "clean"), 4, 2),
+                 {"plan": hit.plan.to_dict(), "cut": hit._engine.cut_units, "said": lines})
+        elif mode == "stop":
+            train(os.path.join(folder, "hit"), 4, 2, (lambda m: OOMAt(m, [3])) if rank == 1 else None,
+                  collectives_in_compute_loss=True)
+        elif mode == "backward":
+            train(os.path.join(folder, "hit"), 4, 2,
+                  (lambda m: OOMInBackward(m.lm_head, 2)) if rank == 1 else None)
+        else:
+            raise SystemExit(f"unknown mode {spec!r}")
+
+
+def save(folder, rank, hit, clean, record):
+    torch.save({"hit": hit.model.state_dict(), "clean": clean.model.state_dict()},
+               os.path.join(folder, f"weights.rank{rank}.pt"))
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Run under `torchrun --nproc_per_node 2`: each rank probes with its own memory budget (rank 1 tighter, as a
-GPU shared with another process would be); both must adopt the same, most constrained plan and train. With a third
-argument "auto" the probe also chooses the checkpointing level (checkpoint_layers="auto"), else checkpointing is off."""
+GPU shared with another process would be); both must adopt the same, most constrained plan and train. Arguments:
+one or more output folders, each run in turn; a folder followed by "auto" also has the probe choose the
+checkpointing level (checkpoint_layers="auto"), else checkpointing is off."""
 
+import gc
 import json
 import os
 import sys
@@ -9,9 +11,24 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
+def runs(argv):
+    """[(folder, auto)] from `FOLDER [auto] [FOLDER [auto]] ...`."""
+    out = []
+    for arg in argv:
+        if arg == "auto":
+            out[-1] = (out[-1][0], True)
+        else:
+            out.append((arg, False))
+    return out
+
+
 def main():
-    out = sys.argv[1]
-    auto = sys.argv[2:] == ["auto"]
+    for out, auto in runs(sys.argv[1:]):
+        train(out, auto)
+        gc.collect()  # the next run's probe starts from this process's memory without the last trainer
+
+
+def train(out, auto):
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
 

@@ -6,10 +6,12 @@
   through the engine at the first window), recording the weights when the first optimizer step begins, the
   probe's trials and one real step measured after training. Saves per rank the final full weights, the engine's
   batch fields and step count, the plan and the forwards run.
+Modes joined by commas ("single,defaults") run in turn in one launch.
 - single OUT (one process, no launcher; world 1): the `compat.deepspeed_integration` pieces on a real DeepSpeed setup (the plan filled
   into the config accelerate builds the engine from, a contradicting explicit field refused when a plan is applied,
   accelerate's backward stepping the engine only when `engine_boundary` says final, the shm op skipped), and an
   out-of-memory error under DeepSpeed stopping a one-process run too (its engine's gradients cannot be cleared).
+- defaults OUT (one process): ZeRO-2 with default arguments (see `defaults_mode`).
 - probe_oom OUT: auto_tune under ZeRO-3 with an out-of-memory error in rank 1's first probe trial: every rank stops.
 - oom OUT: use_cpu=False on CPU (each rank would see world 1) must be refused (message written per rank); then
   ZeRO-3 with an out-of-memory error injected in rank 1's third forward: every rank must stop, none hang.
@@ -323,11 +325,12 @@ def defaults_mode(out, rank):
 
 
 def main():
-    mode, out = sys.argv[1], sys.argv[2]
+    modes, out = sys.argv[1], sys.argv[2]
     skip_shm_comm_op()
     rank = int(os.environ.get("RANK", 0))
-    {"train": train_mode, "oom": oom_mode, "probe_oom": probe_oom_mode, "single": single_mode,
-     "defaults": defaults_mode}[mode](out, rank)
+    for mode in modes.split(","):  # e.g. "single,defaults": one launch, the modes in turn
+        {"train": train_mode, "oom": oom_mode, "probe_oom": probe_oom_mode, "single": single_mode,
+         "defaults": defaults_mode}[mode](out, rank)
 
 
 if __name__ == "__main__":

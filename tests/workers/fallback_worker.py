@@ -9,10 +9,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def main():
+    refusals(sys.argv[1], int(os.environ["RANK"]))
+
+
+def refusals(out, rank):
+    """Writes OUT/rank{RANK}.json: what each request raised (None where nothing was raised). Also run first in
+    `fsdp2_worker.py`'s launches, before anything else initializes the process."""
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from tests.exactness import tiny_llama
 
-    out, rank = sys.argv[1], int(os.environ["RANK"])
+    os.makedirs(out, exist_ok=True)
     messages = {}
     for name, kw in {"fsdp_on_cpu": {"use_cpu": True, "fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2},
                                      "ddp_backend": "gloo"},

@@ -6,6 +6,8 @@
   optimizer state) against an independent count after one real step, and what happens when the sharded run is asked
   to resume or writes a checkpoint.
 - oom: the load-time FSDP2 run where rank 1 runs out of memory mid-window; each rank writes what it raised.
+- fallback: `fallback_worker.py`'s refusals, written to OUT/fallback (run first, before "train", in one launch).
+Modes joined by commas run in turn in one launch.
 """
 
 import os
@@ -119,6 +121,13 @@ def oom_mode(src, out, rank):
     train_recording_outcome(trainer, os.path.join(out, f"oom.rank{rank}.json"))
 
 
+def fallback_mode(src, out, rank):
+    from tests.workers.fallback_worker import refusals
+
+    refusals(os.path.join(out, "fallback"), rank)
+
+
 if __name__ == "__main__":
-    mode, src, out = sys.argv[1:4]
-    {"train": train_mode, "oom": oom_mode}[mode](src, out, int(os.environ["RANK"]))
+    modes, src, out = sys.argv[1:4]
+    for mode in modes.split(","):  # e.g. "fallback,train": one launch, the modes in turn
+        {"train": train_mode, "oom": oom_mode, "fallback": fallback_mode}[mode](src, out, int(os.environ["RANK"]))

@@ -1,6 +1,7 @@
 """Run under `torchrun --nproc_per_node 2`: micro_batching="tokens" under DDP. Each rank's window has other lengths,
 so its own fewest forwards differ; the ranks agree on the maximum and run equally many. Saves per rank the recorded
-gradients, weights, windows and the number of forwards per window."""
+gradients, weights, windows and the number of forwards per window. Arguments: OUT and the kinds of batch to run in
+turn, "padded" (padded rows) and/or "flat" (DataCollatorWithFlattening), each saved under OUT/KIND."""
 
 import os
 import sys
@@ -11,15 +12,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def main():
+    out, rank = sys.argv[1], int(os.environ["RANK"])
+    for kind in sys.argv[2:]:
+        run(os.path.join(out, kind), rank, kind)
+
+
+def run(out, rank, kind):
     from transformers.trainer_callback import PrinterCallback
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from tests.exactness import StepRecorder, pad_collate, recording, tiny_llama
     from tests.window.test_token_budget import long_tailed
 
-    out, rank = sys.argv[1], int(os.environ["RANK"])
-    flat = len(sys.argv) > 2 and sys.argv[2] == "flat"
-    if flat:
+    os.makedirs(out, exist_ok=True)
+    if kind == "flat":
         from transformers import DataCollatorWithFlattening
 
         collate = DataCollatorWithFlattening()
