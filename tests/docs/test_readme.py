@@ -32,7 +32,7 @@ def test_the_front_page_stays_short_and_its_commands_are_cis():
     text = read("README.md")
     assert len(text.splitlines()) <= 200
     ci = read(".ci/run")
-    test_command = '. .venv/bin/activate && pip install -e ".[dev]" && python -m pytest -q'
+    test_command = '. .venv/bin/activate && pip install -e ".[dev]" && python -m pytest -q -n 2 --dist loadgroup'
     assert test_command in text and test_command in ci
     first = next(b for b in blocks("README.md") if b.kind == "shell").code.strip()
     assert first.endswith("hf-accum train lora_sft") and 'pip install -e ".[recipes]"' in first
