@@ -180,8 +180,6 @@ def test_cli_estimate_for_cuda_on_a_machine_without_one_needs_the_cards_size(gpt
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["--estimate", "--model", "tiny"], "--estimate builds the model from its config.json and the built-in tiny "
-                                        "model has none: give --model a folder holding config.json or a hub id"),
     (["--device", "cuda"], "--device is for --estimate (the device planned for, nothing loaded); the probe "
                            "measures the device it runs on: add --estimate, or drop --device"),
     (["--device-memory", "80GiB"], "--device-memory is for --estimate"),
