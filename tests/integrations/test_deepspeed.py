@@ -106,7 +106,7 @@ def test_the_op_skip_the_launches_rely_on_means_no_compile():
 
     import deepspeed.ops
 
-    from .workers.deepspeed_worker import skip_shm_comm_op
+    from tests.workers.deepspeed_worker import skip_shm_comm_op
 
     ops = deepspeed.ops.__compatible_ops__
     saved = dict(ops)
