@@ -14,14 +14,33 @@ settings.load_profile("deterministic")
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which it completes (below)
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` are skipped, with the reason, on machines without CUDA."""
+    """Tests marked ``gpu`` are skipped, with the reason, on machines without CUDA. Under ``--dist loadgroup``
+    the tests marked ``xdist_group`` get their group's suffix (`_group_by_mark`)."""
+    _group_by_mark(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _group_by_mark(config, items):
+    """``--dist loadgroup`` sends the tests marked ``xdist_group`` to one worker as one unit, by the suffix
+    ``@GROUP`` xdist appends to their node ids. pytest-xdist 3.8 writes it to ``item._nodeid``, which pytest 9.2's
+    structured node ids no longer read (pytest-dev/pytest-xdist#1386): the groups were silently ignored and two
+    multi-rank launches ran at once. Where the suffix did not take, it is set here; a no-op where xdist's did."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if groups and "@" not in item.nodeid.rpartition("]")[2] and hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 @pytest.fixture(scope="module")
