@@ -87,6 +87,30 @@ def ddp_runs(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def stored_sft_plan(tmp_path_factory):
+    """What a first tuned run of `sft_trainer` (target 16, an 8 MiB budget) probes and stores: its plan and its plan
+    file, probed once for the tests that start from a stored plan (`stored_in` copies the file into their own
+    output_dir: nothing in the file's key names the folder)."""
+    from hf_accum.planning.store import PLAN_FILE
+    from hf_accum.tiny import build_tokenizer
+
+    folder = tmp_path_factory.mktemp("stored_sft_plan")
+    first = sft_trainer(build_tokenizer(), output_dir=str(folder), target_batch_size=16, memory_budget_bytes=8 * 2**20,
+                        max_steps=1)
+    plan = first.tune()
+    assert first.probe_result is not None and (folder / PLAN_FILE).exists()
+    return plan, folder / PLAN_FILE
+
+
+def stored_in(output_dir, stored):
+    """``output_dir`` as the first run (`stored_sft_plan`) left it: a copy of its plan file. Returns the plan."""
+    import shutil
+
+    shutil.copy(stored[1], output_dir)
+    return stored[0]
+
+
 def sft_trainer(tok, model=None, **kw):
     """An `AccumTrainer` on 48 generated SFT rows (the tiny model unless ``model``), on CPU, saving and reporting
     nothing; ``kw`` are the arguments (each test module passes its own defaults)."""
