@@ -337,10 +337,7 @@ def _run_train(args: argparse.Namespace) -> int:
         recipe.validate()
         print(format_recipe(recipe), end="")
         return 0
-    from .recipes.preflight import check_writable
-
-    check_writable(str(recipe.training["output_dir"]))  # as fast; run_recipe checks the rest of output_dir
-    from .recipes.run import run_recipe
+    from .recipes.run import run_recipe  # load_recipe checked output_dir can be written; run_recipe checks the rest
 
     run_recipe(recipe, resume_command=resume_command(args.recipe, args.overrides))
     return 0

@@ -352,6 +352,11 @@ def load_recipe(recipe: str | os.PathLike | dict[str, Any], overrides: Sequence[
     if task != "seq_cls" and "max_length" in (config.get("data") or {}):
         raise RecipeError(f"data.max_length does not apply to model.task={task!r}: TRL tokenizes and truncates, so set "
                           "training.max_length instead")
+    output_dir = (config.get("training") or {}).get("output_dir")
+    if output_dir is not None:  # before the machine values, which ask torch about the device
+        from .preflight import check_writable
+
+        check_writable(str(output_dir))
     layers["machine"] = profile.fill_machine(config, device)
     model = ModelSection(**config.get("model", {}))
     data = DataSection(**config.get("data", {}))

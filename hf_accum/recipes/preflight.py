@@ -16,7 +16,7 @@ import os
 import re
 
 from ..config.paths import PLAN_FILE, can_create_in, nearest_existing
-from .config import RecipeError
+from .files import RecipeError
 
 _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 

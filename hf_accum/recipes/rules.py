@@ -133,7 +133,7 @@ RULES: tuple[Rule, ...] = (
          "lora.lora_dropout={value} must be a probability in [0, 1) (e.g. lora.lora_dropout=0.05)"),
     *(Rule(f"training.{name}", positive,  # TRL slices [:max_length]: a negative one drops the last tokens instead
            f"training.{{key}}={{value}} must be a positive number of tokens (or null: no limit), e.g. {name}=1024")
-      for name in ("max_length", "max_prompt_length", "max_completion_length")),
+      for name in ("max_length", "max_completion_length")),
     Rule("training.learning_rate", lambda v, _c: not _number(v) or math.isfinite(v),
          "training.learning_rate={value} is not a finite number: set a positive learning_rate, e.g. 2e-4"),
     Rule("training.learning_rate", lambda v, _c: not _number(v) or v >= 0,

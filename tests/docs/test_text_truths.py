@@ -22,7 +22,7 @@ def test_train_help_names_every_recipe(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    listed = re.search(r"Recipes: ([\w, ]+) \(see recipes/\*\.yaml\)", text).group(1).split(", ")
+    listed = re.search(r"Recipes: ([\w, ]+) \(the YAML files in ", text).group(1).split(", ")
     assert listed == available_recipes() and "lora_dpo" in listed
 
 
