@@ -18,6 +18,9 @@ from hf_accum.tiny import build_model
 from tests.conftest import sft_trainer
 from tests.exactness import ExplicitArgsWrapper, tiny_llama
 
+# One xdist worker runs these tests (--dist loadgroup): `auto_tuned` is built once, not on each.
+pytestmark = pytest.mark.xdist_group("test_checkpoint_tuning")
+
 MiB = 2**20
 LAYERS = 4
 

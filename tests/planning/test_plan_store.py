@@ -14,6 +14,9 @@ from hf_accum.probing.plan import Plan
 from hf_accum.tiny import build_model
 from tests.conftest import sft_trainer, stored_in
 
+# One xdist worker runs these tests (--dist loadgroup): `stored_sft_plan` is built once, not on each.
+pytestmark = pytest.mark.xdist_group("stored_sft_plan")
+
 MiB = 2**20
 
 
@@ -105,7 +108,8 @@ def test_invalid_plans_are_refused_naming_the_file(tmp_path, plan, problem):
 
 
 @pytest.mark.parametrize("plan,problem", BAD_PLANS[:2])
-def test_a_stored_plan_that_cannot_be_trusted_is_named_and_probed_again(tmp_path, tok, caplog, plan, problem, stored_sft_plan):
+def test_a_stored_plan_that_cannot_be_trusted_is_named_and_probed_again(tmp_path, tok, caplog, plan, problem,
+                                                                         stored_sft_plan):
     stored_in(tmp_path, stored_sft_plan)
     path = tmp_path / PLAN_FILE
     record = json.loads(path.read_text())

@@ -16,6 +16,9 @@ from hf_accum.probing.meters import CpuMeter
 from hf_accum.tiny import build_model
 from tests.conftest import sft_trainer, stored_in
 
+# One xdist worker runs these tests (--dist loadgroup): `stored_sft_plan` is built once, not on each.
+pytestmark = pytest.mark.xdist_group("stored_sft_plan")
+
 MiB = 2**20
 
 
