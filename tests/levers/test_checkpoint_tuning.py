@@ -3,6 +3,7 @@ explicit settings are obeyed; bad requests fail at construction."""
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ from hf_accum.tiny import build_model
 from tests.conftest import sft_trainer
 from tests.exactness import ExplicitArgsWrapper, tiny_llama
 
+# One xdist worker runs these tests (--dist loadgroup): `auto_tuned` is built once, not on each.
+pytestmark = pytest.mark.xdist_group("test_checkpoint_tuning")
+
 MiB = 2**20
 LAYERS = 4
 
@@ -29,11 +33,31 @@ def make(tmp_path, tok, model=None, **kw):
     return sft_trainer(tok, model, **{**defaults, **kw})
 
 
-def test_auto_measures_both_levels_chooses_verifies_and_applies_k(tmp_path, tok, caplog):
-    trainer = make(tmp_path, tok)
+@pytest.fixture(scope="module")
+def auto_tuned(tmp_path_factory, tok):
+    """One tuned run with `make`'s settings (checkpoint_layers "auto"): the trainer, its plan, what the hf_accum
+    loggers said at INFO during tune(), its output_dir and a copy of the plan file as tune() left it."""
+    folder = tmp_path_factory.mktemp("auto")
+    trainer = make(folder, tok)
     assert trainer.args.checkpoint_layers == "auto"
-    with caplog.at_level(logging.INFO, logger="hf_accum"):
+    said, logger = [], logging.getLogger("hf_accum")
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
         plan = trainer.tune()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    stored = tmp_path_factory.mktemp("auto_stored") / PLAN_FILE
+    shutil.copy(folder / PLAN_FILE, stored)
+    return trainer, plan, "\n".join(said), folder, stored
+
+
+def test_auto_measures_both_levels_chooses_verifies_and_applies_k(auto_tuned):
+    trainer, plan, said, tmp_path, _ = auto_tuned
     result = trainer.probe_result
     levels = {t.checkpointed_layers for t in result.trials}
     assert levels >= {0, LAYERS}  # micro 1 does not fit 16 rows without checkpointing: both ends were measured
@@ -44,8 +68,8 @@ def test_auto_measures_both_levels_chooses_verifies_and_applies_k(tmp_path, tok,
     assert any(t.fits and t.micro_batch_size >= chosen["micro"] and t.checkpointed_layers <= chosen["k"]
                for t in result.trials)
     assert gradient_checkpointing.checkpointed_count(trainer.model) == plan.checkpointed_layers
-    assert f"checkpointing {plan.checkpointed_layers} of {LAYERS} layers" in caplog.text
-    assert "s per optimizer step measured" in caplog.text
+    assert f"checkpointing {plan.checkpointed_layers} of {LAYERS} layers" in said
+    assert "s per optimizer step measured" in said
     stored = json.loads((tmp_path / PLAN_FILE).read_text())
     assert stored["plan"]["levers"]["checkpointing"]["layers"] == plan.checkpointed_layers
     assert stored["key"]["checkpoint_layers"] == "auto"
@@ -54,9 +78,9 @@ def test_auto_measures_both_levels_chooses_verifies_and_applies_k(tmp_path, tok,
     assert trainer.state.global_step == 2
 
 
-def test_a_stored_plans_k_is_reapplied_without_a_probe(tmp_path, tok, caplog):
-    make(tmp_path, tok).tune()
+def test_a_stored_plans_k_is_reapplied_without_a_probe(tmp_path, tok, caplog, auto_tuned):
     path = tmp_path / PLAN_FILE
+    shutil.copy(auto_tuned[4], path)  # what make(tmp_path, tok).tune() stores
     record = json.loads(path.read_text())
     record["plan"]["levers"]["checkpointing"]["layers"] = 3  # what a probe on another day chose
     path.write_text(json.dumps(record))

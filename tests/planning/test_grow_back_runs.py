@@ -13,6 +13,9 @@ from hf_accum.probing.plan import Plan, plan_for_micro
 from tests.exactness import lm_examples, max_relative_error, pad_collate, reference_run, sum_over_items_loss, tiny_llama
 from tests.window.test_token_budget import run as token_run
 
+# One xdist worker runs these tests (--dist loadgroup): `clean` is built once, not on each.
+pytestmark = pytest.mark.xdist_group("test_grow_back_runs")
+
 
 class Forwards:
     """Forward pre-hooks on the model: raise an injected OOM where ``oom(step, rows)`` says so (step is 1-based),

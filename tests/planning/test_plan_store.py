@@ -12,7 +12,10 @@ import pytest
 from hf_accum.planning.store import PLAN_FILE, PlanFileError, canonical, load_stored_plan, plan_from_record
 from hf_accum.probing.plan import Plan
 from hf_accum.tiny import build_model
-from tests.conftest import sft_trainer
+from tests.conftest import sft_trainer, stored_in
+
+# One xdist worker runs these tests (--dist loadgroup): `stored_sft_plan` is built once, not on each.
+pytestmark = pytest.mark.xdist_group("stored_sft_plan")
 
 MiB = 2**20
 
@@ -66,16 +69,15 @@ def test_a_lora_plan_is_reused_by_another_process(tmp_path):
     assert runs == [{"probed": True}, {"probed": False}]
 
 
-def test_a_lower_probe_cap_is_not_ignored_when_a_plan_is_stored(tmp_path, tok):
-    first = make(tmp_path, tok)
-    assert first.tune().micro_batch_size > 1
+def test_a_lower_probe_cap_is_not_ignored_when_a_plan_is_stored(tmp_path, tok, stored_sft_plan):
+    assert stored_in(tmp_path, stored_sft_plan).micro_batch_size > 1
     capped = make(tmp_path, tok, probe_max_micro_batch=1)
     plan = capped.tune()
     assert capped.probe_result is not None and plan.micro_batch_size == 1
 
 
-def test_another_attention_implementation_is_probed_again(tmp_path, tok):
-    make(tmp_path, tok).tune()
+def test_another_attention_implementation_is_probed_again(tmp_path, tok, stored_sft_plan):
+    stored_in(tmp_path, stored_sft_plan)
     model = build_model(tokenizer=tok)
     model.set_attn_implementation("eager")
     other = make(tmp_path, tok, model=model)
@@ -106,8 +108,9 @@ def test_invalid_plans_are_refused_naming_the_file(tmp_path, plan, problem):
 
 
 @pytest.mark.parametrize("plan,problem", BAD_PLANS[:2])
-def test_a_stored_plan_that_cannot_be_trusted_is_named_and_probed_again(tmp_path, tok, caplog, plan, problem):
-    make(tmp_path, tok).tune()
+def test_a_stored_plan_that_cannot_be_trusted_is_named_and_probed_again(tmp_path, tok, caplog, plan, problem,
+                                                                         stored_sft_plan):
+    stored_in(tmp_path, stored_sft_plan)
     path = tmp_path / PLAN_FILE
     record = json.loads(path.read_text())
     record["plan"] = plan
@@ -145,9 +148,9 @@ def test_a_plan_reads_back_whole_with_its_optional_fields(plan):
     assert plan_from_record({"plan": plan.to_dict()}, "hf_accum_plan.json") == plan
 
 
-def test_a_stale_stored_plan_says_which_part_of_its_key_changed(tmp_path, tok, caplog):
+def test_a_stale_stored_plan_says_which_part_of_its_key_changed(tmp_path, tok, caplog, stored_sft_plan):
     """Issue 42 item 14: the stored plan was re-probed without a word."""
-    make(tmp_path, tok).tune()
+    stored_in(tmp_path, stored_sft_plan)
     record = json.loads((tmp_path / PLAN_FILE).read_text())
     record["key"]["seq_len"] -= 1
     record["key"]["versions"]["transformers"] = "0.0.1"
@@ -163,8 +166,8 @@ def test_a_stale_stored_plan_says_which_part_of_its_key_changed(tmp_path, tok, c
                          "key"]["versions"]["transformers"]) + ") changed since it was probed; probing again."]
 
 
-def test_packages_that_cannot_change_the_plan_stay_out_of_its_key(tmp_path, tok):
+def test_packages_that_cannot_change_the_plan_stay_out_of_its_key(tmp_path, tok, stored_sft_plan):
     """bitsandbytes (and peft) entered the key of a run that uses neither: installing them re-probed it."""
-    make(tmp_path, tok).tune()
+    stored_in(tmp_path, stored_sft_plan)
     versions = json.loads((tmp_path / PLAN_FILE).read_text())["key"]["versions"]
     assert sorted(versions) == ["hf-accum", "torch", "transformers"]

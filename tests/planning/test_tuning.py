@@ -14,7 +14,10 @@ from hf_accum.planning.store import PLAN_FILE
 from hf_accum.probing.loop import NothingFitsError
 from hf_accum.probing.meters import CpuMeter
 from hf_accum.tiny import build_model
-from tests.conftest import sft_trainer
+from tests.conftest import sft_trainer, stored_in
+
+# One xdist worker runs these tests (--dist loadgroup): `stored_sft_plan` is built once, not on each.
+pytestmark = pytest.mark.xdist_group("stored_sft_plan")
 
 MiB = 2**20
 
@@ -52,8 +55,8 @@ def test_plan_is_measured_applied_and_written(tmp_path, tok, caplog):
     assert trainer.state.train_batch_size == plan.window  # each loaded batch is a window
 
 
-def test_stored_plan_is_reused_only_when_the_key_matches(tmp_path, tok, caplog):
-    make(tmp_path, tok).tune()
+def test_stored_plan_is_reused_only_when_the_key_matches(tmp_path, tok, caplog, stored_sft_plan):
+    stored_in(tmp_path, stored_sft_plan)  # what make(tmp_path, tok).tune() probes and stores (max_steps is no key)
     again = make(tmp_path, tok)
     with caplog.at_level(logging.INFO, logger="hf_accum"):
         plan = again.tune()

@@ -18,6 +18,9 @@ from hf_accum.probing.preserve import fresh_optimizer_like, preserved
 from hf_accum.probing.probe import make_step_fn, probe_model, random_token_batch
 from tests.exactness import probe_llama
 
+# One xdist worker runs these tests (--dist loadgroup): `probed` is built once, not on each.
+pytestmark = pytest.mark.xdist_group("test_probe")
+
 MiB = 1 << 20
 SEQ = 32
 

@@ -16,6 +16,9 @@ from hf_accum.cli import main  # noqa: E402
 from hf_accum.recipes import run as recipe_run  # noqa: E402
 from tests.recipes.test_recipes import GradientsSeen  # noqa: E402
 
+# One xdist worker runs these tests (--dist loadgroup): `dpo` is built once, not on each.
+pytestmark = pytest.mark.xdist_group("test_recipe_dpo")
+
 
 @pytest.fixture(scope="module")
 def dpo(tmp_path_factory):

@@ -8,6 +8,9 @@ import torch
 from hf_accum import recipes
 from hf_accum.recipes import RecipeError, load_recipe
 
+# One xdist worker runs these tests (--dist loadgroup): `run` is built once, not on each.
+pytestmark = pytest.mark.xdist_group("test_recipe_eval")
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):

@@ -16,6 +16,9 @@ from hf_accum.cli import main  # noqa: E402
 from hf_accum.recipes import rewards  # noqa: E402
 from hf_accum.recipes import run as recipe_run  # noqa: E402
 
+# One xdist worker runs these tests (--dist loadgroup): `grpo` is built once, not on each.
+pytestmark = pytest.mark.xdist_group("test_recipe_grpo")
+
 
 @pytest.fixture(scope="module")
 def grpo(tmp_path_factory):

@@ -13,6 +13,9 @@ from hf_accum.cli import main
 from hf_accum.recipes import load_recipe, read_yaml, recipe_path
 from hf_accum.recipes.profile import PROFILE, toy_warning
 
+# One xdist worker runs these tests (--dist loadgroup): `models` and `data` are built once, not on each.
+pytestmark = pytest.mark.xdist_group("test_recipe_real")
+
 NAMES = ["lora_sft", "qlora_sft", "lora_dpo", "lora_grpo", "lora_classification"]
 ROWS = 5000
 

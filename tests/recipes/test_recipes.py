@@ -15,6 +15,9 @@ from hf_accum import recipes
 from hf_accum.cli import main
 from hf_accum.recipes import RecipeError, apply_overrides, load_recipe, resolve_key
 
+# One xdist worker runs these tests (--dist loadgroup): `run` is built once, not on each.
+pytestmark = pytest.mark.xdist_group("test_recipes")
+
 NAMES = ["lora_sft", "qlora_sft", "lora_classification"]
 
 

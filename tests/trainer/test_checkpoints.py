@@ -18,6 +18,9 @@ from hf_accum.trainer.resilience.checkpoints import inspect_checkpoint, newest_c
 from tests.exactness import lm_examples, pad_collate, sum_over_items_loss, tiny_gpt2
 from tests.trainer.test_oom_recovery import rel
 
+# One xdist worker runs these tests (--dist loadgroup): `run` and `weights_only_run` are built once, not on each.
+pytestmark = pytest.mark.xdist_group("test_checkpoints")
+
 
 class SaveAt(TrainerCallback):
     def __init__(self, saves=(), stop=None):

@@ -4,8 +4,9 @@
   signal from outside (to this process, or to torchrun, which forwards it to every rank).
 - `resume`: resume_from_checkpoint=True and finish.
 - `plain`: an uninterrupted run.
-A last argument `print` keeps transformers' PrinterCallback: every step prints its logs to stdout.
-Runs under plain `python` or `torchrun --nproc_per_node 2` (gloo)."""
+A last argument `print` keeps transformers' PrinterCallback: every step prints its logs to stdout. Several runs,
+separated by `+` (`A resume + B plain`), run in turn in one launch. Runs under plain `python` or
+`torchrun --nproc_per_node 2` (gloo), or in the test's own process (`run`)."""
 
 import os
 import signal
@@ -38,8 +39,14 @@ class Signals(TrainerCallback):
 
 
 def main():
-    out, mode = sys.argv[1], sys.argv[2]
-    step = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    argv = sys.argv[1:]
+    while argv:  # OUT MODE [N] [print], then "+" and the next run
+        this, argv = (argv[:argv.index("+")], argv[argv.index("+") + 1:]) if "+" in argv else (argv, [])
+        out, mode, *rest = this
+        run(out, mode, int(rest[0]) if rest and rest[0] != "print" else 0, printing=rest[-1:] == ["print"])
+
+
+def run(out, mode, step=0, printing=False):
     from hf_accum import AccumTrainer, AccumTrainingArguments
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -52,7 +59,7 @@ def main():
     trainer = AccumTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_examples(96, seed=6),
                            data_collator=pad_collate, compute_loss_func=sum_over_items_loss,
                            callbacks=[Signals(mode, step, out)])
-    if sys.argv[-1] != "print":
+    if not printing:
         trainer.remove_callback(PrinterCallback)
     trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
     rank = trainer.args.process_index
