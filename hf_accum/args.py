@@ -186,7 +186,7 @@ class AccumTrainingArguments(TrainingArguments):
                 "of layers k and the micro-batch that reach the target in the least time within the memory budget "
                 "(verified by a real step); without the tuner, off. An integer k: exactly the first k layers (0: "
                 "off; a model without per-layer support takes 0 or 1). An explicit gradient_checkpointing=True/False "
-                "is obeyed as given (every layer / none)."
+                "is obeyed as given (every layer / none); beside an integer k > 0 either is refused as a contradiction."
             )
         },
     )
@@ -197,7 +197,8 @@ class AccumTrainingArguments(TrainingArguments):
                 "Pin levers to a level: comma-separated name=value, e.g. 'checkpointing=2' or "
                 "'selective=4,checkpointing=2' (the first 2 layers recompute fully, the next 4 selectively). A value "
                 "is 'auto' (the probe chooses by measured step time), 'off', or the lever's level; a lever not named "
-                "is 'auto'. The registered levers are in hf_accum/levers/ (docs/plan.md, the levers table)."
+                "is 'auto'. The registered levers: python -c \"from hf_accum.levers.base import registered; "
+                "print([lever.name for lever in registered()])\"."
             )
         },
     )
@@ -299,6 +300,12 @@ class AccumTrainingArguments(TrainingArguments):
         if self.deepspeed:
             self._check_deepspeed_batch(world=None)  # the per-rank fields, before any distributed setup
         super().__post_init__()
+        if self._flag_unset and isinstance(self.checkpoint_layers, int):
+            # transformers resolved the unset flag to False; None again, so that a copy (dataclasses.replace) is not
+            # read as an explicit False beside checkpoint_layers=k, which is refused
+            for name in ("activation_checkpointing", "gradient_checkpointing"):
+                if hasattr(self, name):
+                    setattr(self, name, None)
         self._check_target_batch_size()
         if self.deepspeed:
             self._check_deepspeed_batch(world=self.world_size)
@@ -337,6 +344,12 @@ class AccumTrainingArguments(TrainingArguments):
                 "Leave gradient_checkpointing unset (on the hf-accum command line: gradient_checkpointing=null) to have "
                 "checkpoint_layers decide, or drop checkpoint_layers."
             )
+        if isinstance(setting, int) and setting > 0 and flag is False:
+            raise ValueError(
+                f"checkpoint_layers={setting} and gradient_checkpointing=False (no layer) contradict each other. "
+                "Leave gradient_checkpointing unset to checkpoint that many layers, or set checkpoint_layers=0."
+            )
+        self._flag_unset = flag is None
         self.checkpoint_layers = setting
         if flag is None and not _FLAG_DEFAULT_IS_NONE:
             self.gradient_checkpointing = False  # transformers < 5.23 reads it as a bool

@@ -132,7 +132,7 @@ def _ckpt_args(**kw):
     ({"checkpoint_layers": "auto"}, "auto"),
     ({"checkpoint_layers": "3"}, 3),
     ({"checkpoint_layers": 0}, 0),
-    ({"checkpoint_layers": 2, "gradient_checkpointing": False}, 2),
+    ({"checkpoint_layers": 0, "gradient_checkpointing": False}, 0),
 ])
 def test_checkpointing_setting(given, choice):
     args = _ckpt_args(**given)
@@ -160,6 +160,9 @@ def test_checkpointing_setting_unset_is_told_from_false_by_the_parser(tmp_path):
     ({"checkpoint_layers": -1}, "checkpoint_layers=-1 must be"),
     ({"checkpoint_layers": True}, "checkpoint_layers=True must be"),
     ({"checkpoint_layers": 2, "gradient_checkpointing": True}, "contradict each other"),
+    # issue 59, item 10: False is obeyed, as True is (one layer checkpointed silently before)
+    ({"checkpoint_layers": 1, "gradient_checkpointing": False},
+     "checkpoint_layers=1 and gradient_checkpointing=False (no layer) contradict each other"),
 ])
 def test_bad_checkpointing_setting(given, message):
     with pytest.raises(ValueError, match=re.escape(message)):

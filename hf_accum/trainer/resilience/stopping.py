@@ -42,7 +42,7 @@ def refuse_unresumable(engine, resume_from_checkpoint) -> None:
             "model. Train without resume_from_checkpoint: to go on from a checkpoint's weights, load them with "
             "from_pretrained(CHECKPOINT, distributed_config=...) as a new run (optimizer and schedule start "
             "over); for an exact resume under FSDP2, use hf_accum.loop with torch.distributed.checkpoint "
-            "(docs/scaling.md, \"Scaling out\")."
+            "(its checkpointing recipe: python -c \"import hf_accum.loop; help(hf_accum.loop)\")."
         )
 
 
