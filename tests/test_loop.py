@@ -16,9 +16,8 @@ from tests.trainer.test_oom_recovery import OOMAt
 
 from .exactness import lm_examples, pad_collate, reference_step, relative_error, tiny_gpt2
 
-# Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
-# two-rank runs at once on 2 cores were seen to hang.
-pytestmark = pytest.mark.xdist_group("torchrun")
+TORCHRUN = pytest.mark.xdist_group("torchrun")  # the multi-rank tests share one pytest-xdist worker: two
+# two-rank runs at once on 2 cores were seen to hang. The file's one-process tests go to either worker.
 
 
 def test_windows_groups_micro_batches():
@@ -81,6 +80,7 @@ def _update_error(got, want, start):
     return (num / den) ** 0.5
 
 
+@TORCHRUN
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 def test_two_ranks_loop_is_one_pass_over_both_ranks_windows(two_rank_runs, kind):
@@ -98,6 +98,7 @@ def test_two_ranks_loop_is_one_pass_over_both_ranks_windows(two_rank_runs, kind)
         assert (r0["losses"][step] + r1["losses"][step]) / 2 == pytest.approx(want_loss, rel=1e-6)
 
 
+@TORCHRUN
 @pytest.mark.slow
 def test_two_ranks_fsdp2_loop_ends_with_ddps_weights(two_rank_runs):
     out, proc, _ = two_rank_runs
@@ -108,6 +109,7 @@ def test_two_ranks_fsdp2_loop_ends_with_ddps_weights(two_rank_runs):
         assert _update_error(fsdp["final"], ddp["final"], start) <= 1e-5
 
 
+@TORCHRUN
 @pytest.mark.slow
 def test_fsdp2_loop_resumed_from_a_distributed_checkpoint_in_a_new_process_group_ends_equal(two_rank_runs):
     out, _, _ = two_rank_runs
@@ -122,6 +124,7 @@ def test_fsdp2_loop_resumed_from_a_distributed_checkpoint_in_a_new_process_group
         assert _update_error(stopped, uninterrupted, start) > 0.1  # the resumed half did real work
 
 
+@TORCHRUN
 @pytest.mark.slow
 def test_fsdp2_oom_stops_every_rank_without_hanging(two_rank_runs):
     out, proc, seconds = two_rank_runs

@@ -14,9 +14,8 @@ from hf_accum import AccumTrainer, AccumTrainingArguments
 from tests.exactness import lm_examples, pad_collate, sum_over_items_loss, tiny_gpt2
 from tests.integrations.test_ddp import _torchrun
 
-# Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
-# two-rank runs at once on 2 cores were seen to hang.
-pytestmark = pytest.mark.xdist_group("torchrun")
+TORCHRUN = pytest.mark.xdist_group("torchrun")  # the multi-rank tests share one pytest-xdist worker: two
+# two-rank runs at once on 2 cores were seen to hang. The file's one-process tests go to either worker.
 
 
 class NaNAt:
@@ -81,6 +80,7 @@ def test_too_many_nan_steps_in_a_row_stop_with_a_checkpoint(tmp_path):
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+@TORCHRUN
 @pytest.mark.slow
 def test_nan_on_one_rank_makes_both_skip(tmp_path):
     proc = _torchrun("nan_worker.py", tmp_path, timeout=300)

@@ -17,9 +17,8 @@ from hf_accum import AccumTrainer, AccumTrainingArguments
 from tests.exactness import lm_examples, pad_collate, sum_over_items_loss, tiny_gpt2, tiny_llama
 from tests.trainer.test_oom_recovery import OOMAt
 
-# Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
-# two-rank runs at once on 2 cores were seen to hang.
-pytestmark = pytest.mark.xdist_group("torchrun")
+TORCHRUN = pytest.mark.xdist_group("torchrun")  # the multi-rank tests share one pytest-xdist worker: two
+# two-rank runs at once on 2 cores were seen to hang. The file's one-process tests go to either worker.
 
 N_EVAL = 21  # 21 = 2 x 8 + 5 = 7 x 3: short last batches, and on two ranks rows accelerate repeats
 
@@ -251,6 +250,7 @@ def test_planning_the_eval_batch_leaves_trls_eval_metrics_alone(tmp_path):
         assert planned[key] == pytest.approx(plain[key], rel=1e-9, abs=1e-12), key
 
 
+@TORCHRUN
 @pytest.mark.slow
 def test_two_ranks_give_the_single_process_token_mean(tmp_path):
     from tests.integrations.test_ddp import _free_port, child_env, run_two_ranks

@@ -39,9 +39,8 @@ from tests.exactness import (
 from tests.trainer.test_oom_recovery import OOMAt
 from tests.window.test_padding_free import reference_grads as flat_reference
 
-# Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
-# two-rank runs at once on 2 cores were seen to hang.
-pytestmark = pytest.mark.xdist_group("torchrun")
+TORCHRUN = pytest.mark.xdist_group("torchrun")  # the multi-rank tests share one pytest-xdist worker: two
+# two-rank runs at once on 2 cores were seen to hang. The file's one-process tests go to either worker.
 
 
 # --- the partition rule -----------------------------------------------------------------------------------------
@@ -357,6 +356,7 @@ def two_rank_runs(tmp_path_factory):
     return out, _torchrun("tokens_worker.py", out, "padded", "flat", timeout=400)
 
 
+@TORCHRUN
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["padded", "flat"])
 def test_two_ranks_run_equally_many_forwards_and_stay_exact(two_rank_runs, kind):
