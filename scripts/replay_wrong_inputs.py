@@ -111,8 +111,10 @@ def judge_api(case: Case) -> Result:
     if case.refused:
         return Result("wrong result", 0, seconds, "accepted")
     said = said or ""
-    missing = [w for w in case.says if not re.search(w, said, re.I)]
-    return Result("wrong result" if missing else "clear", len(said.splitlines()), seconds, said)
+    missing = [w for w in case.says if not re.search(w, said, re.I | re.M)]
+    line = next((line for line in said.splitlines() if re.search(case.says[0], line, re.I)), "")
+    return Result("wrong result" if missing else "clear", 1 if line else 0, seconds,
+                  line or f"nothing says {missing}")
 
 
 def _args(**kw):
@@ -281,7 +283,7 @@ CASES = [
          ["target_modules", "q_proj"]),
     Case("train lora_sft memory_budget=1.5", [*SFT, "memory_budget=1.5"], ["memory_budget", r"\(0, 1\]"]),
     Case("train lora_sft max_steps (no value)", [*SFT, "max_steps"], ["max_steps=", "key=value"]),
-    Case("train (no recipe)", ["train"], ["recipe"]),
+    Case("train (no recipe)", ["train"], [r"required: recipe \("]),  # not "recipe, key=value": overrides are optional
     Case("probe --budget 2", ["probe", "--budget", "2"], ["--budget", r"\(0, 1\]"]),
     Case("probe --seq-len abc", ["probe", "--seq-len", "abc"], ["--seq-len"]),
     Case("probe --model ./no_such_model", ["probe", "--model", "./no_such_model"], ["no_such_model"]),
