@@ -320,7 +320,7 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
                f"{', '.join(available_recipes())} (the YAML files in {recipe_dirs()[0] if recipe_dirs() else '-'}).",
     )
     p.add_argument("recipe", help="recipe name (e.g. lora_sft) or path of a recipe YAML file")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of recipe keys")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="overrides of recipe keys")
     p.add_argument("--print-config", action="store_true",
                    help="check the resolved recipe (after overrides), print it and exit without training")
     p.set_defaults(func=_run_train)

@@ -134,8 +134,10 @@ def probe_micro_batches(
         # The optimizer allocates its state (Adam: two tensors per parameter) in its first step; a trial
         # without it would under-measure every later step by that much.
         upto = f", up to {max_micro_batch}" if max_micro_batch else ""
+        # an estimate's meter runs the step on fake tensors: "real" there would say it trained (issue 59's replay)
+        step = "real training step" if meter.times_steps else "training step on fake tensors (nothing runs)"
         say(f"searching the largest micro-batch within {format_bytes(budget_bytes, 'MiB')} MiB{upto}, each trial one "
-            "real training step; first a warm-up step at micro-batch 1 (creates the optimizer state; not a trial)")
+            f"{step}; first a warm-up step at micro-batch 1 (creates the optimizer state; not a trial)")
         result.warmup_seconds, oom = guarded(lambda: meter.time(lambda: step_fn(1), micro_batch_size=1))
         if oom:
             trials.append(Trial(1, None, None, None, False, "out of memory"))

@@ -185,6 +185,14 @@ def test_an_unknown_flag_is_one_line(capsys):
     assert "unrecognized arguments: --bogus" in error_line(capsys)
 
 
+def test_train_without_a_recipe_asks_for_the_recipe_only(capsys):
+    """Overrides are optional (`hf-accum train lora_sft` runs): the error named `key=value` as required too (argparse
+    counts a nargs='*' positional without a default as required; issue 59's replay)."""
+    assert main(["train"]) == 2
+    line = error_line(capsys)
+    assert "the following arguments are required: recipe (" in line and "key=value" not in line
+
+
 def test_probe_budget_errors_name_the_flags(capsys):
     assert main(["probe", "--seq-len", "16", "--budget-bytes", str(2**60)]) == 2
     line = error_line(capsys)

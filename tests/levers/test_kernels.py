@@ -365,10 +365,11 @@ def test_use_liger_kernel_runs_liger_in_our_fused_loss_exactly_and_names_it(fuse
     configure = getattr(liger, "configure", None)  # None on a main without it: the test fails on what it checks
     monkeypatch.setattr(liger, "configure", lambda args, device: configure(args, "cuda"), raising=False)
     monkeypatch.setattr(liger, "unavailable", lambda *a, **k: None)  # the stand-in runs on the CPU
-    applied = []
+    applied, made, probed_first = [], [], []
 
     def apply_liger_kernel(model, config):  # what Liger does to the instance: its fused cross-entropy (on unless
         applied.append(dict(config or {}))  # turned off) replaces the model's forward
+        probed_first.append(made[0].probe_result is not None)  # docs/plan.md: the probe runs before Liger's kernels
         if (config or {}).get("fused_linear_cross_entropy", True):
             model.forward = lambda *a, **k: (_ for _ in ()).throw(AssertionError("Liger's own loss path ran"))
 
@@ -382,10 +383,11 @@ def test_use_liger_kernel_runs_liger_in_our_fused_loss_exactly_and_names_it(fuse
     recorder = StepRecorder()
     trainer = recording(AccumTrainer)(model=tiny_llama(), args=args, train_dataset=lm_examples(8),
                                       data_collator=pad_collate, callbacks=[recorder])
+    made.append(trainer)
     trainer.remove_callback(PrinterCallback)
     with caplog.at_level("WARNING", logger="hf_accum"):
         trainer.train()
-    assert applied == [{"fused_linear_cross_entropy": False}]
+    assert applied == [{"fused_linear_cross_entropy": False}] and probed_first == [True]
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("hf_accum plan: "))
     if fused_loss is False:
         assert "loss_kernel" not in (trainer.plan.levers or {}) and not calls

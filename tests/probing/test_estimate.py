@@ -98,7 +98,11 @@ def test_cli_estimate_writes_the_plan_with_every_peak(gpt2_folder, tmp_path, cap
     assert peaks[largest] <= 8 * MiB < peaks[largest + 1]
     assert all(peaks[m] < peaks[m + 1] for m in range(1, largest + 1))
     assert data["trials"] and all(t["seconds"] is None for t in data["trials"])  # fake steps time nothing
-    assert "predicted peak per micro-batch" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "predicted peak per micro-batch" in said.out
+    # nothing trained: the search's first line does not call its steps real (issue 59's replay of a new user)
+    search = next(line for line in (said.out + said.err).splitlines() if "searching the largest micro-batch" in line)
+    assert "training step on fake tensors (nothing runs)" in search and "real training step" not in search
 
 
 def test_cuda_estimate_on_a_cpu_build_says_its_assumptions(gpt2_folder):
