@@ -56,8 +56,10 @@ def _recording_init(init):
     @functools.wraps(init)  # keeps the signature: AccumulationMixin binds its arguments against it
     def __init__(self, *args, **kwargs):
         # Every trainer, whatever its class, runs Trainer.__init__ exactly once.
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         _write({"kind": "trainer", "test": _current_test, "cls": _qualname(type(self)),
-                "accum": isinstance(self, AccumulationMixin)})
+                "accum": isinstance(self, AccumulationMixin),
+                "target": getattr(training_args, "target_batch_size", None)})
         return init(self, *args, **kwargs)
 
     return __init__
@@ -104,6 +106,9 @@ if TARGET:  # the tests' `from transformers import TrainingArguments` (and their
     transformers.Seq2SeqTrainingArguments = TargetedSeq2SeqTrainingArguments
     _write({"kind": "swap", "replaced": ["transformers.TrainingArguments"], "by": _qualname(TargetedTrainingArguments),
             "original": "transformers.training_args.TrainingArguments"})
+    _write({"kind": "swap", "replaced": ["transformers.Seq2SeqTrainingArguments"],
+            "by": _qualname(TargetedSeq2SeqTrainingArguments),
+            "original": "transformers.training_args_seq2seq.Seq2SeqTrainingArguments"})
 
 
 def pytest_configure(config):

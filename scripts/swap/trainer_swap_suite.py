@@ -2,7 +2,7 @@
 set), side by side.
 
     python scripts/swap/trainer_swap_suite.py TESTS_DIR [FILES...] [--modes plain,swapped,swapped-target] [--timeout 120]
-                                         [-k EXPR] [--site DIR]
+                                         [-k EXPR] [--site DIR] [--standins]
 
 TESTS_DIR holds `tests/__init__.py` and `tests/trainer/` of transformers at (or as near as can be had to) the
 installed version. The files are not ours: they are never copied into this repository, and the script refuses a
@@ -12,6 +12,9 @@ TESTS_DIR inside it. To fill TESTS_DIR from a git directory of transformers (or 
 
 FILES are paths relative to TESTS_DIR (default: tests/trainer). `--site` adds a folder of extra test
 dependencies (e.g. `pip install --target DIR parameterized timeout-decorator`) to the runs' PYTHONPATH.
+`--standins` runs offline what test_trainer_seq2seq.py's `TestTranslationExample` loads from the hub: a tiny MBart
+built from config with hf_accum.tiny's tokenizer as "sshleifer/tiny-mbart" (in a hub cache under --out, the runs'
+HF_HUB_CACHE), and `evaluate` / `nltk` replaced by examples_swap.py's offline stand-ins (BLEU computed locally).
 
 Modes (default plain,swapped), run one after the other, each a pytest subprocess with `swap_conftest.py` loaded as a
 plugin and a junit report:
@@ -45,6 +48,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 BAD = ("failed", "error")
 MODES = ("plain", "swapped", "swapped-target")
+# what test_trainer_seq2seq.py's TestTranslationExample reads beside tests/trainer
+EXAMPLE_PATHS = ("examples/pytorch/translation", "tests/fixtures/tests_samples/wmt_en_ro")
+MBART_TINY = "sshleifer/tiny-mbart"
 
 
 def mode_env(mode: str) -> dict[str, str]:
@@ -59,8 +65,8 @@ def extract(git_dir: str, commit: str, dest: Path) -> None:
     """`tests/__init__.py` and `tests/trainer/` of COMMIT, via `git archive` (no work tree needed)."""
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile() as tar:
-        subprocess.run(["git", f"--git-dir={git_dir}", "archive", commit, "tests/__init__.py", "tests/trainer"],
-                       stdout=tar, check=True)
+        subprocess.run(["git", f"--git-dir={git_dir}", "archive", commit, "tests/__init__.py", "tests/trainer",
+                        *EXAMPLE_PATHS], stdout=tar, check=True)
         tar.seek(0)
         with tarfile.open(fileobj=tar) as archive:
             archive.extractall(dest, filter="data")
@@ -72,6 +78,37 @@ def extract(git_dir: str, commit: str, dest: Path) -> None:
     print(f"extracted tests/trainer of {sha} ({date}) into {dest}")
 
 
+def write_standins(out: Path) -> tuple[Path, Path]:
+    """The hub cache holding the tiny MBart stand-in for MBART_TINY, and the folder of the `evaluate` / `nltk`
+    stand-ins; kept when already written (same code, same seed: same weights)."""
+    sys.path.insert(0, str(REPO))
+    import examples_swap
+
+    hub, shims = out / "hub", out / "shims"
+    repo = hub / ("models--" + MBART_TINY.replace("/", "--"))
+    snapshot = repo / "snapshots" / ("0" * 40)
+    if not (snapshot / "config.json").exists():
+        import torch
+        from transformers import MBartConfig, MBartForConditionalGeneration
+
+        from hf_accum import tiny
+
+        tok = tiny.build_tokenizer()
+        torch.manual_seed(0)
+        MBartForConditionalGeneration(MBartConfig(
+            vocab_size=len(tok), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=128,
+            pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+            decoder_start_token_id=tok.eos_token_id)).save_pretrained(snapshot)
+        tok.save_pretrained(snapshot)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text("0" * 40)
+    for module, text in (("evaluate", examples_swap.EVALUATE_SHIM), ("nltk", examples_swap.NLTK_SHIM)):
+        (shims / module).mkdir(parents=True, exist_ok=True)
+        (shims / module / "__init__.py").write_text(text)
+    return hub, shims
+
+
 def run_pytest(mode: str, tests_dir: Path, files: list[str], out: Path, opts) -> tuple[Path, Path, float]:
     junit, record = out / f"{mode}.xml", out / f"{mode}.trainers.jsonl"
     record.unlink(missing_ok=True)
@@ -80,6 +117,10 @@ def run_pytest(mode: str, tests_dir: Path, files: list[str], out: Path, opts) ->
     env = dict(os.environ, **mode_env(mode), HF_ACCUM_SWAP_RECORD=str(record),
                HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
     paths = [str(HERE)] + ([opts.site] if opts.site else []) + [p for p in [env.get("PYTHONPATH")] if p]
+    if opts.standins:
+        hub, shims = write_standins(out)
+        env["HF_HUB_CACHE"] = str(hub)
+        paths.insert(1, str(shims))
     env["PYTHONPATH"] = os.pathsep.join(paths)
     cmd = [sys.executable, "-m", "pytest", *files, "-p", "swap_conftest", "-p", "no:cacheprovider",
            "-c", str(ini), "--rootdir", str(tests_dir), f"--junitxml={junit}", f"--timeout={opts.timeout}",
@@ -143,6 +184,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=int, default=120, help="per-test timeout in seconds (pytest-timeout)")
     parser.add_argument("-k", help="pytest -k expression, e.g. to deselect tests that hang")
     parser.add_argument("--site", help="folder with extra test dependencies, added to PYTHONPATH")
+    parser.add_argument("--standins", action="store_true", help=f"offline stand-ins for {MBART_TINY} and the "
+                        "evaluate / nltk modules run_translation.py loads (see above)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "trainer_swap",
                         help="junit reports, logs and trainer records (default runs/trainer_swap, git-ignored)")
     parser.add_argument("--report-only", action="store_true", help="re-print the table from the last run")
@@ -213,7 +256,9 @@ def main(argv=None) -> int:
         trainers, modules, swaps = runs[mode][1]
         accum = sum(t["accum"] for t in trainers)
         tests = {t["test"] for t in trainers}
-        print(f"\n{mode}: {len(trainers)} trainers built in {len(tests)} tests; AccumTrainer: {accum}")
+        targeted = sum(t.get("target") is not None for t in trainers)
+        print(f"\n{mode}: {len(trainers)} trainers built in {len(tests)} tests; AccumTrainer: {accum}; "
+              f"with a target_batch_size: {targeted}")
         if mode != "plain":
             for swap in swaps:
                 print(f"  replaced {', '.join(swap['replaced'])} by {swap['by']}")
