@@ -203,8 +203,6 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
     the names differ."""
     import copy
 
-    from transformers import AutoModelForCausalLM
-
     from ..compat.trl_internals import add_trl_fused_head, fused_lm_head_outputs
     from ..levers.checkpointing import enable_checkpointing
 
@@ -225,7 +223,7 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
         from ..levers.kernels.fused_loss import patch_model
 
-        built = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        built = type(base)._from_config(config, dtype=dtype)  # its own class: a head or an encoder-decoder too
         if any(checkpointed.values()):
             enable_checkpointing(built, SimpleNamespace(gradient_checkpointing=True,
                                                         gradient_checkpointing_kwargs={"use_reentrant": False}))

@@ -239,3 +239,15 @@ def test_the_estimate_quantizes_as_the_models_quantization_config(config, keywor
     model.config.quantization_config = config
     assert seed_module.quantization_of(model) == keywords
     assert seed_module.unsupported_reason(model, None) is None
+
+
+@pytest.mark.parametrize("build", ["tiny_bart", "tiny_t5"])
+def test_an_encoder_decoder_is_rebuilt_as_its_own_class(build):
+    """The rebuild was always AutoModelForCausalLM: BART's decoder alone ("its parameters differ"), T5 refused, so a
+    Seq2Seq probe's estimate failed and its search started at micro-batch 1."""
+    from tests import exactness
+
+    model = getattr(exactness, build)()
+    rebuilt = seed_module.builder_like(model)()
+    assert type(rebuilt) is type(model)
+    assert [n for n, _ in rebuilt.named_parameters()] == [n for n, _ in model.named_parameters()]
