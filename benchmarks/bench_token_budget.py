@@ -26,6 +26,7 @@ tokens (measured as below), so "samples" fits 4 worst-case rows; then
 """
 
 import dataclasses
+import logging
 import math
 import os
 import random
@@ -208,6 +209,7 @@ def part2(passes=2):
     cases = {"samples": ("samples", with_time, own)}
     cases.update({f"{g} forwards": ("tokens", with_time, forced(g)) for g in counts})
     cases.update({"planner (step time)": ("tokens", with_time, own), "padding rule (1.10)": ("tokens", padding_rule, own)})
+    logging.getLogger("hf_accum").setLevel(logging.ERROR)  # the runs' budgets are patched in: no plan line, no rule note
     results = {}
     for p in range(passes):
         for name, case in (cases.items() if p % 2 == 0 else reversed(cases.items())):

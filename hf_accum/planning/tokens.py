@@ -54,7 +54,8 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
              for length, r in measured.items()}
     step_time = fit_step_time(timed)
     tokens = TokenBudget(budget, rows_model, step_time=step_time)
-    result.extra["expected"] = _expected_cuts(lengths, per_rank, tokens, result.max_micro_batch_size)
+    result.extra["expected"] = _expected_cuts(lengths, per_rank, tokens, result.max_micro_batch_size,
+                                              packable=_packable(trainer.model, make_short))
     short = min(measured)
     result.extra["token_budget"] = {
         "tokens_per_forward": budget, "longest": seq_len, "rows_at_longest": result.max_micro_batch_size,
@@ -81,16 +82,38 @@ def _usable(model: dict, trials: list, budget_bytes: int, rows_at: dict[int, int
     return {**model, "usable_bytes": usable, "rows_at": {str(k): v for k, v in rows_at.items()}}
 
 
+def _packable(model, make_batch) -> bool:
+    """Whether the user's padded rows could run padding-free instead (one row of concatenated sequences with
+    position_ids: `DataCollatorWithFlattening`, TRL's ``padding_free=True``): a decoder-only model whose forward
+    takes position_ids, and a probe batch of two rows that pads (a padding mask with zeros)."""
+    import inspect
+
+    import torch
+
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return False
+    try:
+        mask = make_batch(2).get("attention_mask")
+    except Exception:  # noqa: BLE001 -- a batch the probe cannot make says nothing either way
+        return False
+    return torch.is_tensor(mask) and mask.dim() == 2 and not bool(mask.all())
+
+
 def _expected_cuts(lengths: list[int] | None, per_rank: int, budget: TokenBudget,
-                   rows_at_longest: int) -> dict[str, float]:
+                   rows_at_longest: int, packable: bool = False) -> dict[str, float]:
     """Forwards per optimizer step and padded / real tokens this budget gives on the user's data (windows of a
     fixed shuffle), next to "samples" mode's plan at the micro-batch that fits the worst case, each cut by the rule
-    that would run it (`partition_padded`, `window.cuts.near_equal_groups`)."""
+    that would run it (`partition_padded`, `window.cuts.near_equal_groups`). ``packable``: also what padding-free
+    rows under the same token count would take (`partition_packed`; a packed forward holds no padding mask, so the
+    padded budget bounds it), and with a step-time model the modelled seconds of both (a packed sequence's
+    attention is its own length's)."""
     import random
 
     from ..probing.plan import plan_batch
     from ..window.cuts import near_equal_groups
-    from ..window.token_budget import partition_padded
+    from ..window.token_budget import modelled_seconds, partition_packed, partition_padded, token_seconds
 
     if not lengths:
         return {}
@@ -105,9 +128,19 @@ def _expected_cuts(lengths: list[int] | None, per_rank: int, budget: TokenBudget
     def padded(cuts):
         return sum(len(g) * max(w[i] for i in g) for w, gs in zip(windows, cuts) for g in gs) / real
 
-    return {
+    out = {
         "forwards_per_step": sum(map(len, tokens)) / len(windows),
         "padded_over_real": padded(tokens),
         "samples_mode_forwards_per_step": sum(map(len, samples)) / len(windows),
         "samples_mode_padded_over_real": padded(samples),
     }
+    if packable:
+        packed = [partition_packed(w, budget) for w in windows]
+        out["padding_free_forwards_per_step"] = sum(map(len, packed)) / len(windows)
+        st = budget.step_time
+        if st is not None:
+            out["step_seconds_modelled"] = sum(modelled_seconds(st, w, g) for w, g in zip(windows, tokens)) / len(windows)
+            out["padding_free_step_seconds_modelled"] = sum(
+                len(spans) * st["forward_seconds"] + sum(n * token_seconds(st, n) for n in w)
+                for w, spans in zip(windows, packed)) / len(windows)
+    return out

@@ -159,32 +159,34 @@ def modelled_seconds(step_time: dict, lengths: Sequence[int], groups: list[list[
 
 def fit_step_time(timed: dict[int, dict[int, float]]) -> dict | None:
     """A forward's cost from timed steps: ``timed[length][rows]`` the seconds of one step of ``rows`` rows padded to
-    ``length``. At each length timed at two or more sizes, the line ``seconds ≈ fixed + per_token x rows x
-    length``; the plan's ``forward_seconds`` is the median of their fixed costs (a step's, its optimizer step
-    included, so a forward's is over-stated; a negative one, noise, counts as 0), ``token_seconds`` each length's
-    per-token cost, never less than a shorter length's (attention makes a token of a longer row dearer; a smaller
-    figure is noise), which keeps the cheapest cuts contiguous in the sorted rows. None when no length was timed at
-    two sizes, or a token's cost comes out <= 0 (no model rather than a wrong one)."""
-    lines = {}
+    ``length``. Least squares over the lengths timed at two or more sizes: ``seconds ≈ forward_seconds + rows x
+    length x per_token[length]``, one fixed cost for all (a step's, its optimizer step included, so a forward's is
+    over-stated; a negative one, noise, is taken as 0) and a cost per padded token at each length, never less than a
+    shorter length's (attention makes a token of a longer row dearer; a smaller figure is noise), which keeps the
+    cheapest cuts contiguous in the sorted rows. None when no length was timed at two sizes, or a token's cost comes
+    out <= 0 (no model rather than a wrong one)."""
+    sums = {}  # length -> (n, Σx, Σy, Σxx, Σxy), x the tokens of a step
     for length, by_rows in timed.items():
         points = [(rows * length, sec) for rows, sec in by_rows.items() if sec and sec > 0]
-        if len(points) < 2:
-            continue
-        n = len(points)
-        mean_x, mean_y = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+        if len({x for x, _ in points}) >= 2:
+            sums[length] = (len(points), sum(x for x, _ in points), sum(y for _, y in points),
+                            sum(x * x for x, _ in points), sum(x * y for x, y in points))
+    if not sums:
+        return None
+    # the fixed cost shared by every length's line: setting the derivative of the squared error to 0
+    n, sy = sum(v[0] for v in sums.values()), sum(v[2] for v in sums.values())
+    denominator = n - sum(sx * sx / sxx for _, sx, _, sxx, _ in sums.values())
+    numerator = sy - sum(sxy * sx / sxx for _, sx, _, sxx, sxy in sums.values())
+    fixed = max(0.0, numerator / denominator) if denominator > 0 else 0.0
+    per_token, floor = {}, 0.0
+    for length in sorted(sums):
+        _, sx, _, sxx, sxy = sums[length]
+        slope = (sxy - fixed * sx) / sxx
         if slope <= 0:
             return None
-        lines[length] = (max(0.0, mean_y - slope * mean_x), slope)
-    if not lines:
-        return None
-    fixed = sorted(f for f, _ in lines.values())
-    median = (fixed[(len(fixed) - 1) // 2] + fixed[len(fixed) // 2]) / 2
-    per_token, floor = {}, 0.0
-    for length in sorted(lines):
-        floor = max(floor, lines[length][1])
+        floor = max(floor, slope)
         per_token[str(length)] = floor
-    return {"forward_seconds": median, "token_seconds": per_token}
+    return {"forward_seconds": fixed, "token_seconds": per_token}
 
 
 def _sorted(lengths: Sequence[int]) -> tuple[list[int], list[int]]:

@@ -335,6 +335,15 @@ def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(t
     assert plan.token_budget == min(rows * int(length) for length, rows in measured["rows_at"].items())
     assert measured["rows_at"][str(longest)] == measured["rows_at_longest"]
     assert "cut into forwards of at most" in plan.describe()
+    # plain steps timed at two sizes per length make the step-time model the cut reads, stored in the plan
+    assert (plan.step_time is not None) == any(len(by_rows) >= 2 for by_rows in measured["step_times"].values())
+    assert plan.step_time == measured["step_time"]
+    if plan.step_time is not None:
+        assert "least modelled step time" in plan.describe()
+    # padded rows of a decoder-only model could be packed: the line says what that would take
+    assert expected["padding_free_forwards_per_step"] <= expected["forwards_per_step"]
+    assert f"padding-free rows (DataCollatorWithFlattening, TRL padding_free=True) would take " \
+           f"{expected['padding_free_forwards_per_step']:.1f} forwards at padded/real 1.00" in line
     if measured["cost_model"] is not None:
         fitted = trainer.probe_result.fitted  # the line at the longest length, which the model reproduces
         assert predicted_peak(measured["cost_model"], 2, longest) == pytest.approx(fitted[0] + 2 * fitted[1])
