@@ -163,8 +163,9 @@ def fit_step_time(timed: dict[int, dict[int, float]]) -> dict | None:
     length x per_token[length]``, one fixed cost for all (a step's, its optimizer step included, so a forward's is
     over-stated; a negative one, noise, is taken as 0) and a cost per padded token at each length, never less than a
     shorter length's (attention makes a token of a longer row dearer; a smaller figure is noise), which keeps the
-    cheapest cuts contiguous in the sorted rows. None when no length was timed at two sizes, or a token's cost comes
-    out <= 0 (no model rather than a wrong one)."""
+    cheapest cuts contiguous in the sorted rows; a length whose token cost comes out <= 0 (its steps are mostly the
+    fixed cost, and noise hides the rest) takes the least positive one. None when no length was timed at two sizes,
+    or no token cost comes out > 0 (no model rather than a wrong one)."""
     sums = {}  # length -> (n, Σx, Σy, Σxx, Σxy), x the tokens of a step
     for length, by_rows in timed.items():
         points = [(rows * length, sec) for rows, sec in by_rows.items() if sec and sec > 0]
@@ -178,13 +179,13 @@ def fit_step_time(timed: dict[int, dict[int, float]]) -> dict | None:
     denominator = n - sum(sx * sx / sxx for _, sx, _, sxx, _ in sums.values())
     numerator = sy - sum(sxy * sx / sxx for _, sx, _, sxx, sxy in sums.values())
     fixed = max(0.0, numerator / denominator) if denominator > 0 else 0.0
+    slopes = {length: (sxy - fixed * sx) / sxx for length, (_, sx, _, sxx, sxy) in sums.items()}
+    positive = [v for v in slopes.values() if v > 0]
+    if not positive:
+        return None
     per_token, floor = {}, 0.0
-    for length in sorted(sums):
-        _, sx, _, sxx, sxy = sums[length]
-        slope = (sxy - fixed * sx) / sxx
-        if slope <= 0:
-            return None
-        floor = max(floor, slope)
+    for length in sorted(slopes):  # a length whose steps are mostly the fixed cost can time no token cost: the least
+        floor = max(floor, slopes[length] if slopes[length] > 0 else min(positive))
         per_token[str(length)] = floor
     return {"forward_seconds": fixed, "token_seconds": per_token}
 

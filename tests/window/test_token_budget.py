@@ -419,6 +419,9 @@ def test_a_forwards_cost_is_fitted_from_timed_steps_at_two_sizes_per_length():
     assert token_seconds(st, 288) == pytest.approx(2e-5)  # linear between the timed lengths
     assert fit_step_time({512: {4: 1.0}}) is None  # one size only: no model, the padding rule cuts
     assert fit_step_time({512: {2: 1.0, 4: 0.9}}) is None  # slower with fewer tokens: noise, no model
+    # a short length whose steps are all fixed cost (noise hides its tokens' cost) takes the least positive cost
+    flat = fit_step_time({32: {32: 0.36, 64: 0.33}, 512: {2: 0.3 + 1e-4 * 1024, 4: 0.3 + 1e-4 * 2048}})
+    assert flat["token_seconds"]["32"] == flat["token_seconds"]["512"] > 0 and flat["forward_seconds"] > 0.25
     # a shorter length's dearer token is noise: never cheaper at a longer length (keeps the cut contiguous)
     assert fit_step_time({64: {1: 1e-3 * 64, 2: 2e-3 * 64}, 512: {1: 1e-4 * 512, 2: 2e-4 * 512}})["token_seconds"] \
         == {"64": pytest.approx(1e-3), "512": pytest.approx(1e-3)}
