@@ -5,11 +5,14 @@ example at 512; target 64 (one rank); the budget at which "samples" fits 4 worst
 
 Part 1 (pure, every window of one epoch in the sampler's order): forwards per optimizer step and padded/real
 tokens for "samples" (micro 4, each micro-batch padded to its longest), "tokens" (padded rows sorted and cut
-under the budget: the fewest forwards, as before, and now more while a window pads more than 1.10 tokens per real
-one) and "tokens" on padding-free rows. Part 2 (a tiny float64 Llama, the first 3 windows): "samples",
-"tokens" with the fewest forwards (as before) and "tokens" now, trained through AccumTrainer from the same weights:
-forwards and padded/real tokens per step as the model saw them, CPU seconds per optimizer step and the largest
-relative difference of their gradients. Part 3 (a small float32 Llama whose activations dominate, as in bench_probe.py; the
+under the budget: the fewest forwards, and the padding rule of a plan without step times, more while a window pads more than 1.10 tokens per real
+one) and "tokens" on padding-free rows. Part 2 (a tiny float64 Llama, the first 3 windows): the tokens-mode probe
+gives the token budget and the step-time model (`token_budget.fit_step_time`); then every candidate cut (a number of
+forwards per window, the fewest to "samples" mode's count), the planner's choice, the padding rule and "samples" mode
+are trained through AccumTrainer from the same weights: forwards and padded/real tokens per step as the model saw
+them, the modelled and the measured CPU seconds per optimizer step side by side, and the largest relative difference
+of their gradients from "samples" mode's; the last line says whether the planner's cut is within 3% of the fastest
+measured one. Part 3 (a small float32 Llama whose activations dominate, as in bench_probe.py; the
 whole dataset): the memory budget is set halfway between the measured training peaks at 4 and 5 rows x 512
 tokens (measured as below), so "samples" fits 4 worst-case rows; then
 - AccumTrainer's probe in "tokens" mode gives the token budget and its cost model (trials and seconds next to the
@@ -21,7 +24,7 @@ tokens (measured as below), so "samples" fits 4 worst-case rows; then
 - both modes train 4 optimizer steps under the CPU meter: peak (tensor bytes, weights, gradients and optimizer
   state included) vs the budget.
 
-    python benchmarks/bench_token_budget.py           # parts 1-3, about 6 minutes on 2 CPU cores
+    python benchmarks/bench_token_budget.py           # parts 1-3, about 15 minutes on 2 CPU cores
     python benchmarks/bench_token_budget.py --part 3
 """
 
