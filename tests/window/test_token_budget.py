@@ -523,3 +523,16 @@ def test_a_stored_plan_keeps_its_step_time_and_one_without_it_cuts_by_the_paddin
         Plan(5, 1, 1, 5, step_time=st)  # no token budget
 
 
+
+
+def test_a_plan_without_step_times_says_once_that_the_padding_rule_cuts(tmp_path, caplog):
+    args = AccumTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, target_batch_size=8,
+        auto_tune=False, micro_batching="tokens", max_tokens_per_forward=120, use_cpu=True, report_to=[],
+        remove_unused_columns=False, max_steps=2, save_strategy="no", disable_tqdm=True)
+    trainer = AccumTrainer(model=tiny_llama(), args=args, train_dataset=long_tailed(16), data_collator=pad_collate)
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "by the padding rule" in r.getMessage()]
+    assert len(said) == 1 and "auto_tune=False: nothing was timed" in said[0]
+    assert trainer.plan.step_time is None
