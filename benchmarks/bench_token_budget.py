@@ -5,11 +5,14 @@ example at 512; target 64 (one rank); the budget at which "samples" fits 4 worst
 
 Part 1 (pure, every window of one epoch in the sampler's order): forwards per optimizer step and padded/real
 tokens for "samples" (micro 4, each micro-batch padded to its longest), "tokens" (padded rows sorted and cut
-under the budget: the fewest forwards, as before, and now more while a window pads more than 1.10 tokens per real
-one) and "tokens" on padding-free rows. Part 2 (a tiny float64 Llama, the first 3 windows): "samples",
-"tokens" with the fewest forwards (as before) and "tokens" now, trained through AccumTrainer from the same weights:
-forwards and padded/real tokens per step as the model saw them, CPU seconds per optimizer step and the largest
-relative difference of their gradients. Part 3 (a small float32 Llama whose activations dominate, as in bench_probe.py; the
+under the budget: the fewest forwards, and the padding rule of a plan without step times, more while a window pads more than 1.10 tokens per real
+one) and "tokens" on padding-free rows. Part 2 (a tiny float64 Llama, the first 3 windows): the tokens-mode probe
+gives the token budget and the step-time model (`token_budget.fit_step_time`); then every candidate cut (a number of
+forwards per window, the fewest to "samples" mode's count), the planner's choice, the padding rule and "samples" mode
+are trained through AccumTrainer from the same weights: forwards and padded/real tokens per step as the model saw
+them, the modelled and the measured CPU seconds per optimizer step side by side, and the largest relative difference
+of their gradients from "samples" mode's; the last line says whether the planner's cut is within 3% of the fastest
+measured one. Part 3 (a small float32 Llama whose activations dominate, as in bench_probe.py; the
 whole dataset): the memory budget is set halfway between the measured training peaks at 4 and 5 rows x 512
 tokens (measured as below), so "samples" fits 4 worst-case rows; then
 - AccumTrainer's probe in "tokens" mode gives the token budget and its cost model (trials and seconds next to the
@@ -21,10 +24,12 @@ tokens (measured as below), so "samples" fits 4 worst-case rows; then
 - both modes train 4 optimizer steps under the CPU meter: peak (tensor bytes, weights, gradients and optimizer
   state included) vs the budget.
 
-    python benchmarks/bench_token_budget.py           # parts 1-3, about 6 minutes on 2 CPU cores
+    python benchmarks/bench_token_budget.py           # parts 1-3, about 15 minutes on 2 CPU cores
     python benchmarks/bench_token_budget.py --part 3
 """
 
+import dataclasses
+import logging
 import math
 import os
 import random
@@ -84,8 +89,53 @@ def part1():
     print(f"padding <= 1.10: worst window {worst:.3f}; the same cuts when run again: {again == cuts['now']}")
 
 
-def part2():
-    import dataclasses
+def tiny_data():
+    g = random.Random(2)
+    lens = lengths(3 * TARGET, seed=3)
+    data = []
+    for n in lens:
+        ids = [g.randint(1, 96) for _ in range(n)]
+        data.append({"input_ids": ids, "labels": [-100] * (n // 4) + ids[n // 4:]})
+    return data
+
+
+def peak_of(model, rows, length, vocab):
+    """The meter's peak over two optimizer steps of plain training (the plan given, no probe) on ``rows`` distinct
+    rows of ``length`` tokens, the last shorter so that the batch is padded as training's are."""
+    import copy
+    import tempfile
+
+    from transformers.trainer_callback import PrinterCallback
+
+    from hf_accum import AccumTrainer, AccumTrainingArguments
+    from hf_accum.probing.meters import CpuMeter, live_tensor_bytes
+    from tests.exactness import pad_collate
+
+    g = random.Random(rows * 1000 + length)
+    batch = []
+    for r in range(rows):
+        n = length - length // 4 if r == rows - 1 and rows > 1 else length
+        ids = [g.randint(1, vocab) for _ in range(n)]
+        batch.append({"input_ids": ids, "labels": [-100] * (n // 4) + ids[n // 4:]})
+    with tempfile.TemporaryDirectory() as out:
+        args = AccumTrainingArguments(
+            output_dir=out, per_device_train_batch_size=rows, gradient_accumulation_steps=1, target_batch_size=rows,
+            auto_tune=False, max_steps=2, learning_rate=1e-4, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+            disable_tqdm=True, remove_unused_columns=False)
+        trainer = AccumTrainer(model=copy.deepcopy(model), args=args, train_dataset=batch, data_collator=pad_collate)
+        trainer.remove_callback(PrinterCallback)
+        meter = CpuMeter(resident=lambda model=trainer.model: live_tensor_bytes(model))
+        return meter.measure(trainer.train).peak_bytes
+
+
+def part2(passes=2):
+    """The tokens-mode probe of the tiny float64 Llama (memory budget halfway between real steps of 4 and 5 rows x
+    512, levers pinned off so that only the cut differs) gives the token budget and the step-time model; then the
+    first 3 windows are trained from the same weights with every candidate cut (a number of forwards per window,
+    from the fewest to "samples" mode's count, each the cut partition_padded would take at that count), the
+    planner's own choice, the padding rule (a plan without step times) and "samples" mode. Each is run ``passes``
+    times, interleaved, and its least CPU seconds per step kept (2 shared cores)."""
+    import copy
     import tempfile
     from unittest import mock
 
@@ -93,48 +143,94 @@ def part2():
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from hf_accum.planning import planner
+    from hf_accum.window import token_budget as tb
     from tests.exactness import StepRecorder, max_relative_error, pad_collate, tiny_llama
 
-    g = random.Random(2)
-    lens = lengths(3 * TARGET, seed=3)
-    data = []
-    for n in lens:
-        ids = [g.randint(1, 96) for _ in range(n)]
-        data.append({"input_ids": ids, "labels": [-100] * (n // 4) + ids[n // 4:]})
-    results = {}
-    in_force = planner.plan_budget
+    data = tiny_data()
+    initial = tiny_llama(max_position_embeddings=512)
+    pinned = "checkpointing=0,selective=0,loss_kernel=torch"  # the cut is what differs; no lever is searched
+    budget_bytes = (peak_of(initial, MICRO, LONGEST, 96) + peak_of(initial, MICRO + 1, LONGEST, 96)) // 2
+    with tempfile.TemporaryDirectory() as out:
+        args = AccumTrainingArguments(
+            output_dir=out, target_batch_size=TARGET, micro_batching="tokens", memory_budget_bytes=budget_bytes,
+            levers=pinned, max_steps=3, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+            remove_unused_columns=False, log_level="warning")
+        prober = AccumTrainer(model=copy.deepcopy(initial), args=args, train_dataset=data, data_collator=pad_collate)
+        start = time.perf_counter()
+        prober.tune()
+        probe_s = time.perf_counter() - start
+        plan = prober.plan
+        timed = prober.probe_result.extra["token_budget"]["step_times"]
+        del prober
+    budget = tb.plan_budget(plan)
+    st = plan.step_time
+    print(f"\nPart 2: tiny float64 Llama, 3 optimizer steps of {TARGET}; memory budget {budget_bytes / 2**20:.1f} MiB")
+    print(f"probe ({probe_s:.0f} s): {plan.describe()}")
+    print(f"timed steps (s): {timed}")
+    if st is None:
+        print("no step-time model: the planner cuts by the padding rule")
+        return
+    print(f"step-time model: a forward {st['forward_seconds']:.4f} s + per padded token "
+          + ", ".join(f"{float(v) * 1e6:.2f} us at {k}" for k, v in st["token_seconds"].items()))
 
-    def fewest(plan):  # the cut before the padding target: the fewest forwards, whatever they pad
-        budget = in_force(plan)
-        return None if budget is None else dataclasses.replace(budget, padding_target=None)
+    own = tb.partition_padded
 
-    for name, mode in (("samples", "samples"), ("tokens, fewest forwards", "tokens"), ("tokens", "tokens")):
-        with tempfile.TemporaryDirectory() as out, \
-                mock.patch.object(planner, "plan_budget", fewest if "fewest" in name else in_force):
+    def forced(count):  # the time rule's cut at ``count`` forwards (clamped to this window's candidates)
+        def cut(lengths, budget, groups=None):
+            cands = tb.candidate_cuts(lengths, budget)
+            return cands[max(min(cands), min(max(cands), max(count, groups or 0)))]
+        return cut
+
+    def run(mode, in_force, partition):
+        with tempfile.TemporaryDirectory() as out, mock.patch.object(planner, "plan_budget", in_force), \
+                mock.patch.object(tb, "partition_padded", partition):
             args = AccumTrainingArguments(
                 output_dir=out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=TARGET // MICRO,
                 target_batch_size=TARGET, auto_tune=False, micro_batching=mode,
-                max_tokens_per_forward=BUDGET if mode == "tokens" else None, max_steps=3, learning_rate=1e-3,
-                max_grad_norm=0.0, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
-                remove_unused_columns=False)
+                max_tokens_per_forward=plan.token_budget if mode == "tokens" else None, max_steps=3,
+                learning_rate=1e-3, max_grad_norm=0.0, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+                disable_tqdm=True, remove_unused_columns=False, log_level="error", check_accumulation=False)
             recorder = StepRecorder()
-            model = tiny_llama(max_position_embeddings=512)
-            forwards = []
-            model.register_forward_pre_hook(lambda m, a, kw, seen=forwards: seen.append(kw["input_ids"].numel()),
-                                            with_kwargs=True)  # check_accumulation's forward included
+            model = copy.deepcopy(initial)
+            shapes = []
+            model.register_forward_pre_hook(lambda m, a, kw, seen=shapes: seen.append(tuple(kw["input_ids"].shape)),
+                                            with_kwargs=True)
             trainer = AccumTrainer(model=model, args=args, train_dataset=data, data_collator=pad_collate,
                                    callbacks=[recorder])
             trainer.remove_callback(PrinterCallback)
             start = time.process_time()
             trainer.train()
-            results[name] = (recorder, (time.process_time() - start) / 3, len(forwards) / 3, sum(forwards) / sum(lens))
-    print(f"\nPart 2: tiny float64 Llama, 3 optimizer steps of {TARGET} (CPU seconds of this process)")
-    print(f"{'mode':24} {'forwards/step':>14} {'padded/real':>12} {'CPU s/step':>11} {'vs samples':>11}")
-    for name, (_, seconds, fwd, pad) in results.items():
-        print(f"{name:24} {fwd:14.2f} {pad:12.3f} {seconds:11.2f} {seconds / results['samples'][1]:11.2f}")
-    for name in ("tokens, fewest forwards", "tokens"):
-        err = max_relative_error(results[name][0].grads, results["samples"][0].grads)
-        print(f"gradients, {name} vs samples: max relative difference {err:.2e}")
+            seconds = (time.process_time() - start) / 3
+        modelled = sum(st["forward_seconds"] + rows * length * tb.token_seconds(st, length) for rows, length in shapes)
+        real = sum(len(d["input_ids"]) for d in data)
+        return recorder, seconds, len(shapes) / 3, sum(r * n for r, n in shapes) / real, modelled / 3
+
+    with_time = lambda _plan: budget  # noqa: E731 -- the probed plan's budget, step times included
+    padding_rule = lambda _plan: dataclasses.replace(budget, step_time=None)  # noqa: E731
+    windows = [[len(d["input_ids"]) for d in data[w:w + TARGET]] for w in range(0, len(data), TARGET)]
+    counts = sorted({g for w in windows for g in tb.candidate_cuts(w, budget)})
+    cases = {"samples": ("samples", with_time, own)}
+    cases.update({f"{g} forwards": ("tokens", with_time, forced(g)) for g in counts})
+    cases.update({"planner (step time)": ("tokens", with_time, own), "padding rule (1.10)": ("tokens", padding_rule, own)})
+    logging.getLogger("hf_accum").setLevel(logging.ERROR)  # the runs' budgets are patched in: no plan line, no rule note
+    results = {}
+    for p in range(passes):
+        for name, case in (cases.items() if p % 2 == 0 else reversed(cases.items())):
+            r = run(*case)
+            if name not in results or r[1] < results[name][1]:
+                results[name] = r
+    print(f"{'cut':22} {'forwards/step':>14} {'padded/real':>12} {'modelled s':>11} {'CPU s/step':>11} "
+          f"{'vs fastest':>11} {'grad vs samples':>16}")
+    tokens = {k: v for k, v in results.items() if k != "samples"}
+    fastest = min(v[1] for v in tokens.values())
+    for name, (rec, seconds, fwd, pad, modelled) in results.items():
+        err = "" if name == "samples" else f"{max_relative_error(rec.grads, results['samples'][0].grads):.1e}"
+        print(f"{name:22} {fwd:14.2f} {pad:12.3f} {modelled:11.3f} {seconds:11.3f} {seconds / fastest:11.3f} {err:>16}")
+    best = min((k for k in tokens if k.endswith("forwards")), key=lambda k: tokens[k][1])
+    chosen = tokens["planner (step time)"][1]
+    print(f"planner's cut: {tokens['planner (step time)'][2]:.2f} forwards/step, {chosen:.3f} CPU s/step; fastest "
+          f"measured candidate: {best} ({tokens[best][1]:.3f}); planner / fastest {chosen / fastest:.3f} "
+          f"({'within' if chosen <= 1.03 * fastest else 'NOT within'} 3%)")
 
 
 def examples(lens, seed=3):

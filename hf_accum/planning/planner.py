@@ -25,7 +25,7 @@ from ..levers import get_lever
 from ..probing.engine import probe_through_engine
 from ..probing.plan import Plan
 from ..window.protocol import Collective, StopTraining
-from ..window.token_budget import TokenBudget, plan_budget
+from ..window.token_budget import PADDING_TARGET, TokenBudget, plan_budget
 from . import tuning
 from .eval_batch import plan_eval_batch
 from .growback import GrowBack
@@ -33,6 +33,18 @@ from .policy import InForce, OomPolicy, as_plan
 from .store import save_plan, stored_figures
 
 logger = logging.getLogger(__name__)
+
+
+def _say_cut_rule(plan: Plan, args) -> None:
+    """Once, as a plan is applied before training: a token budget without step times cuts by the padding rule."""
+    if plan.token_budget is None or plan.step_time is not None:
+        return
+    why = ("auto_tune=False: nothing was timed" if not Settings(args).tunes
+           else "the plan holds no step times (a plan file stored before they were measured, or a probe that timed "
+                "nothing)")
+    logger.warning("hf_accum: micro_batching='tokens' cuts each window by the padding rule (one more forward while "
+                   "it pads more than %.2f tokens per real token), not by modelled step time: %s. Probe again to cut "
+                   "by step time (auto_tune=True, the stored plan file removed).", PADDING_TARGET, why)
 
 
 class Planner:
@@ -107,6 +119,7 @@ class Planner:
         plan = self.on_engine(plan)
         if not in_training_loop:
             trainer.engine.check_plan(plan)  # before anything changes
+            _say_cut_rule(plan, args)
         engine = trainer._engine
         if engine is not None:
             engine.token_budget = plan_budget(plan)

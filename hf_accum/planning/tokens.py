@@ -8,7 +8,7 @@ import math
 
 from ..probing.loop import ProbeResult
 from ..probing.plan import Plan
-from ..window.token_budget import TokenBudget, cost_model, predicted_peak
+from ..window.token_budget import TokenBudget, cost_model, fit_step_time, predicted_peak
 from .data_scan import probe_batches
 
 
@@ -20,8 +20,10 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
     quadratic term grows), so the largest token count fitting at the longest *and* at the shortest example fits
     every length between: the budget is the smallest of the measured capacities (rows that fit x length) at the
     longest example, the shortest that matters, and one between them. Their three lines make the cost model
-    (`token_budget.cost_model`), by which a length between may hold more rows. Each rank loads its whole window
-    (micro = the per-rank target, accumulation 1); the engine cuts it."""
+    (`token_budget.cost_model`), by which a length between may hold more rows. The plain steps each probe timed at
+    two sizes give the step-time model (`token_budget.fit_step_time`) by which the window's number of forwards is
+    chosen; without it (a probe that timed nothing) the padding rule cuts. Each rank loads its whole window (micro =
+    the per-rank target, accumulation 1); the engine cuts it."""
     per_rank = plan.target_batch_size // plan.world_size
     at_longest = result.max_micro_batch_size * seq_len
     # A forward never holds more rows than the window, so below at_longest / per_rank tokens per row the chunks
@@ -48,9 +50,12 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
     if model is not None:
         trials = [(t, length) for length, r in measured.items() for t in r.measured_trials]
         rows_model = _usable(model, trials, result.budget_bytes, rows_at)
-        rows_model["forward_tokens"] = _forward_tokens(trials)
-    tokens = TokenBudget(budget, rows_model)
-    result.extra["expected"] = _expected_cuts(lengths, per_rank, tokens, result.max_micro_batch_size)
+    timed = {length: {int(rows): s for rows, s in r.extra.get("step_times", {}).items()}
+             for length, r in measured.items()}
+    step_time = fit_step_time(timed)
+    tokens = TokenBudget(budget, rows_model, step_time=step_time)
+    result.extra["expected"] = _expected_cuts(lengths, per_rank, tokens, result.max_micro_batch_size,
+                                              packable=_packable(trainer.model, make_short))
     short = min(measured)
     result.extra["token_budget"] = {
         "tokens_per_forward": budget, "longest": seq_len, "rows_at_longest": result.max_micro_batch_size,
@@ -59,33 +64,11 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
         "short_trials": [t.__dict__ for length, r in measured.items() if length != seq_len
                          for t in r.measured_trials],
         "cost_model": model,
+        "step_times": {str(length): {str(k): v for k, v in by_rows.items()} for length, by_rows in timed.items()},
+        "step_time": step_time,
     }
     return Plan(per_rank, 1, plan.world_size, plan.target_batch_size, token_budget=budget,
-                token_model=rows_model), result
-
-
-def _forward_tokens(trials: list) -> float | None:
-    """What a forward costs beyond its tokens, in tokens (recorded in the plan file, not read by the cut: step
-    times differ between two runs of the same command, and the cut must not, see token_budget.py): at each probed
-    length, the intercept over the slope of the step times against the tokens each step held; the largest of them.
-    The trials' steps include the optimizer step, so this over-estimates a forward's cost. None when some length
-    lacks two timed sizes or a positive per-token time."""
-    by_length: dict[int, list[tuple[int, float]]] = {}
-    for t, length in trials:
-        if t.seconds:
-            by_length.setdefault(length, []).append((t.micro_batch_size * length, t.seconds))
-    estimates = []
-    for points in by_length.values():
-        if len({x for x, _ in points}) < 2:
-            return None
-        mean_x = sum(x for x, _ in points) / len(points)
-        mean_y = sum(y for _, y in points) / len(points)
-        slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
-                 / sum((x - mean_x) ** 2 for x, _ in points))
-        if slope <= 0:
-            return None
-        estimates.append(max(0.0, (mean_y - slope * mean_x) / slope))
-    return max(estimates) if estimates else None
+                token_model=rows_model, step_time=step_time), result
 
 
 def _usable(model: dict, trials: list, budget_bytes: int, rows_at: dict[int, int]) -> dict:
@@ -99,16 +82,38 @@ def _usable(model: dict, trials: list, budget_bytes: int, rows_at: dict[int, int
     return {**model, "usable_bytes": usable, "rows_at": {str(k): v for k, v in rows_at.items()}}
 
 
+def _packable(model, make_batch) -> bool:
+    """Whether the user's padded rows could run padding-free instead (one row of concatenated sequences with
+    position_ids: `DataCollatorWithFlattening`, TRL's ``padding_free=True``): a decoder-only model whose forward
+    takes position_ids, and a probe batch of two rows that pads (a padding mask with zeros)."""
+    import inspect
+
+    import torch
+
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return False
+    try:
+        mask = make_batch(2).get("attention_mask")
+    except Exception:  # noqa: BLE001 -- a batch the probe cannot make says nothing either way
+        return False
+    return torch.is_tensor(mask) and mask.dim() == 2 and not bool(mask.all())
+
+
 def _expected_cuts(lengths: list[int] | None, per_rank: int, budget: TokenBudget,
-                   rows_at_longest: int) -> dict[str, float]:
+                   rows_at_longest: int, packable: bool = False) -> dict[str, float]:
     """Forwards per optimizer step and padded / real tokens this budget gives on the user's data (windows of a
     fixed shuffle), next to "samples" mode's plan at the micro-batch that fits the worst case, each cut by the rule
-    that would run it (`partition_padded`, `window.cuts.near_equal_groups`)."""
+    that would run it (`partition_padded`, `window.cuts.near_equal_groups`). ``packable``: also what padding-free
+    rows under the same token count would take (`partition_packed`; a packed forward holds no padding mask, so the
+    padded budget bounds it), and with a step-time model the modelled seconds of both (a packed sequence's
+    attention is its own length's)."""
     import random
 
     from ..probing.plan import plan_batch
     from ..window.cuts import near_equal_groups
-    from ..window.token_budget import partition_padded
+    from ..window.token_budget import modelled_seconds, partition_packed, partition_padded, token_seconds
 
     if not lengths:
         return {}
@@ -123,9 +128,19 @@ def _expected_cuts(lengths: list[int] | None, per_rank: int, budget: TokenBudget
     def padded(cuts):
         return sum(len(g) * max(w[i] for i in g) for w, gs in zip(windows, cuts) for g in gs) / real
 
-    return {
+    out = {
         "forwards_per_step": sum(map(len, tokens)) / len(windows),
         "padded_over_real": padded(tokens),
         "samples_mode_forwards_per_step": sum(map(len, samples)) / len(windows),
         "samples_mode_padded_over_real": padded(samples),
     }
+    if packable:
+        packed = [partition_packed(w, budget) for w in windows]
+        out["padding_free_forwards_per_step"] = sum(map(len, packed)) / len(windows)
+        st = budget.step_time
+        if st is not None:
+            out["step_seconds_modelled"] = sum(modelled_seconds(st, w, g) for w, g in zip(windows, tokens)) / len(windows)
+            out["padding_free_step_seconds_modelled"] = sum(
+                len(spans) * st["forward_seconds"] + sum(n * token_seconds(st, n) for n in w)
+                for w, spans in zip(windows, packed)) / len(windows)
+    return out

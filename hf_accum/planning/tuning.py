@@ -161,6 +161,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
             optimize=args.auto_tune_optimize,
             log=lambda line: _show("hf_accum probe: %s", args, line),  # each trial a line, seen without any setup
             lever=lever,
+            timed_rows=args.micro_batching == "tokens",  # the token cut's step-time model (planning/tokens.py)
         )
 
     return probe

@@ -123,6 +123,7 @@ class Plan:
     target_batch_size: int
     token_budget: int | None = None  # micro_batching="tokens": tokens per forward; micro = the per-rank window
     token_model: dict | None = None  # the probe's cost model: more rows at lengths it measured (token_budget.py)
+    step_time: dict | None = None  # a forward's fixed seconds and seconds per padded token: the token cut (token_budget.py)
     engine: str | None = None  # the sharded engine that runs it ("DeepSpeed ZeRO-3"); None: DDP or one process
     levers: dict | None = None  # one record per lever, {"checkpointing": {"layers": 2, "of": 4}} (hf_accum/levers/)
     step_seconds: float | None = None  # the measured time per optimizer step the choice was made on
@@ -140,6 +141,14 @@ class Plan:
             keys = {"lengths", "rows_at", "usable_bytes", "per_token_bytes", "per_token_sq_bytes"}
             if self.token_budget is None or not isinstance(self.token_model, dict) or not keys <= set(self.token_model):
                 raise ValueError(f"inconsistent plan: token_model needs a token_budget and the keys {sorted(keys)}")
+        if self.step_time is not None:
+            st = self.step_time
+            per_token = st.get("token_seconds") if isinstance(st, dict) else None
+            if (self.token_budget is None or not isinstance(st.get("forward_seconds"), (int, float))
+                    or st["forward_seconds"] < 0 or not isinstance(per_token, dict) or not per_token
+                    or not all(isinstance(v, (int, float)) and v > 0 for v in per_token.values())):
+                raise ValueError(f"inconsistent plan: step_time={st!r} needs a token_budget, forward_seconds >= 0 "
+                                 "and token_seconds {length: seconds per token > 0}")
         for name, record in (self.levers or {}).items():
             check_lever_record(name, record)
         if self.target_batch_size % self.world_size:
@@ -189,8 +198,12 @@ class Plan:
             on += "".join(f"; {get_lever(name).describe(record)}" for name, record in sorted(self.levers.items()))
         on += f"; eval batch {self.eval_batch_size}" if self.eval_batch_size else ""
         if self.token_budget is not None:
+            timed = ""
+            if self.step_time is not None:  # what a forward costs beyond its tokens sets how many forwards
+                timed = (f", as many as the least modelled step time (a forward's fixed cost "
+                         f"{self.step_time['forward_seconds']:.3g} s)")
             return (f"window {self.micro_batch_size} × world {self.world_size} = {self.target_batch_size}, "
-                    f"cut into forwards of at most {self.token_budget} tokens{on}")
+                    f"cut into forwards of at most {self.token_budget} tokens{timed}{on}")
         if not self.even:
             return (f"window {self.window} × world {self.world_size} = {self.target_batch_size}, "
                     f"{self.forwards} forwards of ≤ {self.micro_batch_size} rows{on}")
@@ -207,7 +220,7 @@ class Plan:
         return out
 
 
-OPTIONAL_FIELDS = ("token_budget", "token_model", "engine", "levers", "step_seconds", "eval_batch_size")
+OPTIONAL_FIELDS = ("token_budget", "token_model", "step_time", "engine", "levers", "step_seconds", "eval_batch_size")
 
 
 def check_lever_record(name: str, record) -> None:

@@ -31,6 +31,7 @@ from .loop import (
 from .meters import CpuMeter, CudaMeter, Meter, format_bytes, live_tensor_bytes
 from .plan import Plan, forward_breakpoints, indivisible_target, plan_batch, plan_for_micro
 from .preserve import fresh_optimizer_like, preserved
+from .step_timing import time_rows
 
 # (budget, meter) -> (seed, record); the seed: an int (the micro-batch search's), or with a lever a dict of its
 # positions' seeds (the level search's anchors)
@@ -161,6 +162,7 @@ def probe_model(
     log: Log | None = None,
     lever: Any = None,
     seeder: Seeder | None = None,
+    timed_rows: bool = False,
 ) -> tuple[ProbeResult, Plan]:
     """Probe ``model`` and plan ``target_batch_size``: returns what was measured and the exact plan.
 
@@ -168,6 +170,8 @@ def probe_model(
     choose its level (:func:`probe_levels`); the plan then records it, and the caller applies it.
     ``seeder(budget_bytes, meter)``: ``(seed, record)``, an estimate of the largest fit to start the search from and
     what to record of it in ``result.extra["estimate"]`` (`seed.py`; with a lever, a seed per anchor position).
+    ``timed_rows``: also time plain steps at the largest fit and half of it (``result.extra["step_times"]``, a token
+    budget's step-time model: `step_timing.py`).
 
     The probe steps a fresh optimizer (``optimizer_cls(trainable params, **optimizer_kwargs)``, or one
     like ``optimizer`` if given, whose own state is never touched) and leaves the model, its gradients
@@ -188,6 +192,8 @@ def probe_model(
         result.extra["budget_setting"] = _budget_setting(budget_bytes, budget_fraction, budget_names)
         plan = _with_level(plan_from_result(result, target_batch_size, world_size), result)
         plan = _with_kernel(plan, result, model, step_fn, meter, budget, lever, autocast_dtype is not None, log)
+        if timed_rows:
+            result.extra["step_times"] = time_rows(result, step_fn, meter, lever, model)
     return result, plan
 
 

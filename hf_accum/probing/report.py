@@ -253,6 +253,13 @@ def _cuts(figures: dict[str, float]) -> str:
     padded = figures.get("hf_accum/expected_padded_over_real")
     if padded is None:
         return ""
+    packed = figures.get("hf_accum/expected_padding_free_forwards_per_step")
+    if packed is not None:  # the model could run the same windows padding-free: what that would save
+        padded_s = figures.get("hf_accum/expected_step_seconds_modelled")
+        packed_s = figures.get("hf_accum/expected_padding_free_step_seconds_modelled")
+        modelled = f", modelled {packed_s:.3g} s per step against {padded_s:.3g}" if padded_s and packed_s else ""
+        packed = (f"; padding-free rows (DataCollatorWithFlattening, TRL padding_free=True) would take {packed:.1f} "
+                  f"forwards at padded/real 1.00{modelled}")
     return (f"per step {figures['hf_accum/expected_forwards_per_step']:.1f} forwards, padded/real {padded:.2f} "
             f"(samples mode {figures['hf_accum/samples_mode_forwards_per_step']:.1f}, "
-            f"{figures['hf_accum/samples_mode_padded_over_real']:.2f}); ")
+            f"{figures['hf_accum/samples_mode_padded_over_real']:.2f}{packed or ''}); ")

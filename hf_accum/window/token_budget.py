@@ -10,12 +10,15 @@ chunk pads only to its own longest row, and cut into contiguous groups:
 2. among partitions with that many groups (or with ``groups`` forced higher, so that every rank runs the same
    number of forwards), the one with the least padding: a small dynamic programme over the sorted lengths
    (contiguous groups of the sorted rows are optimal: tests/window/test_token_budget.py checks it by brute force);
-3. one more forward while the window's padded tokens exceed ``PADDING_TARGET`` (1.10) times its real tokens, up to
-   as many forwards as equal micro-batches sized for the window's longest row would take ("samples" mode's count).
-   At the fewest forwards a long-tailed window pads ~1.29 tokens per real token (benchmarks/bench_token_budget.py,
-   part 1): the few longest rows fill a forward with rows much shorter than they are, and no cut into that many
-   forwards does better (step 2 is optimal). The rule reads only the lengths and the budget -- not the probe's
-   step times, which differ between two runs of the same command -- so the same window is always cut the same way.
+3. how many forwards, from the fewest up to as many as equal micro-batches sized for the window's longest row would
+   take ("samples" mode's count): the one whose modelled step time is least (`step_time`: a forward's fixed cost plus
+   a cost per padded token, fitted from the probe's timed steps, stored in the plan with the cost model, so a stored
+   or resumed plan cuts the same window the same way); fewer forwards on a tie. Every such cut is exact: the loss is
+   normalized over the whole window. A plan without step times (``auto_tune=False``, or a plan file stored before
+   them) keeps the earlier rule: one more forward while the window's padded tokens exceed ``PADDING_TARGET`` (1.10)
+   times its real tokens. (At the fewest forwards a long-tailed window pads ~1.29 tokens per real token,
+   benchmarks/bench_token_budget.py part 1; whether a forward more is worth it depends on what a forward costs beyond
+   its tokens, which only timing says: on CPU the fewest forwards were the fastest, bench part 2.)
 
 Padding-free rows cost their total tokens (no padding): consecutive sequences are packed greedily.
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-PADDING_TARGET = 1.10  # padded / real tokens of a window above which one more forward is taken (see step 3)
+PADDING_TARGET = 1.10  # a plan without step times: padded / real tokens above which one more forward is taken (step 3)
 
 
 def cost_model(base: float, per_row: dict[int, float]) -> dict[str, float]:
@@ -76,7 +79,8 @@ class TokenBudget:
 
     tokens: int
     model: dict | None = None
-    padding_target: float | None = PADDING_TARGET  # None: the fewest forwards, whatever they pad
+    padding_target: float | None = PADDING_TARGET  # read without step times; None: the fewest forwards, always
+    step_time: dict | None = None  # `fit_step_time`: the number of forwards by the least modelled step time
 
     def rows(self, length: int) -> int:
         floor = self.tokens // length
@@ -124,51 +128,162 @@ def fewest_groups(lengths: Sequence[int], budget: int | TokenBudget) -> int:
     return groups
 
 
-def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: int | None = None) -> list[list[int]]:
-    """Row indices grouped into forwards (shortest rows first): each group's rows fit ``budget`` at its longest
-    row's length (``rows x longest <= budget`` for a plain token count), the fewest groups (or exactly
-    ``groups``, at least that many), more while the padding exceeds the budget's ``padding_target`` (a plain
-    token count: `PADDING_TARGET`) and "samples" mode would take more, then the least padding."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])  # stable: equal lengths keep their order
-    sorted_len = [lengths[i] for i in order]
-    n = len(order)
-    least = fewest_groups(sorted_len, budget)
-    k = max(least, min(groups or least, n))
+def step_time_rule(budget: int | TokenBudget) -> str:
+    """How `partition_padded` chooses the number of forwards for ``budget``: "fewest" (``padding_target=None``: the
+    fewest forwards, whatever they pad), "time" (its ``step_time``: the least modelled step time) or "padding" (no
+    step times: more forwards while padded/real exceeds its ``padding_target``)."""
     target = budget.padding_target if isinstance(budget, TokenBudget) else PADDING_TARGET
-    # never more forwards than equal micro-batches sized for the window's longest row ("samples" mode's plan)
-    most = max(k, -(-n // max(1, _rows(budget, sorted_len[-1])))) if n else k
-    real = sum(sorted_len)  # the tokens the rows hold: a cut stops adding forwards once its padding is within target
-    inf = float("inf")
-    # best[g][i]: least padded tokens of rows 0..i-1 in g groups (inf if none fits); one layer per group count
-    best = [[0.0] + [inf] * n]
-    cut = [[0] * (n + 1)]
-    g = 0
-    while True:
-        g += 1
-        layer, where = [inf] * (n + 1), [0] * (n + 1)
+    if target is None:
+        return "fewest"
+    return "time" if isinstance(budget, TokenBudget) and budget.step_time is not None else "padding"
+
+
+def token_seconds(step_time: dict, length: int) -> float:
+    """What one padded token of a row padded to ``length`` costs by ``step_time``: linear between the timed lengths,
+    the nearest one's beyond them."""
+    points = sorted((int(k), v) for k, v in step_time["token_seconds"].items())
+    if length <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if length <= x1:
+            return y0 + (y1 - y0) * (length - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+def modelled_seconds(step_time: dict, lengths: Sequence[int], groups: list[list[int]]) -> float:
+    """What the forwards ``groups`` of rows of ``lengths`` take by ``step_time`` (`fit_step_time`): each its fixed
+    cost plus its padded tokens at their length's cost."""
+    return sum(step_time["forward_seconds"] + len(g) * longest * token_seconds(step_time, longest)
+               for g in groups for longest in [max(lengths[i] for i in g)])
+
+
+def fit_step_time(timed: dict[int, dict[int, float]]) -> dict | None:
+    """A forward's cost from timed steps: ``timed[length][rows]`` the seconds of one step of ``rows`` rows padded to
+    ``length``. Least squares over the lengths timed at two or more sizes: ``seconds ≈ forward_seconds + rows x
+    length x per_token[length]``, one fixed cost for all (a step's, its optimizer step included, so a forward's is
+    over-stated; a negative one, noise, is taken as 0) and a cost per padded token at each length, never less than a
+    shorter length's (attention makes a token of a longer row dearer; a smaller figure is noise), which keeps the
+    cheapest cuts contiguous in the sorted rows; a length whose token cost comes out <= 0 (its steps are mostly the
+    fixed cost, and noise hides the rest) takes the least positive one. None when no length was timed at two sizes,
+    or no token cost comes out > 0 (no model rather than a wrong one)."""
+    sums = {}  # length -> (n, Σx, Σy, Σxx, Σxy), x the tokens of a step
+    for length, by_rows in timed.items():
+        points = [(rows * length, sec) for rows, sec in by_rows.items() if sec and sec > 0]
+        if len({x for x, _ in points}) >= 2:
+            sums[length] = (len(points), sum(x for x, _ in points), sum(y for _, y in points),
+                            sum(x * x for x, _ in points), sum(x * y for x, y in points))
+    if not sums:
+        return None
+    # the fixed cost shared by every length's line: setting the derivative of the squared error to 0
+    n, sy = sum(v[0] for v in sums.values()), sum(v[2] for v in sums.values())
+    denominator = n - sum(sx * sx / sxx for _, sx, _, sxx, _ in sums.values())
+    numerator = sy - sum(sxy * sx / sxx for _, sx, _, sxx, sxy in sums.values())
+    fixed = max(0.0, numerator / denominator) if denominator > 0 else 0.0
+    slopes = {length: (sxy - fixed * sx) / sxx for length, (_, sx, _, sxx, sxy) in sums.items()}
+    positive = [v for v in slopes.values() if v > 0]
+    if not positive:
+        return None
+    per_token, floor = {}, 0.0
+    for length in sorted(slopes):  # a length whose steps are mostly the fixed cost can time no token cost: the least
+        floor = max(floor, slopes[length] if slopes[length] > 0 else min(positive))
+        per_token[str(length)] = floor
+    return {"forward_seconds": fixed, "token_seconds": per_token}
+
+
+def _sorted(lengths: Sequence[int]) -> tuple[list[int], list[int]]:
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])  # stable: equal lengths keep their order
+    return order, [lengths[i] for i in order]
+
+
+def _samples_count(sorted_len: list[int], budget: int | TokenBudget, least: int) -> int:
+    """Equal micro-batches sized for the window's longest row ("samples" mode's forwards), at least ``least``."""
+    n = len(sorted_len)
+    return max(least, -(-n // max(1, _rows(budget, sorted_len[-1])))) if n else least
+
+
+class _LeastPadding:
+    """``best[g][i]``: the least padded tokens of the sorted rows ``0..i-1`` in ``g`` groups (inf if none fits), one
+    layer per group count, added as asked; `groups(g)` the cut that reaches it. With a ``weight`` a row padded to a
+    length costs ``weight(length)`` instead of ``length`` (a step-time model's seconds): contiguous groups of the
+    sorted rows stay optimal for any weight that does not fall as the length grows."""
+
+    def __init__(self, sorted_len: list[int], budget: int | TokenBudget, weight=None):
+        self.sorted_len, self.budget = sorted_len, budget
+        self.weight = weight or (lambda length: length)  # a row padded to length costs this much
+        n = len(sorted_len)
+        self.best = [[0.0] + [float("inf")] * n]
+        self.cut = [[0] * (n + 1)]
+
+    def padded(self, g: int) -> float:
+        while len(self.best) <= g:
+            self._layer()
+        return self.best[g][-1]
+
+    def _layer(self) -> None:
+        n, prev = len(self.sorted_len), self.best[-1]
+        layer, where = [float("inf")] * (n + 1), [0] * (n + 1)
         for i in range(1, n + 1):
-            longest = sorted_len[i - 1]
-            fits = _rows(budget, longest)
+            longest = self.sorted_len[i - 1]
+            fits = _rows(self.budget, longest)
             for j in range(i - 1, -1, -1):
                 if i - j > fits:
                     break
-                c = best[g - 1][j] + (i - j) * longest
+                c = prev[j] + (i - j) * self.weight(longest)
                 if c < layer[i]:
                     layer[i], where[i] = c, j
-        best.append(layer)
-        cut.append(where)
-        if g < k:
-            continue
-        if target is None or g >= most or best[g][n] <= target * real:
-            break
-    k = g
-    if best[k][n] == inf:  # cannot happen for k >= least; kept as a guard against a wrong budget
-        raise TooLongForBudget(f"no cut of {n} rows into {k} forwards fits {budget} tokens")
-    bounds, i = [], n
-    for g in range(k, 0, -1):
-        bounds.append((cut[g][i], i))
-        i = cut[g][i]
-    return [[order[r] for r in range(lo, hi)] for lo, hi in reversed(bounds)]
+        self.best.append(layer)
+        self.cut.append(where)
+
+    def groups(self, g: int) -> list[tuple[int, int]]:
+        """The sorted rows' ``[lo, hi)`` bounds of the least-padding cut into ``g`` groups."""
+        n = len(self.sorted_len)
+        if self.padded(g) == float("inf"):  # cannot happen for g >= the fewest; a guard against a wrong budget
+            raise TooLongForBudget(f"no cut of {n} rows into {g} forwards fits {self.budget} tokens")
+        bounds, i = [], n
+        for layer in range(g, 0, -1):
+            bounds.append((self.cut[layer][i], i))
+            i = self.cut[layer][i]
+        return bounds[::-1]
+
+
+def _table(sorted_len: list[int], budget: int | TokenBudget) -> _LeastPadding:
+    """The cuts by least padding, or under the "time" rule by least modelled seconds of padded tokens."""
+    if step_time_rule(budget) != "time":
+        return _LeastPadding(sorted_len, budget)
+    step_time = budget.step_time
+    return _LeastPadding(sorted_len, budget, lambda length: length * token_seconds(step_time, length))
+
+
+def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: int | None = None) -> list[list[int]]:
+    """Row indices grouped into forwards (shortest rows first): each group's rows fit ``budget`` at its longest
+    row's length (``rows x longest <= budget`` for a plain token count), at least the fewest groups (and ``groups``
+    when given), as many as `step_time_rule` says (the least modelled step time; or more while the padding exceeds
+    the target, never past "samples" mode's count), then the least padding."""
+    order, sorted_len = _sorted(lengths)
+    n = len(order)
+    least = fewest_groups(sorted_len, budget)
+    k = max(least, min(groups or least, n))
+    most = _samples_count(sorted_len, budget, k)
+    rule = step_time_rule(budget)
+    table = _table(sorted_len, budget)
+    if rule == "time":
+        fixed = budget.step_time["forward_seconds"]
+        k = min(range(k, most + 1), key=lambda g: (g * fixed + table.padded(g), g))  # fewer forwards on a tie
+    elif rule == "padding":
+        target, real = budget.padding_target if isinstance(budget, TokenBudget) else PADDING_TARGET, sum(sorted_len)
+        while k < most and table.padded(k) > target * real:
+            k += 1
+    return [[order[r] for r in range(lo, hi)] for lo, hi in table.groups(k)]
+
+
+def candidate_cuts(lengths: Sequence[int], budget: int | TokenBudget) -> dict[int, list[list[int]]]:
+    """Every cut `partition_padded` may choose for one window, by its number of forwards: from the fewest up to
+    "samples" mode's count, each the least padding (under the "time" rule: the least modelled seconds) at that many."""
+    order, sorted_len = _sorted(lengths)
+    least = fewest_groups(sorted_len, budget)
+    table = _table(sorted_len, budget)
+    return {g: [[order[r] for r in range(lo, hi)] for lo, hi in table.groups(g)]
+            for g in range(least, _samples_count(sorted_len, budget, least) + 1)}
 
 
 def partition_packed(lengths: Sequence[int], budget: int | TokenBudget,
@@ -208,4 +323,4 @@ def plan_budget(plan) -> TokenBudget | None:
     budget: the engine cuts by rows)."""
     if plan is None or plan.token_budget is None:
         return None
-    return TokenBudget(plan.token_budget, plan.token_model)
+    return TokenBudget(plan.token_budget, plan.token_model, step_time=plan.step_time)

@@ -11,6 +11,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis.strategies import floats as st_floats
+from hypothesis.strategies import integers as st_integers
+from hypothesis.strategies import lists as st_lists
 from transformers import DataCollatorWithFlattening
 from transformers.trainer_callback import PrinterCallback
 
@@ -20,12 +24,18 @@ from hf_accum.window.token_budget import (
     PADDING_TARGET,
     TokenBudget,
     TooLongForBudget,
+    candidate_cuts,
     cost_model,
     fewest_groups,
+    fit_step_time,
+    modelled_seconds,
     padded_tokens,
     partition_packed,
     partition_padded,
+    plan_budget,
     predicted_peak,
+    step_time_rule,
+    token_seconds,
 )
 from tests.exactness import (
     StepRecorder,
@@ -324,6 +334,15 @@ def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(t
     assert plan.token_budget == min(rows * int(length) for length, rows in measured["rows_at"].items())
     assert measured["rows_at"][str(longest)] == measured["rows_at_longest"]
     assert "cut into forwards of at most" in plan.describe()
+    # plain steps timed at two sizes per length make the step-time model the cut reads, stored in the plan
+    assert (plan.step_time is not None) == any(len(by_rows) >= 2 for by_rows in measured["step_times"].values())
+    assert plan.step_time == measured["step_time"]
+    if plan.step_time is not None:
+        assert "least modelled step time" in plan.describe()
+    # padded rows of a decoder-only model could be packed: the line says what that would take
+    assert expected["padding_free_forwards_per_step"] <= expected["forwards_per_step"]
+    assert f"padding-free rows (DataCollatorWithFlattening, TRL padding_free=True) would take " \
+           f"{expected['padding_free_forwards_per_step']:.1f} forwards at padded/real 1.00" in line
     if measured["cost_model"] is not None:
         fitted = trainer.probe_result.fitted  # the line at the longest length, which the model reproduces
         assert predicted_peak(measured["cost_model"], 2, longest) == pytest.approx(fitted[0] + 2 * fitted[1])
@@ -389,14 +408,131 @@ def test_check_accumulation_in_tokens_mode_runs_one_forward_not_the_window(tmp_p
     assert result.passed and result.relative_error < 1e-6 and result.one_pass_size < 16
 
 
-def test_a_forwards_cost_in_tokens_is_read_from_the_probes_step_times():
-    from hf_accum.planning.tokens import _forward_tokens
-    from hf_accum.probing.loop import Trial
+def test_a_forwards_cost_is_fitted_from_timed_steps_at_two_sizes_per_length():
+    # 10 ms per step; 10 us per token at 64, 30 us at 512 (attention): each length's line, the median fixed cost
+    timed = {64: {2: 0.01 + 1e-5 * 128, 30: 0.01 + 1e-5 * 1920}, 512: {1: 0.01 + 3e-5 * 512, 4: 0.01 + 3e-5 * 2048},
+             256: {5: 0.2}}  # one size: no line at 256
+    st = fit_step_time(timed)
+    assert st["forward_seconds"] == pytest.approx(0.01)
+    assert st["token_seconds"] == {"64": pytest.approx(1e-5), "512": pytest.approx(3e-5)}
+    assert token_seconds(st, 32) == pytest.approx(1e-5) and token_seconds(st, 1000) == pytest.approx(3e-5)
+    assert token_seconds(st, 288) == pytest.approx(2e-5)  # linear between the timed lengths
+    assert fit_step_time({512: {4: 1.0}}) is None  # one size only: no model, the padding rule cuts
+    assert fit_step_time({512: {2: 1.0, 4: 0.9}}) is None  # slower with fewer tokens: noise, no model
+    # a short length whose steps are all fixed cost (noise hides its tokens' cost) takes the least positive cost
+    flat = fit_step_time({32: {32: 0.36, 64: 0.33}, 512: {2: 0.3 + 1e-4 * 1024, 4: 0.3 + 1e-4 * 2048}})
+    assert flat["token_seconds"]["32"] == flat["token_seconds"]["512"] > 0 and flat["forward_seconds"] > 0.25
+    # a shorter length's dearer token is noise: never cheaper at a longer length (keeps the cut contiguous)
+    assert fit_step_time({64: {1: 1e-3 * 64, 2: 2e-3 * 64}, 512: {1: 1e-4 * 512, 2: 2e-4 * 512}})["token_seconds"] \
+        == {"64": pytest.approx(1e-3), "512": pytest.approx(1e-3)}
+    assert fit_step_time({64: {10: 0.001, 20: 0.003}})["forward_seconds"] == 0.0  # a negative fixed cost: 0
 
-    def trial(rows, length, overhead):
-        return Trial(rows, 1, None, overhead + 1e-5 * rows * length, True, "fits"), length
 
-    # 10 ms per step beyond 10 us per token: 1000 tokens at one length, 2000 at the other; the larger one counts
-    trials = [trial(1, 512, 0.01), trial(4, 512, 0.01), trial(2, 64, 0.02), trial(30, 64, 0.02)]
-    assert _forward_tokens(trials) == pytest.approx(2000)
-    assert _forward_tokens(trials[:3]) is None  # a length timed at one size only: fewest forwards
+def timed_budget(tokens, fixed, per_token=1.0, at=None):
+    return TokenBudget(tokens, step_time={"forward_seconds": fixed, "token_seconds": at or {"8": per_token}})
+
+
+@pytest.mark.parametrize("lengths, budget, fixed, groups, padded", [
+    ([2, 2, 6, 10, 10], 20, 100.0, 2, 38),  # a forward dearer than all the padding: the fewest forwards
+    ([2, 2, 6, 10, 10], 20, 0.0, 3, 30),    # forwards free: the least padding, as many as "samples" mode allows
+    ([2, 2, 6, 10, 10], 20, 7.0, 3, 30),    # the third forward saves 8 padded tokens for 7
+    ([2, 2, 6, 10, 10], 20, 9.0, 2, 38),    # ... not for 9
+    ([2, 2, 6, 10, 10], 20, 8.0, 2, 38),    # a tie: the fewer forwards
+    ([9, 10, 10, 10], 40, 0.0, 1, 40),      # never more forwards than "samples" mode's count
+])
+def test_the_number_of_forwards_is_the_least_modelled_step_time(lengths, budget, fixed, groups, padded):
+    parts = partition_padded(lengths, timed_budget(budget, fixed))
+    assert len(parts) == groups and padded_tokens(lengths, parts) == padded
+    assert step_time_rule(timed_budget(budget, fixed)) == "time"
+    assert step_time_rule(replace(timed_budget(budget, fixed), padding_target=None)) == "fewest"
+    assert step_time_rule(TokenBudget(budget)) == step_time_rule(budget) == "padding"
+
+
+def test_the_time_rule_is_optimal_by_brute_force():
+    # every partition of the sorted rows into contiguous groups within the budget, from the fewest groups to
+    # "samples" mode's count, scored by the model by hand; the cut's modelled seconds are the least of them
+    g = random.Random(3)
+    for _ in range(60):
+        lengths = [g.randint(1, 20) for _ in range(g.randint(1, 7))]
+        budget = g.randint(max(lengths), 60)
+        st = {"forward_seconds": g.choice([0.0, 3.0, 15.0, 60.0]), "token_seconds": {"1": 1.0, "20": g.choice([1.0, 3.0])}}
+        parts = partition_padded(lengths, TokenBudget(budget, step_time=st))
+
+        def seconds(groups, lengths=lengths, st=st):
+            total = 0.0
+            for gr in groups:
+                n = max(lengths[i] for i in gr)
+                total += st["forward_seconds"] + len(gr) * n * (1.0 + (st["token_seconds"]["20"] - 1.0) * (n - 1) / 19)
+            return total
+
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        fewest = fewest_groups(lengths, budget)
+        most = max(fewest, -(-len(lengths) // (budget // max(lengths))))
+        scores = []
+        for cuts in itertools.product([0, 1], repeat=len(order) - 1):
+            groups, cur = [], [order[0]]
+            for c, i in zip(cuts, order[1:]):
+                if c:
+                    groups.append(cur)
+                    cur = []
+                cur.append(i)
+            groups.append(cur)
+            if all(len(gr) * max(lengths[i] for i in gr) <= budget for gr in groups) and len(groups) <= most:
+                scores.append(seconds(groups))
+        assert seconds(parts) == pytest.approx(min(scores))
+        assert modelled_seconds(st, lengths, parts) == pytest.approx(seconds(parts))
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=st_lists(st_integers(1, 64), min_size=1, max_size=24), spare=st_integers(0, 200),
+       fixed=st_floats(0, 1e4), long_cost=st_floats(1, 4), groups=st_integers(0, 30))
+def test_every_candidate_cut_is_a_valid_cut_within_the_budget(lengths, spare, fixed, long_cost, groups):
+    budget = TokenBudget(max(lengths) + spare, step_time={"forward_seconds": fixed,
+                                                          "token_seconds": {"1": 1.0, "64": long_cost}})
+    least = fewest_groups(lengths, budget)
+    samples = max(least, -(-len(lengths) // (budget.tokens // max(lengths))))
+    candidates = candidate_cuts(lengths, budget)
+    assert sorted(candidates) == list(range(least, samples + 1))
+    chosen = partition_padded(lengths, budget)
+    forced = partition_padded(lengths, budget, groups or None)  # ranks agreeing on more forwards
+    for count, parts in [*candidates.items(), (len(chosen), chosen), (max(least, min(groups, len(lengths))), forced)]:
+        assert sorted(i for gr in parts for i in gr) == list(range(len(lengths)))  # every row once
+        assert all(gr and len(gr) * max(lengths[i] for i in gr) <= budget.tokens for gr in parts)
+        assert len(parts) == count or parts is forced and len(parts) >= count
+    assert candidates[len(chosen)] == chosen  # the choice is one of the candidates, and the cheapest
+    assert modelled_seconds(budget.step_time, lengths, chosen) <= min(
+        modelled_seconds(budget.step_time, lengths, parts) for parts in candidates.values()) * (1 + 1e-9)
+
+
+def test_a_stored_plan_keeps_its_step_time_and_one_without_it_cuts_by_the_padding_rule(tmp_path):
+    from hf_accum.planning.store import load_plan, save_plan
+    from hf_accum.probing.plan import Plan
+
+    st = {"forward_seconds": 50.0, "token_seconds": {"8": 1.0}}
+    plan = Plan(5, 1, 1, 5, token_budget=20, step_time=st)
+    lengths = [2, 2, 6, 10, 10]
+    save_plan(str(tmp_path), {"k": 1}, plan, None)
+    again = load_plan(str(tmp_path), {"k": 1})[0]
+    assert again == plan and partition_padded(lengths, plan_budget(again)) == partition_padded(lengths, plan_budget(plan))
+    assert len(partition_padded(lengths, plan_budget(again))) == 2  # a forward dearer than the padding it saves
+    old = replace(plan, step_time=None)  # a plan file stored before step times: the padding rule, 3 forwards
+    assert len(partition_padded(lengths, plan_budget(old))) == 3
+    with pytest.raises(ValueError, match="step_time"):
+        Plan(5, 1, 1, 5, token_budget=20, step_time={"forward_seconds": -1.0, "token_seconds": {"8": 1.0}})
+    with pytest.raises(ValueError, match="step_time"):
+        Plan(5, 1, 1, 5, step_time=st)  # no token budget
+
+
+
+
+def test_a_plan_without_step_times_says_once_that_the_padding_rule_cuts(tmp_path, caplog):
+    args = AccumTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, target_batch_size=8,
+        auto_tune=False, micro_batching="tokens", max_tokens_per_forward=120, use_cpu=True, report_to=[],
+        remove_unused_columns=False, max_steps=2, save_strategy="no", disable_tqdm=True)
+    trainer = AccumTrainer(model=tiny_llama(), args=args, train_dataset=long_tailed(16), data_collator=pad_collate)
+    with caplog.at_level(logging.WARNING, logger="hf_accum"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "by the padding rule" in r.getMessage()]
+    assert len(said) == 1 and "auto_tune=False: nothing was timed" in said[0]
+    assert trainer.plan.step_time is None
