@@ -335,8 +335,11 @@ def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(t
     assert measured["rows_at"][str(longest)] == measured["rows_at_longest"]
     assert "cut into forwards of at most" in plan.describe()
     # plain steps timed at two sizes per length make the step-time model the cut reads, stored in the plan
-    assert (plan.step_time is not None) == any(len(by_rows) >= 2 for by_rows in measured["step_times"].values())
-    assert plan.step_time == measured["step_time"]
+    # (the fit of those times, not whether it gives a model: on a busy machine noise can leave no token cost > 0)
+    assert any(len(by_rows) >= 2 for by_rows in measured["step_times"].values())
+    timed = {int(length): {int(rows): s for rows, s in by_rows.items()}
+             for length, by_rows in measured["step_times"].items()}
+    assert plan.step_time == fit_step_time(timed) == measured["step_time"]
     if plan.step_time is not None:
         assert "least modelled step time" in plan.describe()
     # padded rows of a decoder-only model could be packed: the line says what that would take
