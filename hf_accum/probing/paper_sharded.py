@@ -11,6 +11,7 @@ and backward's temporaries. AdamW's step is measured after a warm-up step (its s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -107,3 +108,122 @@ class Phases:
         with ctx:
             loss = self.model(**batch).loss
         loss.backward()
+
+
+# --- the grid: GPU counts x cards x sequence lengths -----------------------------------------------------------
+class _Levers:
+    """Per lever (None, "all"), its `Phases`, opened when a size not yet measured is asked for; one open at a time
+    (two fake sessions cannot nest), a lever opened again keeps the sizes it measured before."""
+
+    def __init__(self, open_phases: Callable[[str | None], Phases]) -> None:
+        self._open = open_phases
+        self.phases: dict[str | None, Phases] = {}
+        self._current: str | None | bool = False  # False: none open
+
+    def _opened(self, lever: str | None) -> Phases:
+        if self._current is not lever:
+            self.close()
+            before = self.phases.get(lever)
+            phases = self._open(lever).__enter__()
+            if before is not None:
+                phases.measured.update(before.measured)
+            self.phases[lever], self._current = phases, lever
+        return self.phases[lever]
+
+    def activations(self, lever: str | None, micro: int) -> int:
+        known = self.phases.get(lever)
+        if known is not None and micro in known.measured:
+            return known.measured[micro]
+        return self._opened(lever).activations(micro)
+
+    def __getitem__(self, lever: str | None) -> int:  # AdamW's one-process temporaries at that lever
+        return (self.phases.get(lever) or self._opened(lever)).optimizer
+
+    def first(self) -> Phases:
+        return self._opened(None)
+
+    def close(self) -> None:
+        if self._current is not False:
+            self.phases[self._current].__exit__(None, None, None)
+            self._current = False
+
+
+@dataclasses.dataclass
+class ShardedEstimate:
+    """The sharded estimate: the cells (`fits_sharded.ShardedCell`), the tables, the sharding, what was assumed, and
+    per sequence length and lever the activations measured (micro-batch -> bytes) and AdamW's temporaries."""
+
+    cells: list
+    sharding: Any
+    counts: Counts
+    gpus: tuple[int, ...]
+    cards: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    target_batch_size: int
+    activations: dict
+    optimizer: dict
+    loss: str
+    assumptions: tuple[str, ...]
+
+    def table(self) -> str:
+        from .fits_sharded import tables
+
+        return tables(self.cells, self.cards, self.seq_lens, self.gpus)
+
+    def cell(self, card: int, seq_len: int, gpus: int):
+        return next(c for c in self.cells if (c.card_bytes, c.seq_len, c.gpus) == (card, seq_len, gpus))
+
+    def to_json(self) -> dict[str, Any]:
+        from .fits_sharded import to_json
+
+        return to_json(self.cells, self.sharding, self.counts, self.gpus, {
+            "target_batch_size": self.target_batch_size, "seq_lens": list(self.seq_lens),
+            "cards_gib": [c / 2**30 for c in self.cards], "gpus": list(self.gpus), "loss": self.loss,
+            "assumptions": list(self.assumptions),
+            "activations": {f"{seq}/{lever or 'none'}": {str(m): v for m, v in sorted(acts.items())}
+                            for (seq, lever), acts in self.activations.items()},
+            "optimizer_temporaries": {f"{seq}/{lever or 'none'}": v for (seq, lever), v in self.optimizer.items()}})
+
+
+def sharded_grid(build: Callable[[], torch.nn.Module], *, seq_lens: list[int], cards: list[int], gpus: list[int],
+                 sharding, target_batch_size: int, device: str = "cuda", bf16: bool = False, fraction: float = 0.9,
+                 max_micro_batch: int | None = None, quantization: str | None = None,
+                 quantization_options: dict[str, Any] | None = None, log=None) -> ShardedEstimate:
+    """The cells of every card x GPU count x sequence length under ``sharding`` (`sharding.parse_sharding`)."""
+    from .fits_sharded import cells_for
+    from .plan import indivisible_target
+    from .sharding import parse_sharding
+
+    sharding = parse_sharding(sharding)
+    for world in gpus:
+        problem = indivisible_target(target_batch_size, world)
+        if problem:
+            raise ValueError(f"gpus={world}: {problem}")
+    cells, acts, opts = [], {}, {}
+    loss, counts = "", None
+    for seq in sorted(seq_lens):
+        levers = _Levers(lambda lever, seq=seq: Phases(build, seq_len=seq, device=device, bf16=bf16,
+                                                       checkpoint_layers=lever, quantization=quantization,
+                                                       quantization_options=quantization_options))
+        try:
+            first = levers.first()
+            counts, loss = first.counts, loss or first.loss
+            activations = {lever: (lambda m, lever=lever, levers=levers: levers.activations(lever, m))
+                           for lever in (None, "all")}
+            cells += cells_for(counts, sharding, activations, levers, seq_len=seq, cards=cards, gpus=gpus,
+                               fraction=fraction, target=target_batch_size, max_micro=max_micro_batch)
+            for lever, phases in levers.phases.items():
+                acts[seq, lever] = dict(phases.measured)
+                opts[seq, lever] = phases.optimizer
+            if log:
+                log(f"seq {seq}: stepped micro-batches " + "; ".join(
+                    f"{'checkpointing all' if lv else 'no checkpointing'} {sorted(p.measured)}"
+                    for lv, p in levers.phases.items()))
+        finally:
+            levers.close()
+    assumptions = (sharding.modelled,
+                   "per rank: AdamW on the rank's shard; peak allocated bytes (the allocator's reserved bytes are "
+                   "left to the budget's margin)")
+    return ShardedEstimate(sorted(cells, key=lambda c: (c.card_bytes, c.seq_len, c.gpus)), sharding, counts,
+                           tuple(gpus), tuple(cards), tuple(sorted(seq_lens)), target_batch_size, acts, opts, loss,
+                           assumptions)

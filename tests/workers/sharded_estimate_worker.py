@@ -67,7 +67,7 @@ def main():
         step = make_step_fn(model, opt, random_token_batch(model, seq_len))
         step(1)  # the warm-up: gradients and AdamW's state created, as the probe's
         meter = CpuMeter(resident=all_live_tensor_bytes)
-        peaks = {int(m): meter.measure(lambda m=int(m): step(m)).peak_bytes for m in sizes.split(",")}
+        peaks = {int(m): meter.measure(lambda m=int(m), step=step: step(m)).peak_bytes for m in sizes.split(",")}
         with open(os.path.join(out, f"{case}.rank{rank}.json"), "w") as f:
             json.dump(peaks, f)
         del model, opt, step
