@@ -152,7 +152,7 @@ def test_a_cell_names_the_plan_or_the_fewest_gpus():
     cells = cells_for(counts, s, acts, opt, seq_len=512, cards=[60_000_000], gpus=[1, 2, 4], fraction=1.0,
                       target=32, max_micro=None)
     for cell in cells:  # each answer checked against every size by brute force
-        fits = [m for m in range(1, 33 // cell.gpus) if rank_peak(counts, s, cell.gpus, acts[None](m), 0) <= 60e6]
+        fits = [m for m in range(1, 32 // cell.gpus + 1) if rank_peak(counts, s, cell.gpus, acts[None](m), 0) <= 60e6]
         if fits:
             assert cell.micro_batch == max(fits) and cell.checkpointing == "none"
     one = cells[0]  # 1 GPU: 16 + 16 + 32 MiB of weights, gradients and moments alone; 2 GPUs hold half of them
