@@ -107,13 +107,16 @@ def cells_for(counts: Counts, sharding: Sharding, activations: dict[str | None, 
                 break
             if cell is None:
                 cell = ShardedCell(card, seq_len, world, 0)
-                for lever in LEVERS:
+                found = []  # (fewest GPUs, lever position): the fewest GPUs, then the fewest levers
+                for i, lever in enumerate(LEVERS):
                     act1 = activations[lever](1)
                     fewest = fewest_gpus(lambda w, a=act1, lv=lever, b=budget: rank_peak(
                         counts, sharding, w, a, optimizer[lv]) <= b)
                     if fewest is not None:
-                        cell.fewest_gpus, cell.needs = fewest, "none" if lever is None else "all"
-                        break
+                        found.append((fewest, i))
+                if found:
+                    fewest, i = min(found)
+                    cell.fewest_gpus, cell.needs = fewest, "none" if LEVERS[i] is None else "all"
             cells.append(cell)
     return cells
 
