@@ -22,11 +22,10 @@ def _build():
     return LlamaForCausalLM(_config())
 
 
-@pytest.mark.parametrize("sharding", ["fsdp2", "zero3"])
-def test_every_cell_is_the_edge_of_the_sizes_it_stepped(sharding):
+def test_every_cell_is_the_edge_of_the_sizes_it_stepped():
     cards = [6 * 2**20, 12 * 2**20]
     est = hf_accum.estimate(_build, seq_len=64, target_batch_size=16, device="cpu", device_memory=cards,
-                            gpus=[1, 2, 4], sharding=sharding, budget_fraction=1.0)
+                            gpus=[1, 2, 4], sharding="zero3", budget_fraction=1.0)
     assert len(est.cells) == 6 and any(c.fits for c in est.cells)
     for cell in est.cells:
         acts = est.activations[64, None if cell.checkpointing in (None, "none") else "all"]
