@@ -4,8 +4,6 @@ gradient or optimizer state, the JSON carries the cells and the per-rank bytes, 
 refused in one line."""
 
 import json
-
-import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
