@@ -4,6 +4,7 @@ gradient or optimizer state, the JSON carries the cells and the per-rank bytes, 
 refused in one line."""
 
 import json
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
