@@ -239,9 +239,9 @@ def _estimate(args: argparse.Namespace) -> int:
         if args.gpus is not None or args.sharding is not None:
             if args.recipe is not None:
                 raise ValueError("--gpus/--sharding: the sharded estimate is for a bare model (--model); drop RECIPE")
-            from .probing import paper_sharded
+            from .probing import sharded_command
 
-            return paper_sharded.run(args)
+            return sharded_command.run(args)
         if _is_grid(args):
             if args.recipe is not None:
                 raise ValueError("--device-memory: a list of cards (what fits where) is for a bare model (--model); "

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .fits import GIB, card_name
+from .cards import GIB, card_name
 from .plan import plan_batch
 from .sharding import Counts, Sharding, rank_bytes, rank_peak
 
