@@ -88,6 +88,13 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--device-memory", default=None, metavar="SIZE[,SIZE...]",
                    help="the card's memory, e.g. 80GiB; a comma list (24GiB,48GiB,80GiB) gives one table of what fits "
                         "on each card (and each --seq-len): the largest micro-batch and the levers it needs")
+    e.add_argument("--gpus", default=None, metavar="N[,N...]",
+                   help="GPU counts to plan for, sharded (--sharding): one table per --device-memory card, a column "
+                        "per count, each cell the largest micro-batch per rank and micro x accumulation x world")
+    e.add_argument("--sharding", default=None, metavar="fsdp2|fsdp2-keep|zero1|zero2|zero3[+offload]|DS.json",
+                   help="how the ranks shard (with --gpus; default fsdp2): FSDP2 per decoder layer (fsdp2-keep: no "
+                        "reshard after forward), DeepSpeed ZeRO-1/2/3 (+offload: the optimizer on CPU), or a "
+                        "DeepSpeed config file (its stage, offload and bucket sizes)")
     p.add_argument("--plot", default=None, help="write a PNG of the memory curve to this file")
     p.set_defaults(func=_run_probe)
 
@@ -150,6 +157,10 @@ def _check_probe_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     problem = indivisible_target(args.target_batch, args.world_size, "--target-batch", "--world-size")
     if problem:
         raise UsageError(problem)
+    if not args.estimate and (args.gpus is not None or args.sharding is not None):
+        flag = "--gpus" if args.gpus is not None else "--sharding"
+        raise UsageError(f"{flag} is for --estimate (a plan for GPUs not yet rented, nothing loaded): add --estimate, "
+                         "or drop " + flag)
     if not args.estimate and (args.device is not None or args.device_memory is not None):
         flag = "--device" if args.device is not None else "--device-memory"
         raise UsageError(f"{flag} is for --estimate (the device planned for, nothing loaded); the probe measures "
@@ -225,6 +236,12 @@ def _estimate(args: argparse.Namespace) -> int:
                     command.parse_size(size)
         if why is not None:
             raise ValueError(why)
+        if args.gpus is not None or args.sharding is not None:
+            if args.recipe is not None:
+                raise ValueError("--gpus/--sharding: the sharded estimate is for a bare model (--model); drop RECIPE")
+            from .probing import sharded_command
+
+            return sharded_command.run(args)
         if _is_grid(args):
             if args.recipe is not None:
                 raise ValueError("--device-memory: a list of cards (what fits where) is for a bare model (--model); "

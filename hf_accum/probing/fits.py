@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .cards import GIB, card_name
 from .paper_session import OneAtATime, PaperSession
 
-GIB = 2**30
 #: Card sizes (GiB) "the smallest card that would" is chosen from: the common sizes of NVIDIA's data-centre and
 #: consumer cards (8, 16, 24, 40, 48, 80, 96 GB; 141 GB for the H200).
 STANDARD_CARDS_GIB = (8, 16, 24, 40, 48, 80, 96, 141)
@@ -189,12 +189,6 @@ def _smallest_card_and_lever(peaks_by_lever, levers, fraction) -> tuple[int | No
         return None, None
     card_gib, _, lever = min(found)
     return card_gib, _label(lever)
-
-
-def card_name(nbytes: int) -> str:
-    if nbytes < GIB:
-        return f"{nbytes / 2**20:g} MiB"
-    return f"{nbytes // GIB} GiB" if nbytes % GIB == 0 else f"{nbytes / GIB:.3g} GiB"
 
 
 def cell_text(cell: Cell) -> str:

@@ -212,7 +212,8 @@ def run(args: Any, say=print) -> int:
 
 def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size: int, device: str | None = None,
              device_memory: int | str | None = None, lora_r: int | None = None, lora_target_modules: str | None = None,
-             fused_loss: bool | None = None, task: str = "causal_lm", **kwargs: Any) -> Estimate:
+             fused_loss: bool | None = None, task: str = "causal_lm", gpus: int | list[int] | None = None,
+             sharding: Any = None, **kwargs: Any):
     """The plan for ``model`` (a folder holding config.json, a hub id, or a callable building the model; nothing is
     loaded) on ``device`` (default: this machine's) with ``device_memory`` (bytes or "80GiB"; default: this
     machine's, and required for cuda on a machine without a GPU: no card size is assumed); ``lora_r``: train LoRA
@@ -221,7 +222,15 @@ def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size:
     `estimate_model`. ``fused_loss``: as the trainer's (None: the fused loss where the model allows it, its
     kernel's memory model). ``task``: "causal_lm", or "classification" (the config's sequence-classification head,
     ``config.num_labels`` classes, one label per sample). Other keywords as `estimate_model` (world_size,
-    budget_bytes, budget_fraction, bf16, max_micro_batch, log, checkpoint_layers: None, "auto", "all" or K)."""
+    budget_bytes, budget_fraction, bf16, max_micro_batch, log, checkpoint_layers: None, "auto", "all" or K).
+
+    ``gpus`` (a count or a list of counts) or ``sharding`` ("fsdp2", "fsdp2-keep", "zero1".."zero3" with
+    "+offload", or a DeepSpeed config dict): the sharded estimate instead, a `paper_sharded.ShardedEstimate` (its
+    cells: per GPU count the largest micro-batch per rank and the plan; ``seq_len`` and ``device_memory`` may be
+    lists; keywords bf16, budget_fraction, max_micro_batch, quantization, log)."""
+    if gpus is not None or sharding is not None:
+        return _sharded(model, seq_len, target_batch_size, device or "cuda", device_memory, lora_r,
+                        lora_target_modules, fused_loss, gpus, sharding, kwargs)
     device = device or machine_device()
     if device_memory is None:
         device_memory = machine_memory(device, "device_memory")
@@ -233,6 +242,29 @@ def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size:
     memory = parse_size(device_memory) if isinstance(device_memory, str) else int(device_memory)
     return estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size, device_memory=memory,
                           device=device, task=task, **kwargs)
+
+
+def _sharded(model, seq_len, target_batch_size, device, device_memory, lora_r, lora_target_modules, fused_loss,
+             gpus, sharding, kwargs):
+    from .paper_sharded import sharded_grid
+
+    allowed = {"bf16", "budget_fraction", "max_micro_batch", "quantization", "quantization_options", "log"}
+    extra = sorted(set(kwargs) - allowed)
+    if extra:
+        raise ValueError(f"{extra[0]}= is not modelled by the sharded estimate (gpus/sharding): give only "
+                         f"{', '.join(sorted(allowed))}")
+    if device_memory is None:
+        raise ValueError("gpus/sharding: give device_memory, the card's memory (e.g. \"80GiB\" or a list)")
+    cards = [parse_size(c) if isinstance(c, str) else int(c)
+             for c in (device_memory if isinstance(device_memory, (list, tuple)) else [device_memory])]
+    build = builder(model, lora_r, lora_target_modules, fused_loss)
+    fraction = kwargs.get("budget_fraction")
+    return sharded_grid(build, seq_lens=list(seq_len) if isinstance(seq_len, (list, tuple)) else [seq_len],
+                        cards=cards, gpus=list(gpus) if isinstance(gpus, (list, tuple)) else [gpus or 1],
+                        sharding=sharding or "fsdp2", target_batch_size=target_batch_size, device=device,
+                        bf16=kwargs.get("bf16", False), fraction=0.9 if fraction is None else fraction,
+                        max_micro_batch=kwargs.get("max_micro_batch"), quantization=kwargs.get("quantization"),
+                        quantization_options=kwargs.get("quantization_options"), log=kwargs.get("log"))
 
 
 __all__ = ["CUDA_ASSUMPTIONS", "Estimate", "estimate", "estimate_model"]

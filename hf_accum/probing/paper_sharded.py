@@ -1,0 +1,230 @@
+"""The sharded estimate's measurements: the one-process step on fake tensors, split in its two phases (forward +
+backward per micro-batch, then AdamW's step), and the model's weights by FSDP2 unit. `sharding.py` adds each rank's
+shards, gathered weights and buffers on top (pure arithmetic).
+
+The activations of a micro-batch do not depend on how the weights are sharded: every rank runs the whole model on
+its own rows. So forward + backward is measured once, in one process, with the gradients allocated before it (as
+the probe's step keeps them, zeroed): what it adds above the weights and gradients is the micro-batch's activations
+and backward's temporaries. AdamW's step is measured after a warm-up step (its state created), as the probe's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .estimate import CUDA_GRANULE, batch_for, checkpoint_lever, fake_session, on_paper, optimizer_kwargs, to_fake
+from .paper_quantized import quantized_model
+from .probe import seq_len_problem
+from .sharding import Counts, Param
+
+
+def counts_of(model: torch.nn.Module) -> Counts:
+    """The weights of ``model`` (meta or fake) by FSDP2 unit: each decoder layer, then the rest (the root)."""
+    from ..compat.gradient_checkpointing import checkpointable_layers
+
+    def param(p: torch.Tensor) -> Param:
+        return Param(tuple(p.shape), p.element_size(), p.requires_grad)
+
+    try:
+        layers = list(checkpointable_layers(model))
+    except Exception:  # a model with no decoder layers to shard: one unit, the root
+        layers = []
+    seen: set[int] = set()
+    units = []
+    for layer in layers:
+        units.append(tuple(param(p) for p in layer.parameters() if id(p) not in seen))
+        seen |= {id(p) for p in layer.parameters()}
+    root = tuple(param(p) for p in model.parameters() if id(p) not in seen)
+    return Counts(tuple(units), root)
+
+
+class Phases:
+    """``build()`` on fake tensors at ``seq_len``; `activations(m)`: forward + backward of micro-batch m, the bytes
+    above the weights and allocated gradients (each size stepped once); `optimizer`: AdamW's step's temporaries.
+    A context manager: the fake session lasts as long as the block."""
+
+    def __init__(self, build: Callable[[], torch.nn.Module], *, seq_len: int, device: str, bf16: bool,
+                 checkpoint_layers: str | int | None = None, quantization: str | None = None,
+                 quantization_options: dict[str, Any] | None = None, task: str = "causal_lm") -> None:
+        self.seq_len, self.device, self.bf16, self.task = seq_len, device, bf16, task
+        self._build, self._quantization = build, (quantization, quantization_options or {})
+        self._checkpoint_layers = checkpoint_layers
+        self._stack = contextlib.ExitStack()
+        self.measured: dict[int, int] = {}
+        self.optimizer = 0
+        self.loss = ""
+
+    def __enter__(self) -> Phases:
+        with torch.device("meta"):
+            model = quantized_model(self._build(), self._quantization[0], **self._quantization[1])
+        problem = seq_len_problem(model, self.seq_len, "seq_len")
+        if problem:
+            raise ValueError(problem)
+        checkpoint_lever(model, self._checkpoint_layers)  # a pinned level, set as the trainer sets it
+        self.loss = on_paper(model, self.device, self.bf16)
+        self.counts = counts_of(model)
+        with contextlib.ExitStack() as stack:
+            self.counter = stack.enter_context(fake_session(CUDA_GRANULE if self.device == "cuda" else 1))
+            to_fake(model)
+            self.model = model
+            self.trainable = [p for p in model.parameters() if p.requires_grad]
+            for p in self.trainable:
+                p.grad = torch.zeros_like(p)
+            self.make_batch = batch_for(self.task)(model, self.seq_len)
+            self.optimizer = self._optimizer_step()
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def _measured(self, fn: Callable[[], Any]) -> int:
+        start = self.counter.current
+        self.counter.peak = start
+        fn()
+        return self.counter.peak - start
+
+    def _optimizer_step(self) -> int:
+        opt = torch.optim.AdamW(self.trainable, **optimizer_kwargs(self.device))
+        opt.step()  # the warm-up creates the state; the next step's temporaries are the step's
+        temporaries = self._measured(opt.step)
+        opt.state.clear()
+        return temporaries
+
+    def activations(self, micro: int) -> int:
+        if micro not in self.measured:
+            self.measured[micro] = self._measured(lambda: self._forward_backward(micro))
+        return self.measured[micro]
+
+    def _forward_backward(self, micro: int) -> None:
+        self.model.train()
+        batch = self.make_batch(micro)
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        with ctx:
+            loss = self.model(**batch).loss
+        loss.backward()
+
+
+# --- the grid: GPU counts x cards x sequence lengths -----------------------------------------------------------
+class _Levers:
+    """Per lever (None, "all"), its `Phases`, opened when a size not yet measured is asked for; one open at a time
+    (two fake sessions cannot nest), a lever opened again keeps the sizes it measured before."""
+
+    def __init__(self, open_phases: Callable[[str | None], Phases]) -> None:
+        self._open = open_phases
+        self.phases: dict[str | None, Phases] = {}
+        self._current: str | None | bool = False  # False: none open
+
+    def _opened(self, lever: str | None) -> Phases:
+        if self._current is not lever:
+            self.close()
+            before = self.phases.get(lever)
+            phases = self._open(lever).__enter__()
+            if before is not None:
+                phases.measured.update(before.measured)
+            self.phases[lever], self._current = phases, lever
+        return self.phases[lever]
+
+    def activations(self, lever: str | None, micro: int) -> int:
+        known = self.phases.get(lever)
+        if known is not None and micro in known.measured:
+            return known.measured[micro]
+        return self._opened(lever).activations(micro)
+
+    def __getitem__(self, lever: str | None) -> int:  # AdamW's one-process temporaries at that lever
+        return (self.phases.get(lever) or self._opened(lever)).optimizer
+
+    def first(self) -> Phases:
+        return self._opened(None)
+
+    def close(self) -> None:
+        if self._current is not False:
+            self.phases[self._current].__exit__(None, None, None)
+            self._current = False
+
+
+@dataclasses.dataclass
+class ShardedEstimate:
+    """The sharded estimate: the cells (`fits_sharded.ShardedCell`), the tables, the sharding, what was assumed, and
+    per sequence length and lever the activations measured (micro-batch -> bytes) and AdamW's temporaries."""
+
+    cells: list
+    sharding: Any
+    counts: Counts
+    gpus: tuple[int, ...]
+    cards: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    target_batch_size: int
+    activations: dict
+    optimizer: dict
+    loss: str
+    assumptions: tuple[str, ...]
+
+    def table(self) -> str:
+        from .fits_sharded import tables
+
+        return tables(self.cells, self.cards, self.seq_lens, self.gpus)
+
+    def cell(self, card: int, seq_len: int, gpus: int):
+        return next(c for c in self.cells if (c.card_bytes, c.seq_len, c.gpus) == (card, seq_len, gpus))
+
+    def to_json(self) -> dict[str, Any]:
+        from .fits_sharded import to_json
+
+        return to_json(self.cells, self.sharding, self.counts, self.gpus, {
+            "target_batch_size": self.target_batch_size, "seq_lens": list(self.seq_lens),
+            "cards_gib": [c / 2**30 for c in self.cards], "gpus": list(self.gpus), "loss": self.loss,
+            "assumptions": list(self.assumptions),
+            "activations": {f"{seq}/{lever or 'none'}": {str(m): v for m, v in sorted(acts.items())}
+                            for (seq, lever), acts in self.activations.items()},
+            "optimizer_temporaries": {f"{seq}/{lever or 'none'}": v for (seq, lever), v in self.optimizer.items()}})
+
+
+def sharded_grid(build: Callable[[], torch.nn.Module], *, seq_lens: list[int], cards: list[int], gpus: list[int],
+                 sharding, target_batch_size: int, device: str = "cuda", bf16: bool = False, fraction: float = 0.9,
+                 max_micro_batch: int | None = None, quantization: str | None = None,
+                 quantization_options: dict[str, Any] | None = None, log=None) -> ShardedEstimate:
+    """The cells of every card x GPU count x sequence length under ``sharding`` (`sharding.parse_sharding`)."""
+    from .fits_sharded import cells_for
+    from .plan import indivisible_target
+    from .sharding import parse_sharding
+
+    sharding = parse_sharding(sharding)
+    for world in gpus:
+        problem = indivisible_target(target_batch_size, world)
+        if problem:
+            raise ValueError(f"gpus={world}: {problem}")
+    cells, acts, opts = [], {}, {}
+    loss, counts = "", None
+    for seq in sorted(seq_lens):
+        levers = _Levers(lambda lever, seq=seq: Phases(build, seq_len=seq, device=device, bf16=bf16,
+                                                       checkpoint_layers=lever, quantization=quantization,
+                                                       quantization_options=quantization_options))
+        try:
+            first = levers.first()
+            counts, loss = first.counts, loss or first.loss
+            activations = {lever: (lambda m, lever=lever, levers=levers: levers.activations(lever, m))
+                           for lever in (None, "all")}
+            cells += cells_for(counts, sharding, activations, levers, seq_len=seq, cards=cards, gpus=gpus,
+                               fraction=fraction, target=target_batch_size, max_micro=max_micro_batch)
+            for lever, phases in levers.phases.items():
+                acts[seq, lever] = dict(phases.measured)
+                opts[seq, lever] = phases.optimizer
+            if log:
+                log(f"seq {seq}: stepped micro-batches " + "; ".join(
+                    f"{'checkpointing all' if lv else 'no checkpointing'} {sorted(p.measured)}"
+                    for lv, p in levers.phases.items()))
+        finally:
+            levers.close()
+    assumptions = (sharding.modelled,
+                   "per rank: AdamW on the rank's shard; peak allocated bytes (the allocator's reserved bytes are "
+                   "left to the budget's margin)")
+    return ShardedEstimate(sorted(cells, key=lambda c: (c.card_bytes, c.seq_len, c.gpus)), sharding, counts,
+                           tuple(gpus), tuple(cards), tuple(sorted(seq_lens)), target_batch_size, acts, opts, loss,
+                           assumptions)
+
