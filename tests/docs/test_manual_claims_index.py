@@ -351,6 +351,8 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
     ("usage.md", "the others refused", (T + "integrations/test_trl_mixins.py::test_each_trl_trainer_mixed_in_is_exact_or_refused",)),
     ("usage.md", "`fused_loss=False` with a router loss is refused",
      (T + "integrations/test_router_aux.py::test_fused_loss_off_with_a_router_loss_is_refused",)),
+    ("what-fits-where.md", "ZeRO is modelled from its config and the output says so",
+     (T + "probing/test_estimate_sharded.py::test_the_cli_prints_a_table_per_card_and_refuses_gpus_without_estimate",)),
     ("what-fits-where.md", "the output lists what the estimate assumes of a CUDA card",
      (T + "probing/test_estimate.py::test_cuda_estimate_on_a_cpu_build_says_its_assumptions",
       T + "probing/test_fits.py::test_table_and_json")),
