@@ -327,6 +327,7 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "train", help="run a recipe (a name from recipes/ or a YAML path) with key=value overrides",
+        formatter_class=_WholePaths,
         description="Run a LoRA / QLoRA recipe: probe memory (or reuse the plan stored in output_dir), plan "
                     "micro-batch x accumulation x world = target_batch_size, train, save the adapter and "
                     "run_summary.json in output_dir.",
@@ -450,6 +451,17 @@ def _flags_as_overrides(unknown: list[str]) -> list[str]:
             item = f"{item}={items.pop(0)}"
         keys.append(item.lstrip("-"))
     return keys
+
+
+class _WholePaths(argparse.HelpFormatter):
+    """Text wrapped at spaces only: the recipe folder's path stays whole where a user copies it (textwrap broke an
+    installed one at the hyphen of site-packages)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False, break_long_words=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -252,3 +252,19 @@ def test_a_recipe_key_given_as_a_flag_is_answered_with_the_override_it_meant(arg
                            f"without dashes: {meant} (see ")
     assert main(["train", "lora_sft", "--bogus"]) == 2  # a flag with no value is not taken for a key
     assert "recipe keys" not in error_line(capsys)
+
+
+def test_train_help_keeps_a_hyphenated_recipe_folder_whole(monkeypatch, capsys):
+    """An installed wheel's recipe folder (.../site-packages/hf_accum/recipes/yaml) was wrapped at the hyphen of
+    site-packages in `hf-accum train --help`: copied, the path did not exist (ci/installed_wheel.sh caught it)."""
+    import pathlib
+
+    from hf_accum.cli import main
+    from hf_accum.recipes import files
+
+    folder = pathlib.Path("/a-long-folder-name/venv/lib/python3.11/site-packages/hf_accum/recipes/yaml")
+    monkeypatch.setattr(files, "recipe_dirs", lambda: [folder])
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    helped = capsys.readouterr().out
+    assert str(folder) in [word.rstrip(").") for word in helped.split()]
