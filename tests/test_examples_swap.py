@@ -4,23 +4,12 @@ offline stand-ins for the hub's ROUGE / BLEU compute what they say, checked by h
 
 import importlib
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "swap"
+from tests.swap_scripts import load
 
-
-def _load(name):
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(SCRIPTS))
-
-
-swap = _load("examples_swap")
+swap = load("examples_swap")
 
 SCRIPT = """from transformers import (
     HfArgumentParser,

@@ -2,26 +2,17 @@
 AccumSFTTrainer / AccumSFTConfig substituted (as a user would) runs with `--target_batch_size 8`, exits 0, saves,
 and logs the losses of the plain script at the same effective batch (4 x 2), to float32 noise."""
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.swap_scripts import load
+
 pytest.importorskip("trl")
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "swap"
 
 
-def _load(name):
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(SCRIPTS))
-
-
-swap = _load("trl_scripts_swap")
+swap = load("trl_scripts_swap")
 
 
 def test_the_substitution_applies_once_or_names_what_changed():

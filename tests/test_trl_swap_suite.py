@@ -2,25 +2,12 @@
 datasets' columns per config, the modes, and which regressions are the allowed (refused, batch-dependent) loss types.
 """
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "swap"
+from tests.swap_scripts import load
 
-
-def _load(name):
-    sys.path.insert(0, str(SCRIPTS))  # trl_swap_suite imports trainer_swap_suite beside it
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(SCRIPTS))
-
-
-standins = _load("trl_standins")
-suite = _load("trl_swap_suite")
+standins = load("trl_standins")
+suite = load("trl_swap_suite")
 
 
 @pytest.mark.parametrize("text, missing", [
@@ -119,7 +106,7 @@ def test_modes_and_regressions():
 
 
 def test_the_transformers_suite_modes():
-    trainer_suite = _load("trainer_swap_suite")
+    trainer_suite = load("trainer_swap_suite")
     assert trainer_suite.mode_env("plain") == {"HF_ACCUM_SWAP": "0", "HF_ACCUM_SWAP_TARGET": "0"}
     assert trainer_suite.mode_env("swapped") == {"HF_ACCUM_SWAP": "1", "HF_ACCUM_SWAP_TARGET": "0"}
     assert trainer_suite.mode_env("swapped-target") == {"HF_ACCUM_SWAP": "1", "HF_ACCUM_SWAP_TARGET": "1"}

@@ -167,6 +167,22 @@ def level_lines(est: Estimate) -> list[str]:
     return lines
 
 
+def say_assumed(est, say) -> None:
+    """The lines saying what an estimate assumed (its loss, then the rest)."""
+    say(f"assumed: {est.loss}")
+    for line in est.assumptions:
+        say(f"assumed: {line}")
+
+
+def write_json(args: Any, est, say) -> int:
+    """``--json FILE``: the estimate as JSON, and a line saying where. The command's exit status."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(est.to_json(), f, indent=2, default=str)
+        say(f"wrote {args.json}")
+    return 0
+
+
 def run(args: Any, say=print) -> int:
     import torch
 
@@ -200,14 +216,8 @@ def run(args: Any, say=print) -> int:
     say("predicted peak per micro-batch: " + ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in est.peaks.items()))
     for line in level_lines(est):
         say(line)
-    say(f"assumed: {est.loss}")
-    for line in est.assumptions:
-        say(f"assumed: {line}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(est.to_json(), f, indent=2, default=str)
-        say(f"wrote {args.json}")
-    return 0
+    say_assumed(est, say)
+    return write_json(args, est, say)
 
 
 def estimate(model: str | Callable[[], Any], *, seq_len: int, target_batch_size: int, device: str | None = None,

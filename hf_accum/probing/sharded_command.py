@@ -9,7 +9,6 @@ from .paper_sharded import sharded_grid
 
 def run(args: Any, say=print) -> int:
     """`hf-accum probe --estimate --gpus 1,2,4,8 [--sharding fsdp2]`: one table per card size."""
-    import json
     import time
 
     from . import paper
@@ -54,15 +53,9 @@ def run(args: Any, say=print) -> int:
             f"{format_bytes(rb.gathered)}, gradient buffers {format_bytes(rb.gradient_buffers)}"
             + (f", optimizer step {format_bytes(rb.optimizer_step)}" if rb.optimizer_step else "")
             + (f", on CPU {format_bytes(rb.cpu)}" if rb.cpu else ""))
-    say(f"assumed: {est.loss}")
-    for line in est.assumptions:
-        say(f"assumed: {line}")
+    paper.say_assumed(est, say)
     say(f"({time.monotonic() - start:.0f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(est.to_json(), f, indent=2, default=str)
-        say(f"wrote {args.json}")
-    return 0
+    return paper.write_json(args, est, say)
 
 
 def _gpu_count(text: str) -> int:
