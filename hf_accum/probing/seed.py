@@ -11,11 +11,18 @@ quantization (NF4 / int8, from ``config.quantization_config``) and TRL's fused L
 When the estimate cannot be made (another quantization, a lever other than checkpointing, a model not built from its
 config, ...) the probe searches as before, and says why in one log line. What the estimate predicted is kept in
 ``result.extra["estimate"]``, so the plan file records it beside what was measured.
+
+An estimate is a function of what it is given: the rebuilt model (`builder_like`'s ``key``: its class, config, LoRA
+config, parameters' names, shapes, dtypes and trainability, checkpointed layers, loss head and kernel) and the
+search's settings. One made for the same key earlier in this process is not made again (`MADE`, the newest
+`MADE_LIMIT`): a notebook that tunes twice, or a run per learning rate, pays for it once; the log line says so.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -26,6 +33,10 @@ from .estimate import estimate_model
 from .loop import NothingFitsError, ProbeResult
 from .meters import Meter
 from .probe import Seeder, probe_model
+from .reserved import expandable_from_env
+
+MADE_LIMIT = 32
+MADE: OrderedDict[str, tuple[dict[str, Any], Any]] = OrderedDict()  # key -> (record, the estimate's level count)
 
 
 def probe_with_estimate(model: torch.nn.Module, **kwargs: Any):
@@ -58,37 +69,68 @@ def seeder_for(model: torch.nn.Module, *, seq_len: int, target_batch_size: int, 
         if build is None:
             say(f"estimate skipped ({why}): the search starts from micro-batch 1")
             return None, None
-        began = time.perf_counter()
+        key = json.dumps([build.key, seq_len, target_batch_size, meter.capacity_bytes(), device, world_size,
+                          budget_bytes, autocast_dtype is torch.bfloat16, max_micro_batch, levels_key(lever),
+                          quantized, expandable_from_env()], default=str)
+
+        def make() -> tuple[dict[str, Any], Any]:
+            began = time.perf_counter()
+            try:
+                result = estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size,
+                                        device_memory=meter.capacity_bytes(), device=device, world_size=world_size,
+                                        budget_bytes=budget_bytes, bf16=autocast_dtype is torch.bfloat16,
+                                        max_micro_batch=max_micro_batch, all_peaks=False, levels=lever,
+                                        **quantized).result
+            except NothingFitsError as exc:
+                result = exc.result
+            return (estimate_record(result, device, time.perf_counter() - began),
+                    result.extra.get("checkpointing", {}).get("num_layers"))
+
         try:
-            est = estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size,
-                                 device_memory=meter.capacity_bytes(), device=device, world_size=world_size,
-                                 budget_bytes=budget_bytes, bf16=autocast_dtype is torch.bfloat16,
-                                 max_micro_batch=max_micro_batch, all_peaks=False,
-                                 levels=lever, **quantized)
-            result = est.result
-        except NothingFitsError as exc:
-            result = exc.result
+            record, levels, made = made_once(key, make)
         except Exception as exc:  # noqa: BLE001 -- an estimate never stops a probe
             say(f"estimate failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}): the search starts "
                 "from micro-batch 1")
             return None, None
-        record = estimate_record(result, device, time.perf_counter() - began)
         if lever is None:
-            say(f"estimate ({device}, fake tensors, {record['seconds']:.1f} s): largest fit {record['largest_fit']}; "
+            say(f"estimate ({device}, fake tensors, {made}): largest fit {record['largest_fit']}; "
                 f"the search starts there")
             return max(1, record["largest_fit"]), record
-        levels = result.extra.get("checkpointing", {}).get("num_layers")
         if levels != lever.count:
             say(f"estimate skipped (it has {levels} checkpointing levels, the model {lever.count}): the search "
                 "starts from micro-batch 1")
             return None, None
         seeds = {int(k): max(1, fit) for k, fit in record["levels"].items()}
-        say(f"estimate ({device}, fake tensors, {record['seconds']:.1f} s): largest fit per {lever.name} level "
+        say(f"estimate ({device}, fake tensors, {made}): largest fit per {lever.name} level "
             + ", ".join(f"{k}: {fit}" for k, fit in record["levels"].items())
             + "; each level's search starts there")
         return seeds, record
 
     return seeder
+
+
+def made_once(key: str, make: Callable[[], tuple[dict[str, Any], Any]]) -> tuple[dict[str, Any], Any, str]:
+    """``make()``'s (record, level count) for ``key``, made once per process (`MADE`), and how the log line says
+    where it came from: its seconds, or made earlier. Each caller gets its own copy of the record."""
+    if key in MADE:
+        MADE.move_to_end(key)
+        record, levels = MADE[key]
+        return json.loads(json.dumps(record)), levels, "made earlier in this process for the same model and settings"
+    record, levels = make()
+    MADE[key] = json.loads(json.dumps(record)), levels
+    while len(MADE) > MADE_LIMIT:
+        MADE.popitem(last=False)
+    return record, levels, f"{record['seconds']:.1f} s"
+
+
+def levels_key(lever: Any) -> Any:
+    """What the level search on paper depends on: the lever's fields but its model (the paper model replaces it)."""
+    import dataclasses
+
+    if lever is None:
+        return None
+    return [type(lever).__qualname__, {f.name: getattr(lever, f.name) for f in dataclasses.fields(lever)
+                                       if f.name != "model"}]
 
 
 def lever_reason(lever: Any) -> str | None:
@@ -200,7 +242,7 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
     gives the estimate the quantization), with the same parameters trainable and in the same dtypes (TRL's bfloat16
     adapters on a quantized base), the same layers checkpointed (non-reentrant), TRL's fused LM head
     (`compat.trl_internals.add_trl_fused_head`, the same outputs) or the fused loss where ``model`` has it; ValueError where
-    the names differ."""
+    the names differ. Its ``key`` (a string) names all it depends on."""
     import copy
 
     from ..compat.trl_internals import add_trl_fused_head, fused_lm_head_outputs
@@ -249,6 +291,13 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
                 _fused_patch(built).kernel = kernel
         return built
 
+    build.key = json.dumps({  # what build() depends on: equal keys build equal models (`MADE`)
+        "class": f"{type(base).__module__}.{type(base).__qualname__}", "config": config.to_json_string(),
+        "attention": config._attn_implementation,
+        "dtype": str(dtype), "peft": None if peft_config is None else peft_config.to_dict(),
+        "parameters": [[name, list(p.shape), str(p.dtype), p.requires_grad] for name, p in model.named_parameters()],
+        "trl_head": trl_head, "fused": fused, "kernel": kernel, "checkpointed": checkpointed,
+    }, sort_keys=True, default=str)
     return build
 
 

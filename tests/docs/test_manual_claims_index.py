@@ -139,6 +139,8 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
      (T + "planning/test_tuning.py::test_budget_above_capacity_fails_before_any_step_naming_the_real_arguments",)),
     ("plan.md", "A plan without step times (`auto_tune=False` with `max_tokens_per_forward`",
      (T + "window/test_token_budget.py::test_a_plan_without_step_times_says_once_that_the_padding_rule_cuts",)),
+    ("plan.md", "a second tune of an equal model with the same budget and search",
+     (T + "probing/test_estimate_seed.py::test_an_estimate_is_made_once_per_process_for_the_same_model_and_settings",)),
     ("plan.md", "Before training, `train()` runs real training steps",
      (T + "planning/test_tuning.py::test_the_probes_step_bounds_a_real_training_step_on_padded_rows",
       T + "planning/test_tuning.py::test_plan_is_measured_applied_and_written")),

@@ -14,13 +14,22 @@ MiB = 2**20
 PROBE = dict(seq_len=128, target_batch_size=8, budget_bytes=12 * MiB)
 
 
-def _llama():
+def _llama(layers=2, **kw):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(config, **kw)
+
+
+@pytest.fixture(autouse=True)
+def no_estimate_made_before(monkeypatch):
+    """Each test here makes its own estimates (some replace `estimate_model`): none made by an earlier test is
+    reused (`seed.MADE`)."""
+    from collections import OrderedDict
+
+    monkeypatch.setattr(seed_module, "MADE", OrderedDict())
 
 
 def _lora(model):
@@ -251,3 +260,60 @@ def test_an_encoder_decoder_is_rebuilt_as_its_own_class(build):
     rebuilt = seed_module.builder_like(model)()
     assert type(rebuilt) is type(model)
     assert [n for n, _ in rebuilt.named_parameters()] == [n for n, _ in model.named_parameters()]
+
+
+def test_an_estimate_is_made_once_per_process_for_the_same_model_and_settings(monkeypatch):
+    made = []
+    real = seed_module.estimate_model
+    monkeypatch.setattr(seed_module, "estimate_model", lambda *a, **k: (made.append(k["budget_bytes"]), real(*a, **k))[1])
+    said = []
+    first, first_plan = probe_with_estimate(_llama(), log=said.append, **PROBE)
+    again, again_plan = probe_with_estimate(_llama(), log=said.append, **PROBE)  # built again: the same model
+    assert made == [PROBE["budget_bytes"]]
+    assert again_plan == first_plan and again.extra["estimate"] == first.extra["estimate"]
+    assert [t.micro_batch_size for t in again.trials] == [t.micro_batch_size for t in first.trials]
+    assert sum("made earlier in this process for the same model and settings" in line for line in said) == 1, said
+    probe_with_estimate(_llama(), log=said.append, **{**PROBE, "budget_bytes": 10 * MiB})  # another budget
+    probe_with_estimate(_lora(_llama()), log=said.append, **PROBE)  # another model
+    assert made == [PROBE["budget_bytes"], 10 * MiB, PROBE["budget_bytes"]]
+
+
+def test_the_made_estimates_are_the_newest_few(monkeypatch):
+    monkeypatch.setattr(seed_module, "MADE_LIMIT", 2)
+    for key in "abc":
+        record, _, how = seed_module.made_once(key, lambda key=key: ({"seconds": 1.0, "key": key}, None))
+        assert how == "1.0 s" and record["key"] == key
+    assert list(seed_module.MADE) == ["b", "c"]
+    record, _, how = seed_module.made_once("b", lambda: pytest.fail("made again"))
+    record["key"] = "changed"  # a caller's copy: the stored record stays as made
+    assert how.startswith("made earlier") and seed_module.MADE["b"][0]["key"] == "b"
+
+
+def test_the_builders_key_changes_with_whatever_the_estimate_depends_on():
+    from peft import LoraConfig, get_peft_model
+
+    def key(model):
+        return seed_module.builder_like(model).key
+
+    def frozen():
+        model = _llama()
+        model.model.embed_tokens.weight.requires_grad_(False)
+        return model
+
+    def checkpointed():
+        model = _llama()
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+        return model
+
+    base = key(_llama())
+    torch.manual_seed(1)
+    assert key(_llama()) == base  # other weights, the same model: the same estimate
+    changed = {
+        "deeper": key(_llama(layers=3)), "attention": key(_llama(attn_implementation="eager")),
+        "dtype": key(_llama().to(torch.bfloat16)), "frozen": key(frozen()), "checkpointed": key(checkpointed()),
+        "lora": key(_lora(_llama())),
+        "lora r": key(get_peft_model(_llama(), LoraConfig(r=4, lora_alpha=16, target_modules="all-linear",
+                                                          lora_dropout=0.0, task_type="CAUSAL_LM"))),
+    }
+    assert base not in changed.values() and len(set(changed.values())) == len(changed), [
+        name for name, k in changed.items() if k == base]
