@@ -248,28 +248,43 @@ def test_a_bad_pin_is_one_line_before_the_probe(pin, message, tmp_path):
 
 
 # --- the user's own kernel settings --------------------------------------------------------------------------------
-def test_use_liger_kernel_without_the_package_is_one_line_at_once(tmp_path):
-    """Refused as the arguments are made (before any model work), in one line naming the pip command: not
-    transformers' ImportError after the probe."""
+@pytest.fixture(scope="module")
+def liger_refusals(tmp_path_factory):
+    """One fresh interpreter (what the arguments import is what is timed) makes the arguments with
+    use_liger_kernel=True twice: without the package, then with a stand-in package on a machine without CUDA.
+    Returns, per case, the seconds the arguments took to refuse and the lines of the refusal."""
     import subprocess
     import sys
-    import time
 
-    pytest.importorskip("transformers")
+    out_dir = str(tmp_path_factory.mktemp("liger"))
+    code = ("import importlib.machinery, sys, time, types\n"
+            "from hf_accum import AccumTrainingArguments\n"
+            "def refused():\n"
+            "    t = time.perf_counter()\n"
+            "    try:\n"
+            f"        AccumTrainingArguments(output_dir={out_dir!r}, use_liger_kernel=True, use_cpu=True, report_to=[])\n"
+            "    except ValueError as e:\n"
+            "        print(round(time.perf_counter() - t, 3)); print(e); print('---')\n"
+            "refused()\n"
+            "m = types.ModuleType('liger_kernel'); m.__spec__ = importlib.machinery.ModuleSpec('liger_kernel', None)\n"
+            "sys.modules['liger_kernel'] = m\n"
+            "refused()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    cases = [part.strip().splitlines() for part in out.stdout.split("---")[:2]]
+    assert len(cases) == 2 and all(cases), out
+    return {"no package": (cases[0][0], cases[0][1:]), "off cuda": (cases[1][0], cases[1][1:])}
+
+
+@pytest.mark.xdist_group("liger_refusals")  # one worker, one interpreter for both
+def test_use_liger_kernel_without_the_package_is_one_line_at_once(liger_refusals):
+    """Refused as the arguments are made (before any model work), in one line naming the pip command: not
+    transformers' ImportError after the probe."""
     import importlib.util
 
     assert importlib.util.find_spec("liger_kernel") is None  # this environment has no liger-kernel
-    code = ("import time; from hf_accum import AccumTrainingArguments\n"
-            "t = time.perf_counter()\n"
-            "try:\n"
-            f"    AccumTrainingArguments(output_dir={str(tmp_path)!r}, use_liger_kernel=True, use_cpu=True, report_to=[])\n"
-            "except ValueError as e:\n"
-            "    print(round(time.perf_counter() - t, 3)); print(e)\n")
-    began = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    seconds, message = out.stdout.splitlines()[0], out.stdout.splitlines()[1:]
+    seconds, message = liger_refusals["no package"]
     assert len(message) == 1 and "pip install liger-kernel" in message[0] and "use_liger_kernel=True" in message[0]
-    assert float(seconds) <= 2.0, (seconds, time.perf_counter() - began)
+    assert float(seconds) <= 2.0, seconds
 
 
 LIGER_ROUTES = [  # (liger_kernel_config, fused_loss, device) -> (config transformers applies, kernel) or refusal
@@ -326,24 +341,13 @@ def _fake_liger(monkeypatch):
     return calls
 
 
-def test_use_liger_kernel_off_cuda_is_one_line_at_once(tmp_path):
+@pytest.mark.xdist_group("liger_refusals")  # one worker, one interpreter for both
+def test_use_liger_kernel_off_cuda_is_one_line_at_once(liger_refusals):
     """With the package there but no CUDA device (Triton kernels): refused as the arguments are made, one line
-    naming the setting, not Triton's error at the first forward after the probe."""
-    import subprocess
-    import sys
-
-    code = ("import importlib.machinery, sys, time, types\n"
-            "m = types.ModuleType('liger_kernel'); m.__spec__ = importlib.machinery.ModuleSpec('liger_kernel', None)\n"
-            "sys.modules['liger_kernel'] = m\n"
-            "from hf_accum import AccumTrainingArguments\n"
-            "t = time.perf_counter()\n"
-            "try:\n"
-            f"    AccumTrainingArguments(output_dir={str(tmp_path)!r}, use_liger_kernel=True, use_cpu=True, report_to=[])\n"
-            "except ValueError as e:\n"
-            "    print(round(time.perf_counter() - t, 3)); print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    seconds, message = out.stdout.splitlines()[0], out.stdout.splitlines()[1:]
-    assert len(message) == 1 and "use_liger_kernel=True" in message[0] and "CUDA only" in message[0], out
+    naming the setting, not Triton's error at the first forward after the probe (the second case of
+    `liger_refusals`' interpreter, after a stand-in package is put in sys.modules)."""
+    seconds, message = liger_refusals["off cuda"]
+    assert len(message) == 1 and "use_liger_kernel=True" in message[0] and "CUDA only" in message[0], message
     assert float(seconds) <= 2.0
 
 
