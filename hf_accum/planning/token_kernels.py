@@ -5,8 +5,9 @@ kernel, each pinned; the first from the usual start (the estimate), the others' 
 at each length (a seed costs trials, never the answer). `window.kernel_budget.choose_kernel` then cuts the user's
 windows with each kernel's budget and step-time model and takes the kernel whose steps model least. The plan keeps
 the chosen kernel's budget, cost model and step-time model, and the ``loss_kernel`` record says what each kernel
-gave, so a stored plan cuts the same window the same way. One kernel, a pinned one, or a probe inside a sharded
-engine's loop: measured once, as before.
+gave, so a stored plan cuts the same window the same way. A lever level (``checkpoint_layers="auto"``) is chosen
+once, by the first kernel's probe, and every kernel is measured at it. One kernel, a pinned one, or a probe inside a
+sharded engine's loop: measured once, as before.
 """
 
 from __future__ import annotations
@@ -43,10 +44,13 @@ def measure_tokens(trainer, probe, prepared, kernels: list[str]) -> tuple[Plan, 
     record = choose_kernel({name: plan_budget(plan) for name, (plan, _) in measured.items()}, windows, kernels)
     if refused:
         record["nothing_fits"] = sorted(refused)
-    plan, result = measured[record["kernel"]]
+    (first_plan, first_result), (plan, result) = next(iter(measured.values())), measured[record["kernel"]]
+    if "checkpointing" in first_result.extra:  # the level chosen once, by the first kernel's probe: every kernel's
+        result.extra.setdefault("checkpointing", first_result.extra["checkpointing"])
     result.extra["loss_kernel"] = record
     result.extra["token_kernels"] = {name: r.extra.get("token_budget") for name, (_, r) in measured.items()}
-    return dataclasses.replace(plan, levers={**(plan.levers or {}), "loss_kernel": record}), result
+    levers = {**(first_plan.levers or {}), **(plan.levers or {}), "loss_kernel": record}
+    return dataclasses.replace(plan, levers=levers, step_seconds=plan.step_seconds or first_plan.step_seconds), result
 
 
 def _measured(trainer, probe, prepared) -> tuple[Plan, ProbeResult]:
