@@ -41,7 +41,9 @@ def measure_tokens(trainer, probe, prepared, kernels: list[str]) -> tuple[Plan, 
         raise next(iter(refused.values()))
     per_rank = trainer.args.target_batch_size // trainer.args.world_size
     windows = data_windows(prepared.lengths, per_rank) if prepared.lengths else [[prepared.seq_len] * per_rank]
-    record = choose_kernel({name: plan_budget(plan) for name, (plan, _) in measured.items()}, windows, kernels)
+    collective = trainer._collective()  # every rank the same kernel: the slowest rank's figures decide
+    record = choose_kernel({name: plan_budget(plan) for name, (plan, _) in measured.items()}, windows, kernels,
+                           max_of=collective.max_of if collective.world > 1 else None)
     if refused:
         record["nothing_fits"] = sorted(refused)
     (first_plan, first_result), (plan, result) = next(iter(measured.values())), measured[record["kernel"]]

@@ -43,17 +43,32 @@ def cut_figures(windows: list[list[int]], budget: TokenBudget) -> dict[str, floa
             "step_seconds": seconds}
 
 
+def agreed(figures: dict[str, dict], max_of) -> dict[str, dict]:
+    """Every rank's figures made one: ``max_of`` (the collective's MAX over ranks, of integers) of each kernel's
+    figures in microseconds and ten-thousandths, so the slowest rank's step sets the pace and every rank chooses the
+    same kernel (each rank cuts its own windows; a cost model may differ by rank). A kernel with a step-time model on
+    some rank counts as modelled (-1 stands for none)."""
+    keys = ("step_seconds", "forwards_per_step", "padded_over_real")
+    scale = {"step_seconds": 1e6, "forwards_per_step": 1e4, "padded_over_real": 1e4}
+    names = list(figures)
+    flat = tuple(-1 if figures[n][k] is None else round(figures[n][k] * scale[k]) for n in names for k in keys)
+    out = iter(max_of(flat))
+    return {n: {k: (None if v < 0 else v / scale[k]) for k in keys for v in [next(out)]} for n in names}
+
+
 def choose_kernel(budgets: dict[str, TokenBudget], windows: list[list[int]],
-                  order: Sequence[str] | None = None) -> dict:
+                  order: Sequence[str] | None = None, max_of=None) -> dict:
     """The plan's ``loss_kernel`` record in "tokens" mode: of ``budgets`` (kernel name -> the token budget measured
     under it, with its step-time model), the kernel whose whole steps over ``windows`` model least (see the module
     docstring), with what each kernel's budget gives: ``step_seconds`` (modelled, per optimizer step; only kernels
     with a model), ``forwards_per_step``, ``padded_over_real``, ``tokens_per_forward``, and ``by``: "step time" or
-    "forwards (no step-time model)"."""
+    "forwards (no step-time model)". ``max_of``: with several ranks, their figures made one first (`agreed`)."""
     if not budgets:
         raise ValueError("choose_kernel: no kernel's token budget to choose from")
     rank = {name: i for i, name in enumerate(order or budgets)}
     figures = {name: cut_figures(windows, b) for name, b in budgets.items()}
+    if max_of is not None:
+        figures = agreed(figures, max_of)
     # compared as the record keeps them (microseconds): rounding alone never decides, the order does
     timed = {name: round(f["step_seconds"], 6) for name, f in figures.items() if f["step_seconds"] is not None}
 

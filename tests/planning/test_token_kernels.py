@@ -56,7 +56,8 @@ def stand_ins(monkeypatch):
 
 
 def measure(state, kernels):
-    trainer = SimpleNamespace(model=None, args=SimpleNamespace(target_batch_size=4, world_size=1))
+    trainer = SimpleNamespace(model=None, args=SimpleNamespace(target_batch_size=4, world_size=1),
+                              _collective=lambda: SimpleNamespace(world=1))
     prepared = SimpleNamespace(make_batch=None, seq_len=LONGEST, lengths=[LONGEST] * 4)
     return token_kernels.measure_tokens(trainer, state.probe, prepared, kernels)
 

@@ -60,6 +60,28 @@ def test_without_step_time_models_the_fewest_forwards_win_and_a_timed_kernel_bea
         choose_kernel({}, FOUR)
 
 
+def test_ranks_agree_on_one_kernel_by_the_slowest_ranks_figures():
+    # rank 0 alone would take "fast" (a cheap forward), rank 1 "lean" (a dear one: its own cost model, its windows)
+    ranks = [({"fast": budget(200, 0.1, 1e-3), "lean": budget(400, 0.1, 1.5e-3)}, FOUR),
+             ({"fast": budget(200, 1.0, 1e-3), "lean": budget(400, 1.0, 1.5e-3)}, [[100, 100, 100]])]
+    alone = [choose_kernel(b, w) for b, w in ranks]
+    assert [r["kernel"] for r in alone] == ["fast", "lean"]
+    sent = []  # what each rank hands the collective; MAX over ranks is what each gets back
+    for b, w in ranks:
+        choose_kernel(b, w, max_of=lambda flat: sent.append(flat) or flat)
+    records = [choose_kernel(b, w, max_of=lambda flat: tuple(map(max, *sent))) for b, w in ranks]
+    assert records[0] == records[1]  # one kernel, one record on every rank
+    for name in ("fast", "lean"):  # the slowest rank's step sets the pace
+        assert records[0]["step_seconds"][name] == max(r["step_seconds"][name] for r in alone)
+    assert records[0]["kernel"] == "lean"  # fast 2.3 s, lean 1.45 s: rank 1's, slower than rank 0's 0.6 and 0.7
+    # a kernel modelled on one rank only counts as modelled on all
+    untimed = [({"a": budget(400), "b": budget(100)}, FOUR), ({"a": budget(400, 1.0), "b": budget(100)}, FOUR)]
+    sent.clear()
+    for b, w in untimed:
+        choose_kernel(b, w, max_of=lambda flat: sent.append(flat) or flat)
+    assert all(choose_kernel(b, w, max_of=lambda flat: tuple(map(max, *sent)))["by"] == "step time" for b, w in untimed)
+
+
 def test_data_windows_are_one_fixed_shuffle_of_every_length():
     lengths = list(range(1, 24))
     windows = data_windows(lengths, 5)
