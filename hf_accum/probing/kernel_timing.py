@@ -1,6 +1,8 @@
 """The probe's choice of a loss kernel: one step at the planned micro-batch with each kernel that runs on the device,
 timed (one warm step, unprofiled) and measured (peak), and the fastest that fits the budget (`base.choose`).
-Nothing is timed on paper (the estimate's fake tensors take no time) or when the kernel is pinned."""
+Nothing is timed on paper (the estimate's fake tensors take no time) or when the kernel is pinned. In
+``micro_batching="tokens"`` the planner pins each `candidates` kernel in turn (`pinned`) and chooses by whole steps
+(planning/token_kernels.py), so this forward-level choice is "samples" mode's."""
 
 from __future__ import annotations
 
