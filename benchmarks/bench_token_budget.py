@@ -128,13 +128,16 @@ def peak_of(model, rows, length, vocab):
         return meter.measure(trainer.train).peak_bytes
 
 
-def part2(passes=2):
+def part2(passes=2, kernel="torch"):
     """The tokens-mode probe of the tiny float64 Llama (memory budget halfway between real steps of 4 and 5 rows x
     512, levers pinned off so that only the cut differs) gives the token budget and the step-time model; then the
     first 3 windows are trained from the same weights with every candidate cut (a number of forwards per window,
     from the fewest to "samples" mode's count, each the cut partition_padded would take at that count), the
     planner's own choice, the padding rule (a plan without step times) and "samples" mode. Each is run ``passes``
-    times, interleaved, and its least CPU seconds per step kept (2 shared cores)."""
+    times, interleaved, and its least CPU seconds per step kept (2 shared cores). ``kernel="auto"`` (``--kernel
+    auto``): the loss kernel is not pinned, so the probe measures the budget under each kernel that runs and plans
+    the one whose whole steps model least (issue 57 item 2); it prints each kernel's figures, and the runs train
+    with the chosen kernel."""
     import copy
     import tempfile
     from unittest import mock
@@ -148,7 +151,8 @@ def part2(passes=2):
 
     data = tiny_data()
     initial = tiny_llama(max_position_embeddings=512)
-    pinned = "checkpointing=0,selective=0,loss_kernel=torch"  # the cut is what differs; no lever is searched
+    pinned = "checkpointing=0,selective=0"  # the cut is what differs; no layer lever is searched
+    pinned += "" if kernel == "auto" else f",loss_kernel={kernel}"
     budget_bytes = (peak_of(initial, MICRO, LONGEST, 96) + peak_of(initial, MICRO + 1, LONGEST, 96)) // 2
     with tempfile.TemporaryDirectory() as out:
         args = AccumTrainingArguments(
@@ -166,6 +170,12 @@ def part2(passes=2):
     st = plan.step_time
     print(f"\nPart 2: tiny float64 Llama, 3 optimizer steps of {TARGET}; memory budget {budget_bytes / 2**20:.1f} MiB")
     print(f"probe ({probe_s:.0f} s): {plan.describe()}")
+    record = (plan.levers or {}).get("loss_kernel") or {}
+    for name, tokens in (record.get("tokens_per_forward") or {}).items():  # kernel="auto": each kernel's budget
+        print(f"  kernel {name}: {tokens} tokens per forward, {record['forwards_per_step'][name]:.2f} forwards/step, "
+              f"modelled {record.get('step_seconds', {}).get(name, float('nan')):.3f} s/step"
+              + (" (chosen)" if name == record["kernel"] else ""))
+    kernel_in_force = record.get("kernel", kernel)  # the runs train with the plan's kernel
     print(f"timed steps (s): {timed}")
     if st is None:
         print("no step-time model: the planner cuts by the padding rule")
@@ -189,7 +199,8 @@ def part2(passes=2):
                 target_batch_size=TARGET, auto_tune=False, micro_batching=mode,
                 max_tokens_per_forward=plan.token_budget if mode == "tokens" else None, max_steps=3,
                 learning_rate=1e-3, max_grad_norm=0.0, report_to=[], save_strategy="no", use_cpu=True, seed=0,
-                disable_tqdm=True, remove_unused_columns=False, log_level="error", check_accumulation=False)
+                disable_tqdm=True, remove_unused_columns=False, log_level="error", check_accumulation=False,
+                levers=f"loss_kernel={kernel_in_force}")
             recorder = StepRecorder()
             model = copy.deepcopy(initial)
             shapes = []
@@ -341,8 +352,11 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", type=int, choices=(1, 2, 3))
-    chosen = parser.parse_args().part
+    parser.add_argument("--kernel", default="torch", help="part 2's loss kernel: a name, or 'auto' (chosen with "
+                        "the token budget by whole steps)")
+    parsed = parser.parse_args()
+    chosen = parsed.part
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    for number, part in ((1, part1), (2, part2), (3, part3)):
+    for number, part in ((1, part1), (2, lambda: part2(kernel=parsed.kernel)), (3, part3)):
         if chosen in (None, number):
             part()

@@ -109,17 +109,14 @@ def _expected_cuts(lengths: list[int] | None, per_rank: int, budget: TokenBudget
     rows under the same token count would take (`partition_packed`; a packed forward holds no padding mask, so the
     padded budget bounds it), and with a step-time model the modelled seconds of both (a packed sequence's
     attention is its own length's)."""
-    import random
-
     from ..probing.plan import plan_batch
     from ..window.cuts import near_equal_groups
+    from ..window.kernel_budget import data_windows
     from ..window.token_budget import modelled_seconds, partition_packed, partition_padded, token_seconds
 
     if not lengths:
         return {}
-    order = list(range(len(lengths)))
-    random.Random(0).shuffle(order)
-    windows = [[lengths[i] for i in order[w:w + per_rank]] for w in range(0, len(order), per_rank)]
+    windows = data_windows(lengths, per_rank)
     micro = plan_batch(per_rank, 1, max(1, rows_at_longest)).micro_batch_size
     real = sum(lengths) or 1
     tokens = [partition_padded(w, budget) for w in windows]

@@ -23,6 +23,7 @@ from .. import levers
 from ..compat import allocator, trainer_internals
 from ..config.settings import Settings
 from ..levers.kernels.fused_loss import loss_path
+from ..probing.kernel_timing import candidates
 from ..probing.loop import ProbeResult
 from ..probing.meters import CpuMeter, CudaMeter, Meter
 from ..probing.plan import Plan
@@ -32,7 +33,7 @@ from ..probing.seed import probe_with_estimate, trainer_reason
 from ..window.units import detect_unit, make_cutter
 from .data_scan import probe_batches, train_lengths
 from .store import PLAN_FILE, PlanFileError, load_plan, plan_key, save_plan
-from .tokens import token_plan
+from .token_kernels import measure_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def prepare(trainer) -> Prepared:
     return Prepared(meter, budget, lengths, make_batch, seq_len, key, stored)
 
 
-Probe = Callable[..., tuple[ProbeResult, Plan]]  # probe(make_batch, length, max_micro=...) -> (result, plan)
+Probe = Callable[..., tuple[ProbeResult, Plan]]  # probe(make_batch, length, max_micro=..., seed=...) -> (result, plan)
 
 
 def tune(trainer, prepared: Prepared | None = None, probe: Probe | None = None, *,
@@ -102,11 +103,11 @@ def tune(trainer, prepared: Prepared | None = None, probe: Probe | None = None, 
     if in_loop:
         levers.searched(trainer)  # through the engine no level is chosen: the lever's one log line says so
     probe = probe or _model_probe(trainer, prepared)
-    result, plan = probe(prepared.make_batch, prepared.seq_len)
-    if args.micro_batching == "tokens":
-        chosen = plan
-        plan, result = token_plan(trainer, plan, result, prepared.seq_len, probe, prepared.lengths)
-        plan = dataclasses.replace(plan, levers=chosen.levers, step_seconds=chosen.step_seconds)
+    if args.micro_batching == "tokens":  # the budget measured under each loss kernel, compared by whole steps
+        kernels = [] if in_loop else candidates(trainer.model, prepared.meter, bool(args.bf16 or args.fp16))
+        plan, result = measure_tokens(trainer, probe, prepared, kernels)
+    else:
+        result, plan = probe(prepared.make_batch, prepared.seq_len)
     pinned = levers.pinned_records(trainer.model, args)  # a level the user set is recorded as such
     if pinned:
         plan = dataclasses.replace(plan, levers={**pinned, **(plan.levers or {})})
@@ -131,18 +132,20 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
     if unseeded is not None and args.probe_from_estimate:
         logger.info("estimate skipped (%s): the search starts from micro-batch 1", unseeded)
 
-    def probe(make, length, max_micro=args.probe_max_micro_batch):
+    def probe(make, length, max_micro=args.probe_max_micro_batch, seed=None):
+        """``seed``: the search's start (another loss kernel's rows at this length), instead of the estimate."""
         if lever is None:
-            return measure(make, length, max_micro, None)
+            return measure(make, length, max_micro, None, seed)
         if not chosen:
-            result, plan = measure(make, length, max_micro, lever)
+            result, plan = measure(make, length, max_micro, lever, seed)
             chosen.append(result.extra["checkpointing"]["chosen_k"])
             return result, plan
         with lever.at(chosen[0]):
-            return measure(make, length, max_micro, None)
+            return measure(make, length, max_micro, None, seed)
 
-    def measure(make, length, max_micro, lever):
-        return (probe_model if unseeded else probe_with_estimate)(
+    def measure(make, length, max_micro, lever, seed):
+        seeded = {} if seed is None else {"seeder": lambda budget, meter: (seed, None)}
+        return (probe_model if unseeded or seeded else probe_with_estimate)(
             trainer.model,
             seq_len=length,
             target_batch_size=args.target_batch_size,
@@ -162,6 +165,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
             log=lambda line: _show("hf_accum probe: %s", args, line),  # each trial a line, seen without any setup
             lever=lever,
             timed_rows=args.micro_batching == "tokens",  # the token cut's step-time model (planning/tokens.py)
+            **seeded,
         )
 
     return probe

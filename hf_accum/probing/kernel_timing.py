@@ -1,9 +1,12 @@
 """The probe's choice of a loss kernel: one step at the planned micro-batch with each kernel that runs on the device,
 timed (one warm step, unprofiled) and measured (peak), and the fastest that fits the budget (`base.choose`).
-Nothing is timed on paper (the estimate's fake tensors take no time) or when the kernel is pinned."""
+Nothing is timed on paper (the estimate's fake tensors take no time) or when the kernel is pinned. In
+``micro_batching="tokens"`` the planner pins each `candidates` kernel in turn (`pinned`) and chooses by whole steps
+(planning/token_kernels.py), so this forward-level choice is "samples" mode's."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -16,16 +19,12 @@ def measure_kernels(model: torch.nn.Module, step_fn: Callable[[int], None], mete
                     autocast: bool, log: Callable[[str], None] | None = None) -> dict[str, Any] | None:
     """The plan's ``loss_kernel`` record, or None where there is nothing to choose (no fused-loss patch, a pinned
     kernel, one kernel runs here, or a meter that takes no time)."""
-    from ..levers.kernels import fused_loss
     from ..levers.kernels.fused_loss import installed_patch
 
+    names = candidates(model, meter, autocast)
+    if not names:
+        return None
     patch = installed_patch(model)
-    if patch is None or patch.kernel is not None or meter.name == "estimate" or fused_loss.IMPLEMENTATION != "auto":
-        return None
-    weight = patch.model.get_output_embeddings().weight
-    names = base.runnable(weight.device.type, weight.dtype, autocast)
-    if len(names) < 2:
-        return None
     seconds, peaks = {}, {}
     try:
         for name in names:
@@ -42,6 +41,38 @@ def measure_kernels(model: torch.nn.Module, step_fn: Callable[[int], None], mete
         log(f"loss kernel {chosen}: the fastest that fits at micro-batch {micro} ({timed} per step)")
     return {"kernel": chosen, "micro_batch_size": micro, "seconds": {n: round(seconds[n], 6) for n in names},
             "peak_bytes": peaks}
+
+
+def candidates(model: torch.nn.Module, meter, autocast: bool) -> list[str]:
+    """The loss kernels the probe may choose between, in registration order: every kernel that runs on the fused
+    loss's device and dtype, where there are two or more and none is pinned (no fused-loss patch, a pinned or forced
+    kernel, or a meter that takes no time: none)."""
+    from ..levers.kernels import fused_loss
+    from ..levers.kernels.fused_loss import installed_patch
+
+    patch = installed_patch(model)
+    if patch is None or patch.kernel is not None or meter.name == "estimate" or fused_loss.IMPLEMENTATION != "auto":
+        return []
+    weight = patch.model.get_output_embeddings().weight
+    names = base.runnable(weight.device.type, weight.dtype, autocast)
+    return names if len(names) >= 2 else []
+
+
+@contextlib.contextmanager
+def pinned(model: torch.nn.Module, kernel: str | None):
+    """The loss kernel ``kernel`` in force for as long as the block runs, as a pin is (the probe then times no other);
+    None, or no fused-loss patch: as it is."""
+    from ..levers.kernels.fused_loss import installed_patch
+
+    patch = installed_patch(model) if kernel else None
+    if patch is None:
+        yield
+        return
+    before, patch.kernel = patch.kernel, kernel
+    try:
+        yield
+    finally:
+        patch.kernel = before
 
 
 def agree(names: list[str], seconds: dict[str, float], peaks: dict[str, int]) -> tuple[dict, dict]:

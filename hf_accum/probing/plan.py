@@ -228,7 +228,8 @@ def check_lever_record(name: str, record) -> None:
     and the layers at each level (every other integer) adding up to at most ``of``; or a kernel's record (the
     ``loss_kernel`` lever): its name and what was measured of each kernel. ValueError otherwise."""
     if isinstance(record, dict) and "kernel" in record:
-        measured = [v for key in ("seconds", "peak_bytes") for v in (record.get(key) or {}).values()]
+        measured = [v for key in ("seconds", "peak_bytes", "step_seconds", "forwards_per_step", "tokens_per_forward")
+                    for v in (record.get(key) or {}).values()]
         if not isinstance(record["kernel"], str) or not all(isinstance(v, (int, float)) and v >= 0 for v in measured):
             raise ValueError(f"inconsistent plan: levers[{name!r}]={record!r} (a kernel's name and its measured "
                              "seconds and peaks, each >= 0)")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..window.oom import guarded
+from .kernel_timing import pinned
 from .levels import _slowest_rank
 from .loop import ProbeResult
 
@@ -27,7 +28,7 @@ def time_rows(result: ProbeResult, step_fn: Callable[[int], None], meter, lever:
     level = (result.extra.get("checkpointing") or {}).get("chosen_k")
     kernel = (result.extra.get("loss_kernel") or {}).get("kernel")
     seconds: dict[str, float] = {}
-    with contextlib.nullcontext() if lever is None or level is None else lever.at(level), _kernel(model, kernel):
+    with contextlib.nullcontext() if lever is None or level is None else lever.at(level), pinned(model, kernel):
         for rows in sorted({max(1, top // 2), top}):
             best = None
             for _ in range(REPEATS):
@@ -47,19 +48,3 @@ def _time(meter, step: Callable[[], None], rows: int) -> float:
     start = time.process_time()
     step()
     return time.process_time() - start
-
-
-@contextlib.contextmanager
-def _kernel(model, kernel: str | None):
-    """The loss kernel the probe chose, for as long as the block runs (none chosen: as it is)."""
-    from ..levers.kernels.fused_loss import installed_patch
-
-    patch = installed_patch(model) if kernel else None
-    if patch is None:
-        yield
-        return
-    before, patch.kernel = patch.kernel, kernel
-    try:
-        yield
-    finally:
-        patch.kernel = before

@@ -19,7 +19,9 @@ from transformers import DataCollatorWithFlattening
 from transformers.trainer_callback import PrinterCallback
 
 from hf_accum import AccumTrainer, AccumTrainingArguments
+from hf_accum.levers import kernels
 from hf_accum.probing.plan import plan_batch
+from hf_accum.window.kernel_budget import cut_figures, data_windows
 from hf_accum.window.token_budget import (
     PADDING_TARGET,
     TokenBudget,
@@ -342,6 +344,18 @@ def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(t
     assert plan.step_time == fit_step_time(timed) == measured["step_time"]
     if plan.step_time is not None:
         assert "least modelled step time" in plan.describe()
+    # the loss kernel and the budget chosen together: the budget measured under each kernel that runs here, and
+    # the plan's the kernel whose whole steps on the user's windows model least (window/kernel_budget.py)
+    if len(kernels.runnable("cpu", torch.float32)) >= 2:
+        record, by_kernel = plan.levers["loss_kernel"], trainer.probe_result.extra["token_kernels"]
+        assert set(record["tokens_per_forward"]) == set(by_kernel) == set(kernels.runnable("cpu", torch.float32))
+        assert plan.token_budget == record["tokens_per_forward"][record["kernel"]]
+        assert {k: v["tokens_per_forward"] for k, v in by_kernel.items()} == record["tokens_per_forward"]
+        figures = cut_figures(data_windows([len(r["input_ids"]) for r in long_tailed(32)], 16), plan_budget(plan))
+        assert record["forwards_per_step"][record["kernel"]] == pytest.approx(figures["forwards_per_step"], abs=1e-4)
+        if record["by"] == "step time":
+            assert record["step_seconds"][record["kernel"]] == min(record["step_seconds"].values())
+        assert f"loss kernel {record['kernel']} (" in line
     # padded rows of a decoder-only model could be packed: the line says what that would take
     assert expected["padding_free_forwards_per_step"] <= expected["forwards_per_step"]
     assert f"padding-free rows (DataCollatorWithFlattening, TRL padding_free=True) would take " \
@@ -367,6 +381,11 @@ def test_a_stored_token_plan_is_reused_with_its_budget_and_cost_model(tmp_path):
     second, reused = tuned()
     assert first.probe_result is not None and second.probe_result is None  # the second run read the file
     assert reused == plan and reused.token_budget is not None and reused.token_model == plan.token_model
+    # what was chosen and why (the loss kernel with the budget) comes back, and the same windows cut the same way
+    assert reused.levers["loss_kernel"] == plan.levers["loss_kernel"] == first.probe_result.extra["loss_kernel"]
+    windows = data_windows([len(r["input_ids"]) for r in long_tailed(32)], 16)
+    assert [partition_padded(w, plan_budget(reused)) for w in windows] == \
+        [partition_padded(w, plan_budget(plan)) for w in windows]
 
 
 @pytest.fixture(scope="module")

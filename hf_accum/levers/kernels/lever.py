@@ -1,6 +1,8 @@
 """The ``loss_kernel`` lever: which loss kernel the fused loss runs (hf_accum/levers/kernels/). Unlike the layer levers it
 has no levels to search: the probe times every kernel that runs on the device at the planned micro-batch
-(`probe.time_kernels`) and the plan records ``{"kernel": NAME, "seconds": {...}, "peak_bytes": {...}}``;
+(`probe.time_kernels`) and the plan records ``{"kernel": NAME, "seconds": {...}, "peak_bytes": {...}}``; in
+``micro_batching="tokens"`` the token budget is measured under each and the plan records the kernel whose whole steps
+model least (`window.kernel_budget.choose_kernel`: ``step_seconds``, ``forwards_per_step``, ...);
 ``levers="loss_kernel=NAME"`` pins one (checked here before any model work), ``use_liger_kernel=True`` pins
 ``liger`` (Liger's own loss patch off: `liger.route`), ``fused_loss=False`` turns the fused loss, and so this lever,
 off. Its records are applied to the installed fused-loss patch (`FusedLossPatch.kernel`).
@@ -104,6 +106,9 @@ def apply(model, record: dict[str, Any], args) -> None:
 def describe(record: dict[str, Any]) -> str:
     if record.get("pinned"):
         return f"loss kernel {record['kernel']} ({record.get('by', 'pinned')})"
+    if record.get("micro_batching") == "tokens":  # chosen with the token budget, by whole steps (window/kernel_budget.py)
+        how = "least modelled step time" if record.get("by") == "step time" else "fewest forwards"
+        return f"loss kernel {record['kernel']} ({how} of {len(record.get('tokens_per_forward') or {})})"
     timed = record.get("seconds")  # the times themselves are in the plan file: the line stays short
     return f"loss kernel {record['kernel']}" + (" (fastest)" if timed else "")
 
@@ -111,4 +116,5 @@ def describe(record: dict[str, Any]) -> str:
 def figures(record: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {f"hf_accum/loss_kernel/{record['kernel']}": 1}
     out.update({f"hf_accum/loss_kernel_seconds/{k}": v for k, v in (record.get("seconds") or {}).items()})
+    out.update({f"hf_accum/loss_kernel_step_seconds/{k}": v for k, v in (record.get("step_seconds") or {}).items()})
     return out
