@@ -3,12 +3,17 @@
 A block runs unless the line right above its fence is `<!-- skip (KIND): REASON -->`, KIND one of `SKIP_KINDS`:
 then its test is skipped with that reason. Python blocks run in this process (a fresh namespace, in a temporary
 directory); shell blocks run in bash with `set -euo pipefail`, with this checkout's hf_accum first on the path and
-the interpreter's `hf-accum` on PATH, offline."""
+the interpreter's `hf-accum` on PATH, offline. A shell block whose every line is a plain `hf-accum` command (words
+bash passes on as they are: no quotes, variables, globs, pipes or redirections) runs each line, word for word,
+through the CLI's `main` in this process instead (`run_cli_lines`), in the same environment and stopping at the
+first non-zero exit as `set -e` does: a fresh interpreter costs ~10 s of imports per line, and the process is not
+what these blocks show (the tests of tests/cli launch the console script where it is)."""
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -65,10 +70,12 @@ def blocks(page: str) -> list[Block]:
     return found
 
 
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg"}  # what every block runs under
+
+
 def shell_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg"}
+            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""), **OFFLINE}
 
 
 def run_shell(code: str, cwd: str, timeout: int = 600) -> Ran:
@@ -77,6 +84,46 @@ def run_shell(code: str, cwd: str, timeout: int = 600) -> Ran:
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"exit {done.returncode}:\n{output[-4000:]}"
     return Ran(output)
+
+
+# A word bash passes on unchanged: no quote, escape, variable, glob, tilde, comment, pipe, redirection or separator.
+_PLAIN_WORD = re.compile(r"[\w.,=/:+@%-]+")
+
+
+def cli_lines(code: str) -> list[list[str]] | None:
+    """The argv of each line when every line of ``code`` is `hf-accum` followed by plain words; None otherwise."""
+    argvs = []
+    for line in code.splitlines():
+        if not line.strip():
+            continue
+        words = line.split()
+        if words[0] != "hf-accum" or not all(_PLAIN_WORD.fullmatch(w) for w in words):
+            return None
+        assert shlex.split(line) == words  # what bash would pass: the words as written
+        argvs.append(words[1:])
+    return argvs or None
+
+
+def run_cli_lines(argvs: list[list[str]], capsys, monkeypatch) -> Ran:
+    """Each `hf-accum` line through `hf_accum.cli.main`, in order, in the environment `run_shell` gives bash;
+    what they print is joined as bash's is (every line's stdout, then every line's stderr)."""
+    from hf_accum.cli import main
+
+    for name, value in OFFLINE.items():  # (this process already imports this checkout's hf_accum: no PYTHONPATH)
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    outs, errs = [], []
+    for argv in argvs:
+        try:
+            status = main(argv)
+        except SystemExit as exc:  # --help and --version exit as the console script does
+            status = exc.code
+        captured = capsys.readouterr()
+        outs.append(captured.out)
+        errs.append(captured.err)
+        output = "".join(outs) + "".join(errs)
+        assert status in (0, None), f"hf-accum {' '.join(argv)}: exit {status}:\n{output[-4000:]}"
+    return Ran("".join(outs) + "".join(errs))
 
 
 def run_python(code: str, capsys) -> Ran:

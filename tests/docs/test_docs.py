@@ -1,7 +1,7 @@
-"""The manual's code runs as written: every Python and shell block of docs/*.md is executed here, or is marked
-`<!-- skip (KIND): REASON -->` (a GPU, the Hub, several processes, an install, or minutes of runtime) and skipped
-with that reason. Some blocks' results are checked beyond running (CHECKS); the pictures and the nav are checked
-too."""
+"""The manual's code runs as written: every Python and shell block of docs/*.md is executed here (how:
+tests/doc_blocks.py), or is marked `<!-- skip (KIND): REASON -->` (a GPU, the Hub, several processes, an install,
+or minutes of runtime) and skipped with that reason. Some blocks' results are checked beyond running (CHECKS); the
+pictures and the nav are checked too."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tests.doc_blocks import ROOT, SKIP_KINDS, blocks, pages, read, run_python, run_shell
+from tests.doc_blocks import ROOT, SKIP_KINDS, blocks, cli_lines, pages, read, run_cli_lines, run_python, run_shell
 
 ALL = [b for page in pages() for b in blocks(page)]
 _RAN: dict[str, tuple] = {}  # code -> (what it printed, where): a command shown on two pages runs once
@@ -96,7 +96,12 @@ def test_the_block_runs_as_written(block, tmp_path, monkeypatch, capsys):
     else:
         monkeypatch.chdir(tmp_path)
         cwd = str(tmp_path)
-        ran = run_python(block.code, capsys) if block.kind == "python" else run_shell(block.code, cwd)
+        if block.kind == "python":
+            ran = run_python(block.code, capsys)
+        elif (argvs := cli_lines(block.code)) is not None:  # only `hf-accum` lines: in this process (doc_blocks)
+            ran = run_cli_lines(argvs, capsys, monkeypatch)
+        else:
+            ran = run_shell(block.code, cwd)
         if block.kind == "shell":
             _RAN[block.code] = ran, cwd
     for line, check in CHECKS.items():
