@@ -12,7 +12,17 @@ import re
 
 import pytest
 
-from tests.doc_blocks import ROOT, SKIP_KINDS, blocks, cli_lines, pages, read, run_cli_lines, run_python, run_shell
+from tests.doc_blocks import (
+    ROOT,
+    SKIP_KINDS,
+    blocks,
+    in_process_lines,
+    pages,
+    read,
+    run_in_process,
+    run_python,
+    run_shell,
+)
 
 ALL = [b for page in pages() for b in blocks(page)]
 _RAN: dict[str, tuple] = {}  # code -> (what it printed, where): a command shown on two pages runs once
@@ -98,8 +108,8 @@ def test_the_block_runs_as_written(block, tmp_path, monkeypatch, capsys):
         cwd = str(tmp_path)
         if block.kind == "python":
             ran = run_python(block.code, capsys)
-        elif (argvs := cli_lines(block.code)) is not None:  # only `hf-accum` lines: in this process (doc_blocks)
-            ran = run_cli_lines(argvs, capsys, monkeypatch)
+        elif (lines := in_process_lines(block.code)) is not None:  # hf-accum and python -c lines (doc_blocks)
+            ran = run_in_process(lines, capsys, monkeypatch)
         else:
             ran = run_shell(block.code, cwd)
         if block.kind == "shell":
