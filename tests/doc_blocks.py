@@ -71,7 +71,8 @@ def blocks(page: str) -> list[Block]:
     return found
 
 
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg"}  # what every block runs under
+# What every block runs under, in bash or in this process.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg"}
 
 
 def shell_env() -> dict[str, str]:
