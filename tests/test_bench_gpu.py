@@ -49,6 +49,8 @@ def quick_run(tmp_path_factory):
         return json.load(f), out, printed.getvalue(), time.monotonic() - start
 
 
+# The tests that read `quick_run` go to one pytest-xdist worker (--dist loadgroup): it runs once, not once per worker.
+@pytest.mark.xdist_group("bench_quick_run")
 def test_quick_run_writes_every_section_with_its_figures(quick_run):
     data, out, stdout, _ = quick_run
     assert list(data["sections"]) == SECTIONS
@@ -137,6 +139,7 @@ def test_sections_runs_only_those(tmp_path):
         bench.main(["--quick", "--sections", "10", "--out", str(tmp_path)])
 
 
+@pytest.mark.xdist_group("bench_quick_run")
 def test_the_loss_kernel_section_measures_each_kernel_here(quick_run):
     # Read from the whole --quick run: section 9 is the same function on the same settings with or without the other
     # sections (its shape comes from --quick alone), so a run of `--sections 9` of its own measured it twice.
