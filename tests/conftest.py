@@ -133,3 +133,21 @@ def sft_trainer(tok, model=None, **kw):
     args = AccumTrainingArguments(**{**dict(use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True), **kw})
     return AccumTrainer(model=model if model is not None else build_model(tokenizer=tok), args=args,
                         train_dataset=build_sft_dataset(48, tok), data_collator=SFTCollator(tok))
+
+
+def another_hash_seed(names, order):
+    """A PYTHONHASHSEED under which a fresh interpreter iterates ``set(names)`` in another order than ``order``: a
+    process launched with it orders a set of these strings otherwise than the one that produced ``order``. Each try
+    is a bare interpreter (no imports: milliseconds)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = f"import json; print(json.dumps(list(set({list(names)!r}))))"
+    for seed in map(str, range(1, 100)):
+        done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed})
+        if json.loads(done.stdout) != list(order):
+            return seed
+    raise AssertionError(f"no hash seed in 1..99 orders {names} otherwise than {order}")

@@ -4,11 +4,13 @@ and is refused before any model is built. Through the entry point, on the tiny o
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 
 from hf_accum.cli import main
+from tests.conftest import another_hash_seed
 
 PLAN_FILE = "hf_accum_plan.json"
 
@@ -88,8 +90,12 @@ def test_a_resumed_run_continues_from_the_newest_checkpoint_without_rewriting_ol
     assert snapshot(out / "checkpoint-2") | {f"4/{k}": v for k, v in snapshot(out / "checkpoint-4").items()} == older
     resumed = {h["step"]: h["loss"] for h in summary["losses"]}
 
-    # The same trajectory as a run never stopped.
+    # The same trajectory as a run never stopped. It starts from the plan the first run probed and stored (a copy of
+    # its plan file, whose key names no folder): the same plan, without probing it a second time.
+    (tmp_path / "straight").mkdir()
+    shutil.copy(out / PLAN_FILE, tmp_path / "straight")
     assert main(run_args(tmp_path / "straight", "max_steps=6")) == 0
+    assert json.loads((tmp_path / "straight" / "run_summary.json").read_text())["reused_stored_plan"] is True
     straight = {h["step"]: h["loss"] for h in json.loads((tmp_path / "straight" / "run_summary.json").read_text())[
         "losses"]}
     assert sorted(resumed) == sorted(straight) == [1, 2, 3, 4, 5, 6]
@@ -149,10 +155,19 @@ def cli(*argv, seed):
 
 
 @pytest.mark.slow
-def test_probe_and_train_in_two_processes_reuse_the_plan(tmp_path):
+def test_probe_and_train_in_two_processes_reuse_the_plan(tmp_path, capsys):
+    # The probe in this process, the training in a fresh `python -m hf_accum.cli` whose hash seed orders peft's set
+    # of target modules (LoraConfig's set of the recipe's list) otherwise than this process does: one launch, not
+    # two, for two processes and two orders.
+    from hf_accum.recipes import load_recipe
+
+    modules = load_recipe("lora_sft", []).lora["target_modules"]
     out = tmp_path / "run"
-    assert cli("probe", "lora_sft", f"output_dir={out}", seed=1).returncode == 0
-    train = cli("train", "lora_sft", "max_steps=1", "disable_tqdm=true", f"output_dir={out}", seed=2)
+    assert main(["probe", "lora_sft", f"output_dir={out}"]) == 0
+    key = json.loads((out / PLAN_FILE).read_text())["key"]
+    assert key["peft"]["default"]["target_modules"] == sorted(modules)  # the set the seed is chosen for
+    train = cli("train", "lora_sft", "max_steps=1", "disable_tqdm=true", f"output_dir={out}",
+                seed=another_hash_seed(modules, list(set(modules))))
     assert train.returncode == 0, train.stderr
     assert json.loads((out / "run_summary.json").read_text())["reused_stored_plan"] is True
 

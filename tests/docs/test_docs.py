@@ -1,7 +1,7 @@
-"""The manual's code runs as written: every Python and shell block of docs/*.md is executed here, or is marked
-`<!-- skip (KIND): REASON -->` (a GPU, the Hub, several processes, an install, or minutes of runtime) and skipped
-with that reason. Some blocks' results are checked beyond running (CHECKS); the pictures and the nav are checked
-too."""
+"""The manual's code runs as written: every Python and shell block of docs/*.md is executed here (how:
+tests/doc_blocks.py), or is marked `<!-- skip (KIND): REASON -->` (a GPU, the Hub, several processes, an install,
+or minutes of runtime) and skipped with that reason. Some blocks' results are checked beyond running (CHECKS); the
+pictures and the nav are checked too."""
 
 from __future__ import annotations
 
@@ -12,7 +12,17 @@ import re
 
 import pytest
 
-from tests.doc_blocks import ROOT, SKIP_KINDS, blocks, pages, read, run_python, run_shell
+from tests.doc_blocks import (
+    ROOT,
+    SKIP_KINDS,
+    blocks,
+    in_process_lines,
+    pages,
+    read,
+    run_in_process,
+    run_python,
+    run_shell,
+)
 
 ALL = [b for page in pages() for b in blocks(page)]
 _RAN: dict[str, tuple] = {}  # code -> (what it printed, where): a command shown on two pages runs once
@@ -96,7 +106,12 @@ def test_the_block_runs_as_written(block, tmp_path, monkeypatch, capsys):
     else:
         monkeypatch.chdir(tmp_path)
         cwd = str(tmp_path)
-        ran = run_python(block.code, capsys) if block.kind == "python" else run_shell(block.code, cwd)
+        if block.kind == "python":
+            ran = run_python(block.code, capsys)
+        elif (lines := in_process_lines(block.code)) is not None:  # hf-accum and python -c lines (doc_blocks)
+            ran = run_in_process(lines, capsys, monkeypatch)
+        else:
+            ran = run_shell(block.code, cwd)
         if block.kind == "shell":
             _RAN[block.code] = ran, cwd
     for line, check in CHECKS.items():

@@ -12,7 +12,7 @@ import pytest
 from hf_accum.planning.store import PLAN_FILE, PlanFileError, canonical, load_stored_plan, plan_from_record
 from hf_accum.probing.plan import Plan
 from hf_accum.tiny import build_model
-from tests.conftest import sft_trainer, stored_in
+from tests.conftest import another_hash_seed, sft_trainer, stored_in
 
 # One xdist worker runs these tests (--dist loadgroup): `stored_sft_plan` is built once, not on each.
 pytestmark = pytest.mark.xdist_group("stored_sft_plan")
@@ -46,27 +46,34 @@ from peft import LoraConfig, get_peft_model
 from hf_accum import AccumTrainer, AccumTrainingArguments
 from hf_accum.tiny import SFTCollator, build_model, build_sft_dataset, build_tokenizer
 tok = build_tokenizer()
-model = get_peft_model(build_model(tokenizer=tok), LoraConfig(
-    r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+model = get_peft_model(build_model(tokenizer=tok), LoraConfig(r=4, target_modules=MODULES))
 args = AccumTrainingArguments(output_dir=sys.argv[1], target_batch_size=16, memory_budget_bytes=8 * 2**20,
                               use_cpu=True, report_to=[], max_steps=1, save_strategy="no")
 trainer = AccumTrainer(model=model, args=args, train_dataset=build_sft_dataset(48, tok), data_collator=SFTCollator(tok))
 trainer.tune()
-print(json.dumps({"probed": trainer.probe_result is not None}))
+print(json.dumps({"probed": trainer.probe_result is not None,
+                  "order": list(model.peft_config["default"].target_modules)}))
 """
+_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_REUSE_SCRIPT = _REUSE_SCRIPT.replace("MODULES", repr(_MODULES))
 
 
 @pytest.mark.slow
-def test_a_lora_plan_is_reused_by_another_process(tmp_path):
-    # peft's target_modules is a set: its order follows PYTHONHASHSEED, so an unsorted key differs per process.
-    runs = []
-    for seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": seed, "KINETO_LOG_LEVEL": "3"}
-        done = subprocess.run([sys.executable, "-c", _REUSE_SCRIPT, str(tmp_path)], env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    assert runs == [{"probed": True}, {"probed": False}]
+def test_a_lora_plan_is_reused_by_another_process(tmp_path, monkeypatch, capsys):
+    # peft's target_modules is a set: its order follows the hash seed, so an unsorted key differs per process.
+    # The script probes and stores here, in this process (its own hash seed), then runs again in a fresh process
+    # whose hash seed orders the set otherwise (asserted below): one launch, not two, for the same two orders.
+    monkeypatch.setattr(sys, "argv", ["-c", str(tmp_path)])
+    exec(compile(_REUSE_SCRIPT, "<reuse script>", "exec"), {"__name__": "__main__"})
+    here = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    seed = another_hash_seed(_MODULES, here["order"])
+    env = {**os.environ, "PYTHONHASHSEED": seed, "KINETO_LOG_LEVEL": "3"}
+    done = subprocess.run([sys.executable, "-c", _REUSE_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    there = json.loads(done.stdout.strip().splitlines()[-1])
+    assert there["order"] != here["order"]  # the two processes really ordered the set differently
+    assert [here["probed"], there["probed"]] == [True, False]
 
 
 def test_a_lower_probe_cap_is_not_ignored_when_a_plan_is_stored(tmp_path, tok, stored_sft_plan):
