@@ -133,3 +133,21 @@ def sft_trainer(tok, model=None, **kw):
     args = AccumTrainingArguments(**{**dict(use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True), **kw})
     return AccumTrainer(model=model if model is not None else build_model(tokenizer=tok), args=args,
                         train_dataset=build_sft_dataset(48, tok), data_collator=SFTCollator(tok))
+
+
+@pytest.fixture(scope="session")
+def recipe_probe():
+    """``recipe_probe(name, *overrides)``: the recipe's real probe (`recipes.run.probe_recipe`), run once per session
+    for the tests that compare an estimate with it (tests/recipes/test_estimate_recipes.py,
+    tests/probing/test_estimate_pairs.py). Read only: nothing a test does changes it. Those modules are in the xdist
+    group "recipe_probe", so one worker probes each recipe once."""
+    from hf_accum.recipes.run import probe_recipe
+
+    probes = {}
+
+    def probe(name, *overrides):
+        if (name, overrides) not in probes:
+            probes[name, overrides] = probe_recipe(name, list(overrides), say=lambda _msg: None)
+        return probes[name, overrides]
+
+    return probe

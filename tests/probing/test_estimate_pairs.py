@@ -6,6 +6,8 @@ import pytest
 
 pytest.importorskip("trl")
 
+pytestmark = pytest.mark.xdist_group("recipe_probe")  # the session's lora_dpo probe (`recipe_probe`), probed once
+
 from hf_accum import tiny  # noqa: E402
 from hf_accum.probing.estimate import estimate_model  # noqa: E402
 
@@ -38,12 +40,10 @@ def _dpo_build(lora=True):
 
 
 @pytest.fixture(scope="module")
-def dpo_probe():
-    """The lora_dpo recipe's own probe (its trainer, data, collator, LoRA and 64 MiB budget), checkpointing off."""
-    from hf_accum.recipes.run import probe_recipe
-
-    run = probe_recipe("lora_dpo", ["gradient_checkpointing=false"], say=lambda _msg: None)
-    return run.result
+def dpo_probe(recipe_probe):
+    """The lora_dpo recipe's own probe (its trainer, data, collator, LoRA and 64 MiB budget), checkpointing off: the
+    session's one (tests/recipes/test_estimate_recipes.py compares the recipe's estimate with it too)."""
+    return recipe_probe("lora_dpo", "gradient_checkpointing=false").result
 
 
 def test_the_lora_dpo_recipe_is_within_5_percent_of_its_probe(dpo_probe):
