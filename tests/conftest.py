@@ -151,3 +151,21 @@ def another_hash_seed(names, order):
         if json.loads(done.stdout) != list(order):
             return seed
     raise AssertionError(f"no hash seed in 1..99 orders {names} otherwise than {order}")
+
+
+@pytest.fixture(scope="session")
+def recipe_probe():
+    """``recipe_probe(name, *overrides)``: the recipe's real probe (`recipes.run.probe_recipe`), run once per session
+    for the tests that compare an estimate with it (tests/recipes/test_estimate_recipes.py,
+    tests/probing/test_estimate_pairs.py). Read only: nothing a test does changes it. Those modules are in the xdist
+    group "recipe_probe", so one worker probes each recipe once."""
+    from hf_accum.recipes.run import probe_recipe
+
+    probes = {}
+
+    def probe(name, *overrides):
+        if (name, overrides) not in probes:
+            probes[name, overrides] = probe_recipe(name, list(overrides), say=lambda _msg: None)
+        return probes[name, overrides]
+
+    return probe

@@ -6,6 +6,8 @@ import pytest
 
 pytest.importorskip("trl")
 
+pytestmark = pytest.mark.xdist_group("recipe_probe")  # the session's lora_dpo probe (`recipe_probe`), probed once
+
 from hf_accum import tiny  # noqa: E402
 from hf_accum.probing.estimate import estimate_model  # noqa: E402
 
@@ -38,12 +40,10 @@ def _dpo_build(lora=True):
 
 
 @pytest.fixture(scope="module")
-def dpo_probe():
-    """The lora_dpo recipe's own probe (its trainer, data, collator, LoRA and 64 MiB budget), checkpointing off."""
-    from hf_accum.recipes.run import probe_recipe
-
-    run = probe_recipe("lora_dpo", ["gradient_checkpointing=false"], say=lambda _msg: None)
-    return run.result
+def dpo_probe(recipe_probe):
+    """The lora_dpo recipe's own probe (its trainer, data, collator, LoRA and 64 MiB budget), checkpointing off: the
+    session's one (tests/recipes/test_estimate_recipes.py compares the recipe's estimate with it too)."""
+    return recipe_probe("lora_dpo", "gradient_checkpointing=false").result
 
 
 def test_the_lora_dpo_recipe_is_within_5_percent_of_its_probe(dpo_probe):
@@ -60,26 +60,32 @@ def test_the_lora_dpo_recipe_is_within_5_percent_of_its_probe(dpo_probe):
     assert "adapters disabled" in est.loss
 
 
-def test_a_micro_batch_of_pairs_is_twice_the_rows():
+@pytest.fixture(scope="module")
+def precomputed_dpo():
+    """The LoRA DPO estimate at 32 tokens with the reference log-probs precomputed, peaks at 1, 2 and 4 pairs: read by
+    the two tests below (a size's peak is its own step's, whatever else the search ran)."""
+    return estimate_model(_dpo_build(), seq_len=32, target_batch_size=4, device="cpu", device_memory=64 * 2**30,
+                          budget_bytes=512 * MiB, pairs="dpo", also=(1, 2, 4), precompute_ref_log_probs=True)
+
+
+def test_a_micro_batch_of_pairs_is_twice_the_rows(precomputed_dpo):
     """m pairs forward 2m rows: the DPO estimate at m pairs is the plain causal-LM step's at 2m rows and more (the
     reference forward, the fused head's per-token outputs), never the step's at m rows."""
-    kwargs = dict(seq_len=32, target_batch_size=2, device="cpu", device_memory=64 * 2**30, budget_bytes=512 * MiB,
-                  precompute_ref_log_probs=True)
-    pairs = estimate_model(_dpo_build(), pairs="dpo", also=(1, 2), **kwargs).peaks
-    kwargs.pop("precompute_ref_log_probs")
+    kwargs = dict(seq_len=32, target_batch_size=2, device="cpu", device_memory=64 * 2**30, budget_bytes=512 * MiB)
+    pairs = precomputed_dpo.peaks
     rows = estimate_model(_dpo_build(), also=(1, 2, 4), **kwargs).peaks
     assert pairs[1] > rows[1] and pairs[2] > rows[2]
     assert pairs[2] - pairs[1] > 1.5 * (rows[2] - rows[1])  # one more pair is about two more rows
 
 
-def test_precomputed_reference_log_probs_replace_the_reference_forward():
+def test_precomputed_reference_log_probs_replace_the_reference_forward(precomputed_dpo):
     """The reference forward runs under no_grad after the policy's and frees its activations as it goes, so on this
     model the step's peak (in the backward) is the same either way; precomputed, the batch carries the two
     reference log-probs of each pair (float32) instead, and nothing else changes."""
     kwargs = dict(seq_len=32, target_batch_size=4, device="cpu", device_memory=64 * 2**30, budget_bytes=512 * MiB,
                   pairs="dpo", also=(1, 2, 4))
     forward = estimate_model(_dpo_build(), **kwargs)
-    precomputed = estimate_model(_dpo_build(), precompute_ref_log_probs=True, **kwargs)
+    precomputed = precomputed_dpo  # these kwargs, the reference log-probs precomputed
     assert all(precomputed.peaks[m] - forward.peaks[m] == 2 * 4 * m for m in (1, 2, 4))
     assert "precomputed" in precomputed.loss and "adapters disabled" in forward.loss
 

@@ -39,6 +39,13 @@ def _lora(model):
                                             task_type="CAUSAL_LM"))
 
 
+@pytest.fixture(scope="module")
+def plain_llama():
+    """The unseeded probe of `_llama()` (seed 0: every call builds the same weights) with `PROBE`: (result, plan), the
+    answer the tests below compare a seeded probe of a fresh `_llama()` with. Read only."""
+    return probe_model(_llama(), **PROBE)
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_the_estimate_seeds_the_search_and_the_answer_stays_measured(lora):
     model = _lora(_llama()) if lora else _llama()
@@ -59,9 +66,9 @@ def test_the_estimate_seeds_the_search_and_the_answer_stays_measured(lora):
     assert any("estimate (cpu, fake tensors" in line for line in said)
 
 
-def test_a_wrong_estimate_costs_trials_not_the_answer(monkeypatch):
+def test_a_wrong_estimate_costs_trials_not_the_answer(monkeypatch, plain_llama):
     model = _llama()
-    plain, _ = probe_model(model, **PROBE)
+    plain, _ = plain_llama
     real = seed_module.estimate_model
 
     def too_high(*args, **kwargs):
@@ -76,9 +83,9 @@ def test_a_wrong_estimate_costs_trials_not_the_answer(monkeypatch):
     assert seeded.extra["estimate"]["largest_fit"] == 8
 
 
-def test_a_failing_estimate_says_so_in_one_line_and_searches_as_before(monkeypatch):
+def test_a_failing_estimate_says_so_in_one_line_and_searches_as_before(monkeypatch, plain_llama):
     model = _llama()
-    plain, _ = probe_model(model, **PROBE)
+    plain, _ = plain_llama
 
     def broken(*_args, **_kwargs):
         raise RuntimeError("no fake kernel for this op\nsecond line")
@@ -136,7 +143,7 @@ def test_the_rebuilt_model_trains_what_the_model_trains():
         n: p.requires_grad for n, p in model.named_parameters()}
 
 
-def test_the_report_shows_predicted_beside_measured():
+def test_the_report_shows_predicted_beside_measured(plain_llama):
     from hf_accum.probing.report import estimate_lines, predicted_vs_measured, summary, to_json
 
     result, plan = probe_with_estimate(_llama(), **PROBE)
@@ -150,7 +157,7 @@ def test_the_report_shows_predicted_beside_measured():
     assert len(lines) == 1 + len(rows) and all(" predicted " in line and " measured " in line for line in lines[1:])
     assert "\n".join(lines) in summary(result, plan, PROBE["seq_len"])
     assert to_json(result, plan, PROBE["seq_len"])["estimate"] == result.extra["estimate"]
-    plain, plain_plan = probe_model(_llama(), **PROBE)
+    plain, plain_plan = plain_llama
     assert estimate_lines(plain) == [] and "estimate" not in to_json(plain, plain_plan, PROBE["seq_len"])
 
 

@@ -12,6 +12,7 @@ from hf_accum.probing.estimate_check import against_probe
 from hf_accum.probing.paper import with_lora
 
 MiB = 2**20
+pytestmark = pytest.mark.xdist_group("recipe_probe")  # the session's recipe probes (`recipe_probe`), each probed once
 
 
 def _settings(name, *overrides):
@@ -108,14 +109,15 @@ def test_fused_loss_false_is_the_models_own_loss_and_probe_seq_len_wins():
 
 
 # --- like for like with the recipe's real probe (CPU) ---------------------------------------------------------
-def _like_for_like(name, *overrides):
+def _like_for_like(recipe_probe, name, *overrides):
     from hf_accum.recipes.recipe_paper import estimate_recipe
-    from hf_accum.recipes.run import probe_recipe
 
-    est, seq_len, _source, _paper = estimate_recipe(name, overrides, device="cpu", device_memory=64 * 2**30,
-                                                    also=tuple(range(1, 9)))
-    probed = probe_recipe(name, list(overrides), say=lambda _msg: None)
+    probed = recipe_probe(name, *overrides)
     measured = {t.micro_batch_size: t.peak_bytes for t in probed.result.measured_trials if t.peak_bytes}
+    # the probe first: the estimate steps the sizes it measured (all_peaks: 1 .. its largest fit + 1 as well), not
+    # sizes up to 8 whose peaks nothing reads
+    est, seq_len, _source, _paper = estimate_recipe(name, overrides, device="cpu", device_memory=64 * 2**30,
+                                                    also=tuple(measured))
     # the same longest example, tokenized as the trainer tokenizes it (DPO: the widest collated pair, 57 tokens)
     assert seq_len == probed.seq_len
     assert measured
@@ -126,23 +128,23 @@ def _like_for_like(name, *overrides):
 
 
 @pytest.mark.parametrize("name", ["lora_sft", "lora_classification"])
-def test_recipe_estimate_matches_its_probe_without_checkpointing(name):
-    est, probed = _like_for_like(name, "gradient_checkpointing=false")
+def test_recipe_estimate_matches_its_probe_without_checkpointing(recipe_probe, name):
+    est, probed = _like_for_like(recipe_probe, name, "gradient_checkpointing=false")
     assert est.plan.micro_batch_size == probed.plan.micro_batch_size
 
 
 @pytest.mark.parametrize("name", ["lora_sft", "lora_classification", "lora_dpo", "qlora_sft"])
-def test_recipe_estimate_matches_its_probe_as_the_recipe_pins_it(name):
+def test_recipe_estimate_matches_its_probe_as_the_recipe_pins_it(recipe_probe, name):
     """The recipes' own settings: gradient checkpointing pinned on every layer (and NF4, pairs)."""
-    _like_for_like(name)
+    _like_for_like(recipe_probe, name)
 
 
-def test_qlora_estimate_matches_its_probe_without_checkpointing():
-    _like_for_like("qlora_sft", "gradient_checkpointing=false")
+def test_qlora_estimate_matches_its_probe_without_checkpointing(recipe_probe):
+    _like_for_like(recipe_probe, "qlora_sft", "gradient_checkpointing=false")
 
 
-def test_dpo_estimate_matches_its_probe_without_checkpointing():
-    _like_for_like("lora_dpo", "gradient_checkpointing=false")
+def test_dpo_estimate_matches_its_probe_without_checkpointing(recipe_probe):
+    _like_for_like(recipe_probe, "lora_dpo", "gradient_checkpointing=false")  # the probe of test_estimate_pairs.py
 
 
 # --- the command --------------------------------------------------------------------------------------------
