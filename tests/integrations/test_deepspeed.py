@@ -234,9 +234,11 @@ def _launch_that_stops(mode, out):
 @pytest.mark.slow
 @needs_deepspeed
 def test_out_of_memory_in_the_engine_probe_stops_every_rank(tmp_path):
-    _launch_that_stops("probe_oom", tmp_path)
-    for r in (0, 1):
-        got = json.loads((tmp_path / f"probe_oom.rank{r}.json").read_text())
+    proc = _launch_that_stops("probe_oom", tmp_path)
+    for r in (0, 1):  # each rank records how it stopped; where one did not, its output says why
+        record = tmp_path / f"probe_oom.rank{r}.json"
+        assert record.exists(), (proc.stdout + proc.stderr)[-6000:]
+        got = json.loads(record.read_text())
         assert got["raised"]["type"] == "StopTraining" and got["step"] == 0
         message = got["raised"]["message"]
         assert message.startswith("hf_accum: out of memory while the probe ran micro-batch 1 through DeepSpeed ZeRO-3")

@@ -151,7 +151,10 @@ def test_plan_and_measurements_are_shown_by_default_and_in_the_trainers_logs(tmp
     # one short line: the plan, the peak measured against the budget, how it was found; details in the plan file
     assert shown[0].startswith(f"hf_accum plan: {plan.describe()}; peak ")
     assert " of budget 8.0 MiB; " in shown[0] and "probe trials (details: " in shown[0]
-    assert len(shown[0].split(" (details: ")[0]) <= 200
+    # the longest this setup prints is 215 characters, when the timed level choice takes a selective layer
+    # ("...; loss kernel torch (fastest); checkpointing 0 full + 1 selective of 2 layers; peak 7.2 MiB of budget 8.0
+    # MiB; 0.07 s per optimizer step measured; 7 probe trials"); 200 failed on that choice, about 1 run in 5
+    assert len(shown[0].split(" (details: ")[0]) <= 220, shown[0]
     logged = next(e for e in trainer.state.log_history if "hf_accum/micro_batch_size" in e)
     # recorded for log_history and report_to, not printed as a second format of the plan (disable_tqdm: the
     # PrinterCallback prints every other log dict)
