@@ -291,14 +291,20 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
                 _fused_patch(built).kernel = kernel
         return built
 
-    build.key = json.dumps({  # what build() depends on: equal keys build equal models (`MADE`)
+    build.key = _build_key(model, base, config, dtype, peft_config,
+                           trl_head=trl_head, fused=fused, kernel=kernel, checkpointed=checkpointed)
+    return build
+
+
+def _build_key(model, base, config, dtype, peft_config, **rest: Any) -> str:
+    """What `builder_like`'s build() depends on, as one string: equal keys build equal models (`MADE`)."""
+    return json.dumps({
         "class": f"{type(base).__module__}.{type(base).__qualname__}", "config": config.to_json_string(),
         "attention": config._attn_implementation,
         "dtype": str(dtype), "peft": None if peft_config is None else peft_config.to_dict(),
         "parameters": [[name, list(p.shape), str(p.dtype), p.requires_grad] for name, p in model.named_parameters()],
-        "trl_head": trl_head, "fused": fused, "kernel": kernel, "checkpointed": checkpointed,
+        **rest,
     }, sort_keys=True, default=str)
-    return build
 
 
 def _peft_config(model: torch.nn.Module):
