@@ -168,15 +168,20 @@ class ExplicitArgsWrapper(nn.Module):
         return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
-def train_recording_outcome(trainer, path: str) -> None:
+def train_recording_outcome(trainer, path: str, *, reraise: bool = True) -> None:
     """``trainer.train()`` in a launched worker, writing what it raised (or None) and the step it reached to
-    ``path`` whatever happens, then re-raising: the test reads every rank's outcome."""
+    ``path`` whatever happens, then re-raising: the test reads every rank's outcome.
+
+    ``reraise=False`` is for the rank a failure is injected into: it records and exits cleanly. torchrun sends
+    SIGTERM to every other rank as soon as one exits with an error, and a rank that learns of the stop only when
+    that rank leaves (its pending collective fails then) could be ended before it writes its own record."""
     raised = None
     try:
         trainer.train()
     except BaseException as exc:
         raised = {"type": type(exc).__name__, "message": str(exc)}
-        raise
+        if reraise:
+            raise
     finally:
         with open(path, "w") as f:
             json.dump({"raised": raised, "step": trainer.state.global_step}, f)

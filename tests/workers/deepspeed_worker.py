@@ -210,7 +210,7 @@ def probe_oom_mode(out, rank):
     trainer = trainer_for(os.path.join(out, "probe_oom"), stage=3, tuned=True)
     if rank == 1:
         OOMAt(trainer.model, [2])
-    train_recording_outcome(trainer, os.path.join(out, f"probe_oom.rank{rank}.json"))
+    train_recording_outcome(trainer, os.path.join(out, f"probe_oom.rank{rank}.json"), reraise=rank != 1)
 
 
 class FakeEngine:

@@ -118,7 +118,7 @@ def oom_mode(src, out, rank):
     trainer = trainer_for(model, args_for(os.path.join(out, "oom")))
     if rank == 1:
         OOMAt(model.model.layers[1], [3])  # the second window's first (non-final) forward
-    train_recording_outcome(trainer, os.path.join(out, f"oom.rank{rank}.json"))
+    train_recording_outcome(trainer, os.path.join(out, f"oom.rank{rank}.json"), reraise=rank != 1)
 
 
 def fallback_mode(src, out, rank):
