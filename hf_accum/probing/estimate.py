@@ -273,19 +273,24 @@ def checkpoint_lever(model: torch.nn.Module, value: str | int | None):
     if value is None:
         return None
     levels = gc.checkpoint_levels(model)
-    if levels == 0:
-        if value in ("auto", 0):
-            return None
-        raise ValueError(f"checkpoint_layers={value!r}, but {type(model).__name__} cannot checkpoint activations: "
-                         "give None")
+    if levels == 0 and value in ("auto", 0):
+        return None
     if value == "auto":
         return Levels(model, levels, CHECKPOINT_KWARGS)
+    gc.set_checkpointed_layers(model, pinned_level(value, levels, model), CHECKPOINT_KWARGS)
+    return None
+
+
+def pinned_level(value: str | int, levels: int, model: torch.nn.Module) -> int:
+    """The layers a pinned ``checkpoint_layers`` ("all", k) checkpoints in ``model`` of ``levels`` levels."""
+    if levels == 0 and value != 0:
+        raise ValueError(f"checkpoint_layers={value!r}, but {type(model).__name__} cannot checkpoint activations: "
+                         "give None")
     k = levels if value == "all" else value
     if k > levels:
         raise ValueError(f"checkpoint_layers={value}, but {type(model).__name__} has {levels} checkpointable "
                          f"layers: give 0..{levels}, 'all' or 'auto'")
-    gc.set_checkpointed_layers(model, k, CHECKPOINT_KWARGS)
-    return None
+    return k
 
 
 def checkpointed_now(model: torch.nn.Module) -> int:

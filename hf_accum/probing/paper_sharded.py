@@ -17,7 +17,17 @@ from typing import Any
 
 import torch
 
-from .estimate import CUDA_GRANULE, batch_for, checkpoint_lever, fake_session, on_paper, optimizer_kwargs, to_fake
+from ..compat.gradient_checkpointing import checkpoint_levels, checkpointed_layers
+from .estimate import (
+    CHECKPOINT_KWARGS,
+    CUDA_GRANULE,
+    batch_for,
+    fake_session,
+    on_paper,
+    optimizer_kwargs,
+    pinned_level,
+    to_fake,
+)
 from .paper_quantized import quantized_model
 from .probe import seq_len_problem
 from .sharding import Counts, Param
@@ -43,31 +53,34 @@ def counts_of(model: torch.nn.Module) -> Counts:
     return Counts(tuple(units), root)
 
 
-class Phases:
-    """``build()`` on fake tensors at ``seq_len``; `activations(m)`: forward + backward of micro-batch m, the bytes
-    above the weights and allocated gradients (each size stepped once); `optimizer`: AdamW's step's temporaries.
-    A context manager: the fake session lasts as long as the block."""
+class FakeSteps:
+    """One model built on fake tensors for every sequence length and checkpointing level a grid asks for: AdamW's
+    step measured once (its temporaries depend on the weights alone), each (length, level, micro-batch) stepped once
+    (`activations`). A level ("all", k; None: none) is set for its steps and undone after, as a probe trial does,
+    so the model is the same whatever order the steps come in. A context manager: the fake session lasts as long as
+    the block."""
 
-    def __init__(self, build: Callable[[], torch.nn.Module], *, seq_len: int, device: str, bf16: bool,
-                 checkpoint_layers: str | int | None = None, quantization: str | None = None,
-                 quantization_options: dict[str, Any] | None = None, task: str = "causal_lm") -> None:
-        self.seq_len, self.device, self.bf16, self.task = seq_len, device, bf16, task
+    def __init__(self, build: Callable[[], torch.nn.Module], *, seq_lens: list[int], device: str, bf16: bool,
+                 quantization: str | None = None, quantization_options: dict[str, Any] | None = None,
+                 task: str = "causal_lm") -> None:
+        self.seq_lens, self.device, self.bf16, self.task = list(seq_lens), device, bf16, task
         self._build, self._quantization = build, (quantization, quantization_options or {})
-        self._checkpoint_layers = checkpoint_layers
         self._stack = contextlib.ExitStack()
-        self.measured: dict[int, int] = {}
+        self._batches: dict[int, Callable[[int], Any]] = {}
+        self.measured: dict[tuple[int, str | int | None], dict[int, int]] = {}
         self.optimizer = 0
         self.loss = ""
 
-    def __enter__(self) -> Phases:
+    def __enter__(self) -> FakeSteps:
         with torch.device("meta"):
             model = quantized_model(self._build(), self._quantization[0], **self._quantization[1])
-        problem = seq_len_problem(model, self.seq_len, "seq_len")
-        if problem:
-            raise ValueError(problem)
-        checkpoint_lever(model, self._checkpoint_layers)  # a pinned level, set as the trainer sets it
+        for seq_len in self.seq_lens:  # every length checked before any step
+            problem = seq_len_problem(model, seq_len, "seq_len")
+            if problem:
+                raise ValueError(problem)
         self.loss = on_paper(model, self.device, self.bf16)
         self.counts = counts_of(model)
+        self.levels = checkpoint_levels(model)
         with contextlib.ExitStack() as stack:
             self.counter = stack.enter_context(fake_session(CUDA_GRANULE if self.device == "cuda" else 1))
             to_fake(model)
@@ -75,7 +88,6 @@ class Phases:
             self.trainable = [p for p in model.parameters() if p.requires_grad]
             for p in self.trainable:
                 p.grad = torch.zeros_like(p)
-            self.make_batch = batch_for(self.task)(model, self.seq_len)
             self.optimizer = self._optimizer_step()
             self._stack = stack.pop_all()
         return self
@@ -96,58 +108,57 @@ class Phases:
         opt.state.clear()
         return temporaries
 
-    def activations(self, micro: int) -> int:
-        if micro not in self.measured:
-            self.measured[micro] = self._measured(lambda: self._forward_backward(micro))
-        return self.measured[micro]
+    def activations(self, seq_len: int, level: str | int | None, micro: int) -> int:
+        """Forward + backward of ``micro`` rows of ``seq_len`` with ``level`` checkpointed: the bytes above the
+        weights and allocated gradients."""
+        measured = self.measured.setdefault((seq_len, level), {})
+        if micro not in measured:
+            k = 0 if level is None else pinned_level(level, self.levels, self.model)
+            with checkpointed_layers(self.model, k, CHECKPOINT_KWARGS) if k else contextlib.nullcontext():
+                measured[micro] = self._measured(lambda: self._forward_backward(seq_len, micro))
+        return measured[micro]
 
-    def _forward_backward(self, micro: int) -> None:
+    def _forward_backward(self, seq_len: int, micro: int) -> None:
+        if seq_len not in self._batches:
+            self._batches[seq_len] = batch_for(self.task)(self.model, seq_len)
         self.model.train()
-        batch = self.make_batch(micro)
+        batch = self._batches[seq_len](micro)
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
         with ctx:
             loss = self.model(**batch).loss
         loss.backward()
 
 
+class Phases:
+    """`FakeSteps` at one length and one checkpointing level (``checkpoint_layers``): `activations(m)`, `optimizer`,
+    `counts`, `measured` (micro-batch -> bytes)."""
+
+    def __init__(self, build: Callable[[], torch.nn.Module], *, seq_len: int, device: str, bf16: bool,
+                 checkpoint_layers: str | int | None = None, quantization: str | None = None,
+                 quantization_options: dict[str, Any] | None = None, task: str = "causal_lm") -> None:
+        self.seq_len, self.level = seq_len, checkpoint_layers
+        self.steps = FakeSteps(build, seq_lens=[seq_len], device=device, bf16=bf16, quantization=quantization,
+                               quantization_options=quantization_options, task=task)
+
+    def __enter__(self) -> Phases:
+        self.steps.__enter__()
+        if self.level is not None:  # a level the model cannot take is refused before any step
+            pinned_level(self.level, self.steps.levels, self.steps.model)
+        self.counts, self.optimizer, self.loss = self.steps.counts, self.steps.optimizer, self.steps.loss
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.steps.__exit__(*exc)
+
+    def activations(self, micro: int) -> int:
+        return self.steps.activations(self.seq_len, self.level, micro)
+
+    @property
+    def measured(self) -> dict[int, int]:
+        return self.steps.measured.get((self.seq_len, self.level), {})
+
+
 # --- the grid: GPU counts x cards x sequence lengths -----------------------------------------------------------
-class _Levers:
-    """Per lever (None, "all"), its `Phases`, opened when a size not yet measured is asked for; one open at a time
-    (two fake sessions cannot nest), a lever opened again keeps the sizes it measured before."""
-
-    def __init__(self, open_phases: Callable[[str | None], Phases]) -> None:
-        self._open = open_phases
-        self.phases: dict[str | None, Phases] = {}
-        self._current: str | None | bool = False  # False: none open
-
-    def _opened(self, lever: str | None) -> Phases:
-        if self._current is not lever:
-            self.close()
-            before = self.phases.get(lever)
-            phases = self._open(lever).__enter__()
-            if before is not None:
-                phases.measured.update(before.measured)
-            self.phases[lever], self._current = phases, lever
-        return self.phases[lever]
-
-    def activations(self, lever: str | None, micro: int) -> int:
-        known = self.phases.get(lever)
-        if known is not None and micro in known.measured:
-            return known.measured[micro]
-        return self._opened(lever).activations(micro)
-
-    def __getitem__(self, lever: str | None) -> int:  # AdamW's one-process temporaries at that lever
-        return (self.phases.get(lever) or self._opened(lever)).optimizer
-
-    def first(self) -> Phases:
-        return self._opened(None)
-
-    def close(self) -> None:
-        if self._current is not False:
-            self.phases[self._current].__exit__(None, None, None)
-            self._current = False
-
-
 @dataclasses.dataclass
 class ShardedEstimate:
     """The sharded estimate: the cells (`fits_sharded.ShardedCell`), the tables, the sharding, what was assumed, and
@@ -200,27 +211,21 @@ def sharded_grid(build: Callable[[], torch.nn.Module], *, seq_lens: list[int], c
         if problem:
             raise ValueError(f"gpus={world}: {problem}")
     cells, acts, opts = [], {}, {}
-    loss, counts = "", None
-    for seq in sorted(seq_lens):
-        levers = _Levers(lambda lever, seq=seq: Phases(build, seq_len=seq, device=device, bf16=bf16,
-                                                       checkpoint_layers=lever, quantization=quantization,
-                                                       quantization_options=quantization_options))
-        try:
-            first = levers.first()
-            counts, loss = first.counts, loss or first.loss
-            activations = {lever: (lambda m, lever=lever, levers=levers: levers.activations(lever, m))
+    with FakeSteps(build, seq_lens=sorted(seq_lens), device=device, bf16=bf16, quantization=quantization,
+                   quantization_options=quantization_options) as steps:
+        optimizer = {None: steps.optimizer, "all": steps.optimizer}  # AdamW's step: the weights' alone
+        for seq in sorted(seq_lens):
+            activations = {lever: (lambda m, seq=seq, lever=lever: steps.activations(seq, lever, m))
                            for lever in (None, "all")}
-            cells += cells_for(counts, sharding, activations, levers, seq_len=seq, cards=cards, gpus=gpus,
+            cells += cells_for(steps.counts, sharding, activations, optimizer, seq_len=seq, cards=cards, gpus=gpus,
                                fraction=fraction, target=target_batch_size, max_micro=max_micro_batch)
-            for lever, phases in levers.phases.items():
-                acts[seq, lever] = dict(phases.measured)
-                opts[seq, lever] = phases.optimizer
+            stepped = {lever: steps.measured[seq, lever] for lever in (None, "all") if (seq, lever) in steps.measured}
+            for lever, sizes in stepped.items():
+                acts[seq, lever], opts[seq, lever] = dict(sizes), steps.optimizer
             if log:
                 log(f"seq {seq}: stepped micro-batches " + "; ".join(
-                    f"{'checkpointing all' if lv else 'no checkpointing'} {sorted(p.measured)}"
-                    for lv, p in levers.phases.items()))
-        finally:
-            levers.close()
+                    f"{'checkpointing all' if lv else 'no checkpointing'} {sorted(sizes)}" for lv, sizes in stepped.items()))
+    counts, loss = steps.counts, steps.loss
     assumptions = (sharding.modelled,
                    "per rank: AdamW on the rank's shard; peak allocated bytes (the allocator's reserved bytes are "
                    "left to the budget's margin)")

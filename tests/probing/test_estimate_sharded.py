@@ -44,6 +44,31 @@ def test_every_cell_is_the_edge_of_the_sizes_it_stepped():
     assert doc["sharded"] and len(doc["cells"]) == 6 and set(doc["rank_bytes"]) == {"1", "2", "4"}
 
 
+def test_one_model_on_paper_serves_every_length_and_level_in_any_order():
+    """The grid builds its model once (each build of an 8B model costs seconds): a level is set for its steps and
+    undone after, so what a step measures does not depend on the steps before it; each answer equals a model built
+    for that length and level alone (`Phases`)."""
+    from hf_accum.probing.paper_sharded import FakeSteps, Phases
+
+    built = []
+
+    def build():
+        built.append(1)
+        return _build()
+
+    asked = [(64, "all", 2), (128, None, 1), (64, None, 2), (128, "all", 3), (64, "all", 1), (64, None, 3)]
+    with FakeSteps(build, seq_lens=[64, 128], device="cpu", bf16=False) as steps:
+        got = {a: steps.activations(*a) for a in asked}
+        again = {a: steps.activations(*a) for a in reversed(asked)}  # each answered from what was stepped
+        optimizer = steps.optimizer
+    assert len(built) == 1 and got == again
+    for seq, level, micro in asked:
+        with Phases(_build, seq_len=seq, device="cpu", bf16=False, checkpoint_layers=level) as alone:
+            assert alone.activations(micro) == got[seq, level, micro], (seq, level, micro)
+            assert alone.optimizer == optimizer
+    assert got[64, "all", 2] < got[64, None, 2]  # checkpointing was on for the one and off for the other
+
+
 def test_lora_sharded_counts_gradients_and_optimizer_state_of_the_adapters_alone():
     from peft import LoraConfig, get_peft_model
 
