@@ -6,7 +6,7 @@ example at 512; target 64 (one rank); the budget at which "samples" fits 4 worst
 Part 1 (pure, every window of one epoch in the sampler's order): forwards per optimizer step and padded/real
 tokens for "samples" (micro 4, each micro-batch padded to its longest), "tokens" (padded rows sorted and cut
 under the budget: the fewest forwards, and the padding rule of a plan without step times, more while a window pads more than 1.10 tokens per real
-one) and "tokens" on padding-free rows. Part 2 (a tiny float64 Llama, the first 3 windows): the tokens-mode probe
+one) and "tokens" on padding-free rows. Part 2 (a tiny float64 Llama, 6 windows): the tokens-mode probe
 gives the token budget and the step-time model (`token_budget.fit_step_time`); then every candidate cut (a number of
 forwards per window, the fewest to "samples" mode's count), the planner's choice, the padding rule and "samples" mode
 are trained through AccumTrainer from the same weights: forwards and padded/real tokens per step as the model saw
@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from hf_accum.window.token_budget import TokenBudget, padded_tokens, partition_packed, partition_padded  # noqa: E402
 
 TARGET, MICRO, LONGEST = 64, 4, 512
+STEPS = 6  # part 2: optimizer steps (windows) per timed run
 BUDGET = MICRO * LONGEST
 
 
@@ -91,7 +92,7 @@ def part1():
 
 def tiny_data():
     g = random.Random(2)
-    lens = lengths(3 * TARGET, seed=3)
+    lens = lengths(STEPS * TARGET, seed=3)
     data = []
     for n in lens:
         ids = [g.randint(1, 96) for _ in range(n)]
@@ -128,13 +129,15 @@ def peak_of(model, rows, length, vocab):
         return meter.measure(trainer.train).peak_bytes
 
 
-def part2(passes=2, kernel="torch"):
+def part2(passes=5, kernel="torch"):
     """The tokens-mode probe of the tiny float64 Llama (memory budget halfway between real steps of 4 and 5 rows x
     512, levers pinned off so that only the cut differs) gives the token budget and the step-time model; then the
-    first 3 windows are trained from the same weights with every candidate cut (a number of forwards per window,
+    first STEPS windows are trained from the same weights with every candidate cut (a number of forwards per window,
     from the fewest to "samples" mode's count, each the cut partition_padded would take at that count), the
     planner's own choice, the padding rule (a plan without step times) and "samples" mode. Each is run ``passes``
-    times, interleaved, and its least CPU seconds per step kept (2 shared cores). ``kernel="auto"`` (``--kernel
+    times, interleaved (every other pass in reverse order), and its least CPU seconds per step kept: CPU time of one
+    thread from each optimizer step's beginning to its end (the Trainer's setup left out), so that the other vCPU's
+    load moves it as little as it can (with two threads, OpenMP's waiting threads count as CPU time too). ``kernel="auto"`` (``--kernel
     auto``): the loss kernel is not pinned, so the probe measures the budget under each kernel that runs and plans
     the one whose whole steps model least (issue 57 item 2); it prints each kernel's figures, and the runs train
     with the chosen kernel."""
@@ -142,13 +145,27 @@ def part2(passes=2, kernel="torch"):
     import tempfile
     from unittest import mock
 
-    from transformers.trainer_callback import PrinterCallback
+    from transformers.trainer_callback import PrinterCallback, TrainerCallback
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from hf_accum.planning import planner
     from hf_accum.window import token_budget as tb
     from tests.exactness import StepRecorder, max_relative_error, pad_collate, tiny_llama
 
+    class StepTimer(TrainerCallback):
+        """CPU seconds of each optimizer step, from the Trainer's step beginning (the window's first batch is
+        loaded after it) to its end (after the optimizer step)."""
+
+        def __init__(self):
+            self.seconds, self._start = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.process_time() - self._start)
+
+    torch.set_num_threads(1)  # the probe's step times and the runs' alike
     data = tiny_data()
     initial = tiny_llama(max_position_embeddings=512)
     pinned = "checkpointing=0,selective=0"  # the cut is what differs; no layer lever is searched
@@ -157,7 +174,7 @@ def part2(passes=2, kernel="torch"):
     with tempfile.TemporaryDirectory() as out:
         args = AccumTrainingArguments(
             output_dir=out, target_batch_size=TARGET, micro_batching="tokens", memory_budget_bytes=budget_bytes,
-            levers=pinned, max_steps=3, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+            levers=pinned, max_steps=STEPS, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
             remove_unused_columns=False, log_level="warning")
         prober = AccumTrainer(model=copy.deepcopy(initial), args=args, train_dataset=data, data_collator=pad_collate)
         start = time.perf_counter()
@@ -168,7 +185,7 @@ def part2(passes=2, kernel="torch"):
         del prober
     budget = tb.plan_budget(plan)
     st = plan.step_time
-    print(f"\nPart 2: tiny float64 Llama, 3 optimizer steps of {TARGET}; memory budget {budget_bytes / 2**20:.1f} MiB")
+    print(f"\nPart 2: tiny float64 Llama, {STEPS} optimizer steps of {TARGET}; memory budget {budget_bytes / 2**20:.1f} MiB")
     print(f"probe ({probe_s:.0f} s): {plan.describe()}")
     record = (plan.levers or {}).get("loss_kernel") or {}
     for name, tokens in (record.get("tokens_per_forward") or {}).items():  # kernel="auto": each kernel's budget
@@ -197,7 +214,7 @@ def part2(passes=2, kernel="torch"):
             args = AccumTrainingArguments(
                 output_dir=out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=TARGET // MICRO,
                 target_batch_size=TARGET, auto_tune=False, micro_batching=mode,
-                max_tokens_per_forward=plan.token_budget if mode == "tokens" else None, max_steps=3,
+                max_tokens_per_forward=plan.token_budget if mode == "tokens" else None, max_steps=STEPS,
                 learning_rate=1e-3, max_grad_norm=0.0, report_to=[], save_strategy="no", use_cpu=True, seed=0,
                 disable_tqdm=True, remove_unused_columns=False, log_level="error", check_accumulation=False,
                 levers=f"loss_kernel={kernel_in_force}")
@@ -209,12 +226,13 @@ def part2(passes=2, kernel="torch"):
             trainer = AccumTrainer(model=model, args=args, train_dataset=data, data_collator=pad_collate,
                                    callbacks=[recorder])
             trainer.remove_callback(PrinterCallback)
-            start = time.process_time()
+            timer = StepTimer()
+            trainer.add_callback(timer)
             trainer.train()
-            seconds = (time.process_time() - start) / 3
+            seconds = sum(timer.seconds) / len(timer.seconds)
         modelled = sum(st["forward_seconds"] + rows * length * tb.token_seconds(st, length) for rows, length in shapes)
         real = sum(len(d["input_ids"]) for d in data)
-        return recorder, seconds, len(shapes) / 3, sum(r * n for r, n in shapes) / real, modelled / 3
+        return recorder, seconds, len(shapes) / STEPS, sum(r * n for r, n in shapes) / real, modelled / STEPS
 
     with_time = lambda _plan: budget  # noqa: E731 -- the probed plan's budget, step times included
     padding_rule = lambda _plan: dataclasses.replace(budget, step_time=None)  # noqa: E731
@@ -224,19 +242,22 @@ def part2(passes=2, kernel="torch"):
     cases.update({f"{g} forwards": ("tokens", with_time, forced(g)) for g in counts})
     cases.update({"planner (step time)": ("tokens", with_time, own), "padding rule (1.10)": ("tokens", padding_rule, own)})
     logging.getLogger("hf_accum").setLevel(logging.ERROR)  # the runs' budgets are patched in: no plan line, no rule note
-    results = {}
+    results, every = {}, {}
     for p in range(passes):
         for name, case in (cases.items() if p % 2 == 0 else reversed(cases.items())):
             r = run(*case)
+            every.setdefault(name, []).append(r[1])
             if name not in results or r[1] < results[name][1]:
                 results[name] = r
     print(f"{'cut':22} {'forwards/step':>14} {'padded/real':>12} {'modelled s':>11} {'CPU s/step':>11} "
-          f"{'vs fastest':>11} {'grad vs samples':>16}")
+          f"{'median/least':>13} {'vs fastest':>11} {'grad vs samples':>16}")
     tokens = {k: v for k, v in results.items() if k != "samples"}
     fastest = min(v[1] for v in tokens.values())
     for name, (rec, seconds, fwd, pad, modelled) in results.items():
         err = "" if name == "samples" else f"{max_relative_error(rec.grads, results['samples'][0].grads):.1e}"
-        print(f"{name:22} {fwd:14.2f} {pad:12.3f} {modelled:11.3f} {seconds:11.3f} {seconds / fastest:11.3f} {err:>16}")
+        spread = sorted(every[name])[len(every[name]) // 2] / seconds
+        print(f"{name:22} {fwd:14.2f} {pad:12.3f} {modelled:11.3f} {seconds:11.3f} {spread:13.3f} "
+              f"{seconds / fastest:11.3f} {err:>16}")
     best = min((k for k in tokens if k.endswith("forwards")), key=lambda k: tokens[k][1])
     chosen = tokens["planner (step time)"][1]
     print(f"planner's cut: {tokens['planner (step time)'][2]:.2f} forwards/step, {chosen:.3f} CPU s/step; fastest "
@@ -354,9 +375,10 @@ if __name__ == "__main__":
     parser.add_argument("--part", type=int, choices=(1, 2, 3))
     parser.add_argument("--kernel", default="torch", help="part 2's loss kernel: a name, or 'auto' (chosen with "
                         "the token budget by whole steps)")
+    parser.add_argument("--passes", type=int, default=5, help="part 2: runs of each cut, the least kept")
     parsed = parser.parse_args()
     chosen = parsed.part
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    for number, part in ((1, part1), (2, lambda: part2(kernel=parsed.kernel)), (3, part3)):
+    for number, part in ((1, part1), (2, lambda: part2(passes=parsed.passes, kernel=parsed.kernel)), (3, part3)):
         if chosen in (None, number):
             part()
