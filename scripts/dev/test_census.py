@@ -1,7 +1,10 @@
 """How many test functions and distinct assertions a tests folder holds (`python scripts/dev/test_census.py tests`):
 assert statements plus pytest.raises / pytest.warns calls, counted in the source (a parametrized test counts once).
 A change that makes the suite faster prints the same or larger figures before and after (issue 52)."""
-import ast, pathlib, sys
+import ast
+import pathlib
+import sys
+
 root = pathlib.Path(sys.argv[1])
 tests = asserts = 0
 for p in sorted(root.rglob("*.py")):

@@ -388,8 +388,6 @@ NO_BEHAVIOUR: list[tuple[str, str, str]] = [
     ("plan.md", "beside what the usual tools say for the same model", "benchmarks/bench_estimate.py --compare-8b"),
     ("plan.md", "| tool | what it says for Llama-3-8B |", "benchmarks/bench_estimate.py --compare-8b's table"),
     ("plan.md", "| tokens, padded rows, fewest forwards (before) |", "a benchmark table's row for the old algorithm"),
-    ("plan.md", "This run cannot say whether the choice is within 3% of the fastest", "a benchmark run's caveat"),
-    ("plan.md", "Run it on an idle machine before trusting the ratio", "how to run a benchmark"),
     ("plan.md", "Before the step-time model (one run, 2 shared cores)", "history: a benchmark before a change"),
     ("recipes.md", "load average 0.01 before", "the conditions of a timing"),
     ("still-a-trainer.md", "This page says how that is checked", "what the page holds"),
