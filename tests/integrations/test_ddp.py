@@ -155,8 +155,8 @@ def test_ranks_with_different_budgets_agree_on_one_checkpointing_level(tune_runs
     assert r0["steps"] == r1["steps"] == 2
 
 
-def _torchrun(script, *argv, timeout=600):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+def _torchrun(script, *argv, timeout=600, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
            os.path.join(ROOT, "tests", "workers", script), *map(str, argv)]
     env = child_env(KINETO_LOG_LEVEL="3")
     return run_two_ranks(cmd, env, timeout)

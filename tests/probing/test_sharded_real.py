@@ -1,7 +1,7 @@
-"""The sharded estimate like for like: a small Llama under real FSDP2 (gloo, 2 ranks, CPU; `fully_shard` per decoder
+"""The sharded estimate like for like: a small Llama under real FSDP2 (gloo, 2 and 4 ranks, CPU; `fully_shard` per decoder
 layer, then the root), full fine-tuning, LoRA, and full without resharding after forward; each rank's peak, measured
 by the probe's CPU meter at micro-batches 1..4, against the estimate's (the one-process step on fake tensors with
-this rank's shards, gathered weights and buffers added, `probing/sharding.py`). One launch."""
+this rank's shards, gathered weights and buffers added, `probing/sharding.py`). One launch per world size."""
 
 import json
 
@@ -19,18 +19,19 @@ SEQ, SIZES, CASES = 256, (1, 2, 3, 4), ("full", "lora", "full-keep")
 
 
 @pytest.mark.slow
-def test_each_ranks_estimated_peak_is_within_5_percent_of_real_fsdp2_with_the_same_largest_fit(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_ranks_estimated_peak_is_within_5_percent_of_real_fsdp2_with_the_same_largest_fit(tmp_path, world):
     proc = _torchrun("sharded_estimate_worker.py", tmp_path, SEQ, ",".join(map(str, SIZES)), ",".join(CASES),
-                     timeout=600)
+                     timeout=600, nproc=world)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     errors = {}
     for case in CASES:
         build = paper.builder(paper.config_builder(small_llama_config()), 8 if case == "lora" else None, None, False)
         sharding = parse_sharding("fsdp2-keep" if case.endswith("-keep") else "fsdp2")
         with Phases(build, seq_len=SEQ, device="cpu", bf16=False) as phases:
-            estimated = {m: rank_peak(phases.counts, sharding, 2, phases.activations(m), phases.optimizer)
+            estimated = {m: rank_peak(phases.counts, sharding, world, phases.activations(m), phases.optimizer)
                          for m in SIZES}
-        for rank in (0, 1):
+        for rank in range(world):
             real = {int(m): v for m, v in json.loads((tmp_path / f"{case}.rank{rank}.json").read_text()).items()}
             for m in SIZES:
                 errors[case, rank, m] = (estimated[m] - real[m]) / real[m]
