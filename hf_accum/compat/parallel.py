@@ -60,6 +60,28 @@ def local_shard(t):
     return t.to_local() if type(t).__name__ == "DTensor" else t
 
 
+def fsdp2_shards(model) -> int | None:
+    """Over how many ranks FSDP2 shards ``model``'s parameters (the size of their one-dimensional device mesh); None
+    when they are not DTensors, or are sharded over a mesh of more dimensions (HSDP, tensor parallel)."""
+    for p in model.parameters():
+        if type(p).__name__ == "DTensor":
+            mesh = p.device_mesh
+            return mesh.size() if mesh.ndim == 1 else None
+    return None
+
+
+def unsharded_class(cls: type) -> type:
+    """The model class ``fully_shard`` swapped for its own (`FSDP<Name>`, a subclass of `FSDPModule` and the
+    original); any other class itself."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return cls
+    if issubclass(cls, FSDPModule):
+        return next(b for b in cls.__mro__[1:] if not issubclass(b, FSDPModule))
+    return cls
+
+
 def sharded_at_load(model) -> bool:
     """Sharded by `from_pretrained(..., distributed_config=DistributedConfig(...))` (transformers > 5.17 sets this
     property on the model; older versions cannot shard at load). transformers checkpoints such a model's weights

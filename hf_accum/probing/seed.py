@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..compat import parallel
 from .estimate import estimate_model
 from .loop import NothingFitsError, ProbeResult
 from .meters import Meter
@@ -69,23 +70,15 @@ def seeder_for(model: torch.nn.Module, *, seq_len: int, target_batch_size: int, 
         if build is None:
             say(f"estimate skipped ({why}): the search starts from micro-batch 1")
             return None, None
+        shards = parallel.fsdp2_shards(model) if lever is None and not quantized else None
         key = json.dumps([build.key, seq_len, target_batch_size, meter.capacity_bytes(), device, world_size,
                           budget_bytes, autocast_dtype is torch.bfloat16, max_micro_batch, levels_key(lever),
-                          quantized, expandable_from_env()], default=str)
-
-        def make() -> tuple[dict[str, Any], Any]:
-            began = time.perf_counter()
-            try:
-                result = estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size,
-                                        device_memory=meter.capacity_bytes(), device=device, world_size=world_size,
-                                        budget_bytes=budget_bytes, bf16=autocast_dtype is torch.bfloat16,
-                                        max_micro_batch=max_micro_batch, all_peaks=False, levels=lever,
-                                        **quantized).result
-            except NothingFitsError as exc:
-                result = exc.result
-            return (estimate_record(result, device, time.perf_counter() - began),
-                    result.extra.get("checkpointing", {}).get("num_layers"))
-
+                          quantized, expandable_from_env(), shards], default=str)
+        settings = dict(seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
+                        budget_bytes=budget_bytes, bf16=autocast_dtype is torch.bfloat16,
+                        max_micro_batch=max_micro_batch, device=device)
+        make = (_sharded_maker(build, shards, **settings) if shards else
+                _maker(build, meter.capacity_bytes(), lever, quantized, **settings))
         try:
             record, levels, made = made_once(key, make)
         except Exception as exc:  # noqa: BLE001 -- an estimate never stops a probe
@@ -93,7 +86,8 @@ def seeder_for(model: torch.nn.Module, *, seq_len: int, target_batch_size: int, 
                 "from micro-batch 1")
             return None, None
         if lever is None:
-            say(f"estimate ({device}, fake tensors, {made}): largest fit {record['largest_fit']}; "
+            how = f"{record['sharded']}, " if shards else ""
+            say(f"estimate ({device}, fake tensors, {how}{made}): largest fit {record['largest_fit']}; "
                 f"the search starts there")
             return max(1, record["largest_fit"]), record
         if levels != lever.count:
@@ -107,6 +101,41 @@ def seeder_for(model: torch.nn.Module, *, seq_len: int, target_batch_size: int, 
         return seeds, record
 
     return seeder
+
+
+def _maker(build, capacity: int, lever, quantized: dict[str, Any], *, seq_len: int, target_batch_size: int,
+           world_size: int, budget_bytes: int, bf16: bool, max_micro_batch: int | None, device: str):
+    """The one-process estimate (`estimate_model`) as `made_once`'s ``make``: (record, level count)."""
+
+    def make() -> tuple[dict[str, Any], Any]:
+        began = time.perf_counter()
+        try:
+            result = estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size,
+                                    device_memory=capacity, device=device, world_size=world_size,
+                                    budget_bytes=budget_bytes, bf16=bf16, max_micro_batch=max_micro_batch,
+                                    all_peaks=False, levels=lever, **quantized).result
+        except NothingFitsError as exc:
+            result = exc.result
+        return (estimate_record(result, device, time.perf_counter() - began),
+                result.extra.get("checkpointing", {}).get("num_layers"))
+
+    return make
+
+
+def _sharded_maker(build, shards: int, *, seq_len: int, target_batch_size: int, world_size: int, budget_bytes: int,
+                   bf16: bool, max_micro_batch: int | None, device: str):
+    """The sharded estimate for FSDP2 over ``shards`` ranks (`seed_sharded`) as `made_once`'s ``make``."""
+    from .seed_sharded import sharded_record
+
+    per_rank = max(1, target_batch_size // world_size)
+    cap = per_rank if max_micro_batch is None else min(per_rank, max_micro_batch)
+
+    def make() -> tuple[dict[str, Any], Any]:
+        began = time.perf_counter()
+        return sharded_record(build, shards=shards, seq_len=seq_len, budget_bytes=budget_bytes, cap=cap,
+                              device=device, bf16=bf16, seconds=lambda: time.perf_counter() - began), None
+
+    return make
 
 
 def made_once(key: str, make: Callable[[], tuple[dict[str, Any], Any]]) -> tuple[dict[str, Any], Any, str]:
@@ -254,6 +283,9 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
     config = copy.deepcopy(base.config)
     if hasattr(config, "quantization_config"):  # the base as it is before quantizing: the estimate quantizes it
         del config.quantization_config
+    if getattr(config, "distributed_config", None) is not None:  # sharded at load: the estimate shards on paper
+        config.distributed_config = None
+    model_class = parallel.unsharded_class(type(base))  # FSDP2's FSDP<Name> is built as <Name>
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     dtypes = {name: p.dtype for name, p in model.named_parameters() if p.dtype.is_floating_point}
     trl_head = fused_lm_head_outputs(base)
@@ -265,7 +297,7 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
         from ..levers.kernels.fused_loss import patch_model
 
-        built = type(base)._from_config(config, dtype=dtype)  # its own class: a head or an encoder-decoder too
+        built = model_class._from_config(config, dtype=dtype)  # its own class: a head or an encoder-decoder too
         if any(checkpointed.values()):
             enable_checkpointing(built, SimpleNamespace(gradient_checkpointing=True,
                                                         gradient_checkpointing_kwargs={"use_reentrant": False}))
@@ -291,15 +323,15 @@ def builder_like(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
                 _fused_patch(built).kernel = kernel
         return built
 
-    build.key = _build_key(model, base, config, dtype, peft_config,
+    build.key = _build_key(model, model_class, config, dtype, peft_config,
                            trl_head=trl_head, fused=fused, kernel=kernel, checkpointed=checkpointed)
     return build
 
 
-def _build_key(model, base, config, dtype, peft_config, **rest: Any) -> str:
+def _build_key(model, model_class, config, dtype, peft_config, **rest: Any) -> str:
     """What `builder_like`'s build() depends on, as one string: equal keys build equal models (`MADE`)."""
     return json.dumps({
-        "class": f"{type(base).__module__}.{type(base).__qualname__}", "config": config.to_json_string(),
+        "class": f"{model_class.__module__}.{model_class.__qualname__}", "config": config.to_json_string(),
         "attention": config._attn_implementation,
         "dtype": str(dtype), "peft": None if peft_config is None else peft_config.to_dict(),
         "parameters": [[name, list(p.shape), str(p.dtype), p.requires_grad] for name, p in model.named_parameters()],

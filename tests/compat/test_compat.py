@@ -105,6 +105,22 @@ def test_fsdp2_and_ddp_are_told_apart():
         pass
     assert process_group.world_size() == 1
 
+def test_the_class_fully_shard_swaps_in_is_told_from_the_model_class():
+    """`fully_shard` swaps a module's class for `FSDP<Name>(FSDPModule, <Name>)` (torch's `_fsdp_init`); the
+    probe's seed rebuilds the model from its config as the original class (`parallel.unsharded_class`)."""
+    import inspect
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+    from transformers import LlamaForCausalLM
+
+    assert '(wrapper_module_cls, cls), dct' in inspect.getsource(_fsdp_init)
+    swapped = type("FSDPLlamaForCausalLM", (FSDPModule, LlamaForCausalLM), {})
+    assert parallel.unsharded_class(swapped) is LlamaForCausalLM
+    assert parallel.unsharded_class(LlamaForCausalLM) is LlamaForCausalLM
+    assert parallel.fsdp2_shards(tiny_llama(torch.float32)) is None  # no DTensor: not sharded in place
+
+
 def test_training_args_are_saved_before_trainer_state_and_read_without_unpickling_code(tmp_path, monkeypatch):
     # checkpoints.py knows a run's target from training_args.bin even when the plan file written after
     # trainer_state.json is lost: that needs transformers to write the arguments first.

@@ -34,11 +34,11 @@ def saved_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory, saved_model):
     """One launch for the runs that end cleanly: the fallback refusals (folder "fallback"), then, where transformers
-    can shard at load time, the FSDP2 training run; the folder and the launch."""
+    can shard at load time, the FSDP2 training run and the seeded probes; the folder and the launch."""
     out = tmp_path_factory.mktemp("fsdp2_runs")
     if version.parse(transformers.__version__) < version.parse("5.18"):  # no load-time FSDP2: the refusals alone
         return out, _torchrun("fallback_worker.py", out / "fallback", timeout=300)
-    return out, _torchrun("fsdp2_worker.py", "fallback,train", saved_model[0], out, timeout=400)
+    return out, _torchrun("fsdp2_worker.py", "fallback,train,seed", saved_model[0], out, timeout=400)
 
 
 @pytest.mark.slow
@@ -103,3 +103,29 @@ def test_an_fsdp_request_that_would_fall_back_is_refused_on_every_rank(launch):
         messages = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert "fsdp=" in messages["fsdp_on_cpu"] and "accelerate runs MULTI_CPU" in messages["fsdp_on_cpu"]
         assert "training sees world size 1: every rank would train on the same data" in messages["world_one"]
+
+
+@pytest.mark.slow
+@needs_load_time_fsdp2
+def test_the_probe_under_fsdp2_starts_from_the_sharded_estimate_and_takes_two_trials_a_budget(launch):
+    """Issue 55 item 3: at four budgets spread evenly over the sizes that fit, the probe seeded by the sharded
+    estimate plans what the unseeded probe plans, and measures at most 2 sizes per budget on average (the fit and
+    the size above it), where the unseeded search climbs from micro-batch 1."""
+    out, proc = launch
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((out / f"seed.rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["runs"].keys() == ranks[1]["runs"].keys() and len(ranks[0]["runs"]) == 4
+    seeded_trials, unseeded_trials = [], []
+    for budget in ranks[0]["runs"]:
+        runs = [res["runs"][budget] for res in ranks]
+        assert runs[0]["seeded"]["plan"] == runs[1]["seeded"]["plan"] == runs[0]["unseeded"]["plan"], budget
+        for run in runs:
+            estimate = run["seeded"]["estimate"]
+            assert estimate["sharded"] == "FSDP2 over 2 ranks" and estimate["largest_fit"] >= 1
+            assert run["unseeded"]["estimate"] is None  # probe_from_estimate=False
+            seeded_trials.append(len(run["seeded"]["sizes"]))
+            unseeded_trials.append(len(run["unseeded"]["sizes"]))
+    assert "hf_accum probe: estimate (cpu, fake tensors, FSDP2 over 2 ranks, " in proc.stdout + proc.stderr
+    print(f"measured sizes per budget: seeded {seeded_trials}, unseeded {unseeded_trials}")
+    assert sum(seeded_trials) / len(seeded_trials) <= 2
+    assert sum(seeded_trials) < sum(unseeded_trials)

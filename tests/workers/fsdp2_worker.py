@@ -7,6 +7,7 @@
   to resume or writes a checkpoint.
 - oom: the load-time FSDP2 run where rank 1 runs out of memory mid-window; each rank writes what it raised.
 - fallback: `fallback_worker.py`'s refusals, written to OUT/fallback (run first, before "train", in one launch).
+- seed: the probe seeded by the sharded estimate against the probe unseeded, at four budgets (`seed_mode`).
 Modes joined by commas run in turn in one launch.
 """
 
@@ -121,6 +122,36 @@ def oom_mode(src, out, rank):
     train_recording_outcome(trainer, os.path.join(out, f"oom.rank{rank}.json"), reraise=rank != 1)
 
 
+def seed_mode(src, out, rank):
+    """The probe of the load-time FSDP2 model seeded by the sharded estimate (`probing/seed_sharded.py`): first an
+    unseeded probe under the default budget, which every size up to the cap (8) fits, gives the real peaks at the
+    smallest and largest sizes it ran; then, at four budgets spread evenly between them (the larger rank's figures,
+    so both ranks use the same), the probe seeded and unseeded. Writes OUT/seed.rankR.json: per budget each probe's measured sizes, plan and seed record."""
+    import json
+
+    import torch.distributed as dist
+
+    def probe(budget, seeded, cap=8):
+        args = args_for(os.path.join(out, "seed", f"{budget}-{seeded}"), auto_tune=True, target_batch_size=2 * cap,
+                        per_device_train_batch_size=cap, gradient_accumulation_steps=1, memory_budget_bytes=budget,
+                        probe_from_estimate=seeded)
+        trainer = trainer_for(model, args)
+        plan = trainer.tune()
+        result = trainer.probe_result
+        return {"sizes": [t.micro_batch_size for t in result.measured_trials], "plan": plan.describe(),
+                "peaks": {t.micro_batch_size: t.peak_bytes for t in result.measured_trials},
+                "estimate": result.extra.get("estimate")}
+
+    model = load(src, True)
+    top = probe(None, False)  # the default budget: every size up to the cap fits, the search climbs to it
+    ends = torch.tensor([top["peaks"][min(top["sizes"])], top["peaks"][max(top["sizes"])]], dtype=torch.float64)
+    dist.all_reduce(ends, op=dist.ReduceOp.MAX)
+    budgets = [int(ends[0] + (ends[1] - ends[0]) * f) for f in (0.2, 0.4, 0.6, 0.8)]
+    runs = {b: {"seeded": probe(b, True), "unseeded": probe(b, False)} for b in budgets}
+    with open(os.path.join(out, f"seed.rank{rank}.json"), "w") as f:
+        json.dump({"top": top, "runs": {str(b): r for b, r in runs.items()}}, f)
+
+
 def fallback_mode(src, out, rank):
     from tests.workers.fallback_worker import refusals
 
@@ -130,4 +161,4 @@ def fallback_mode(src, out, rank):
 if __name__ == "__main__":
     modes, src, out = sys.argv[1:4]
     for mode in modes.split(","):  # e.g. "fallback,train": one launch, the modes in turn
-        {"train": train_mode, "oom": oom_mode, "fallback": fallback_mode}[mode](src, out, int(os.environ["RANK"]))
+        {"train": train_mode, "oom": oom_mode, "fallback": fallback_mode, "seed": seed_mode}[mode](src, out, int(os.environ["RANK"]))
