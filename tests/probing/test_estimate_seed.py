@@ -324,3 +324,33 @@ def test_the_builders_key_changes_with_whatever_the_estimate_depends_on():
     }
     assert base not in changed.values() and len(set(changed.values())) == len(changed), [
         name for name, k in changed.items() if k == base]
+
+
+def test_a_model_sharded_by_fsdp2_is_seeded_by_its_ranks_estimate(monkeypatch):
+    """Where FSDP2 shards the parameters over N ranks (`compat.parallel.fsdp2_shards`; a real launch is in
+    tests/integrations/test_fsdp2.py), the seed is the sharded estimate's largest fit: the largest size up to the
+    per-rank cap whose rank peak (`sharding.rank_peak` over the activations stepped on fake tensors) fits the budget,
+    computed here independently from every size's peak."""
+    from hf_accum.compat import parallel
+    from hf_accum.probing.paper_sharded import FakeSteps
+    from hf_accum.probing.seed import builder_like, seeder_for
+    from hf_accum.probing.sharding import parse_sharding, rank_peak
+
+    model = _llama()
+    with FakeSteps(builder_like(model), seq_lens=[128], device="cpu", bf16=False) as steps:
+        peaks = {m: rank_peak(steps.counts, parse_sharding("fsdp2"), 2, steps.activations(128, None, m),
+                              steps.optimizer) for m in range(1, 9)}
+    budget = (peaks[3] + peaks[4]) // 2
+    monkeypatch.setattr(parallel, "fsdp2_shards", lambda m: 2 if m is model else None)
+    said = []
+    meter = type("Meter", (), {"capacity_bytes": lambda self: 2**34})()
+    seed, record = seeder_for(model, seq_len=128, target_batch_size=16, world_size=2, log=said.append)(budget, meter)
+    assert seed == 3 == max(m for m, p in peaks.items() if p <= budget)
+    assert record["sharded"] == "FSDP2 over 2 ranks" and record["largest_fit"] == 3
+    assert {int(m): p for m, p in record["peaks"].items()} == {m: peaks[m] for m in map(int, record["peaks"])}
+    assert said[-1].startswith("estimate (cpu, fake tensors, FSDP2 over 2 ranks, ")
+    assert said[-1].endswith("largest fit 3; the search starts there")
+    # not sharded in place: the one-process estimate, as before
+    monkeypatch.setattr(parallel, "fsdp2_shards", lambda m: None)
+    _, whole = seeder_for(model, seq_len=128, target_batch_size=16, world_size=2, log=said.append)(budget, meter)
+    assert "sharded" not in whole and "FSDP2" not in said[-1]
