@@ -79,6 +79,20 @@ def plan_text(target: int, world: int, micro: int) -> str:
     return f"{plan.micro_batch_size} × {plan.gradient_accumulation_steps} × {world} = {target}"
 
 
+def fit_on_rank(counts: Counts, sharding: Sharding, world: int, act: Callable[[int], int], optimizer: int,
+                budget: int, cap: int) -> tuple[int, Callable[[int], int]]:
+    """The largest micro-batch up to ``cap`` whose rank peak fits ``budget`` (0: not even 1), and the rank peak by
+    micro-batch (``act(m)``: the one-process activations; ``optimizer``: AdamW's one-process temporaries)."""
+
+    def peak(m: int) -> int:
+        return rank_peak(counts, sharding, world, act(m), optimizer)
+
+    resident = rank_peak(counts, sharding, world, 0, optimizer)
+    if resident > budget or peak(1) > budget:
+        return 0, peak
+    return largest(peak, budget, cap, line_guess(act, budget - resident)), peak
+
+
 def cells_for(counts: Counts, sharding: Sharding, activations: dict[str | None, Callable[[int], int]],
               optimizer: dict[str | None, int], *, seq_len: int, cards: Sequence[int], gpus: Sequence[int],
               fraction: float, target: int, max_micro: int | None) -> list[ShardedCell]:
@@ -93,15 +107,9 @@ def cells_for(counts: Counts, sharding: Sharding, activations: dict[str | None, 
             cap = min(per_rank, max_micro or per_rank)
             cell = None
             for lever in LEVERS:
-                act = activations[lever]
-
-                def peak(m, act=act, lever=lever, world=world):
-                    return rank_peak(counts, sharding, world, act(m), optimizer[lever])
-
-                resident = rank_peak(counts, sharding, world, 0, optimizer[lever])
-                if resident > budget or peak(1) > budget:
+                m, peak = fit_on_rank(counts, sharding, world, activations[lever], optimizer[lever], budget, cap)
+                if not m:
                     continue
-                m = largest(peak, budget, cap, line_guess(act, budget - resident))
                 cell = ShardedCell(card, seq_len, world, m, "none" if lever is None else "all", m == cap, peak(m),
                                    plan_text(target, world, m))
                 break

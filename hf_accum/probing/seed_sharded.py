@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .fits_sharded import largest, line_guess
+from .fits_sharded import fit_on_rank
 from .paper_sharded import FakeSteps
-from .sharding import parse_sharding, rank_peak
+from .sharding import parse_sharding
 
 
 def sharded_record(build: Callable[[], torch.nn.Module], *, shards: int, seq_len: int, budget_bytes: int, cap: int,
@@ -24,15 +24,8 @@ def sharded_record(build: Callable[[], torch.nn.Module], *, shards: int, seq_len
     whose predicted rank peak fits ``budget_bytes`` (0: not even 1), and the peak at every size stepped."""
     sharding = parse_sharding("fsdp2")
     with FakeSteps(build, seq_lens=[seq_len], device=device, bf16=bf16) as steps:
-
-        def activations(micro: int) -> int:
-            return steps.activations(seq_len, None, micro)
-
-        def peak(micro: int) -> int:
-            return rank_peak(steps.counts, sharding, shards, activations(micro), steps.optimizer)
-
-        resident = peak(1) - activations(1)
-        fit = largest(peak, budget_bytes, cap, line_guess(activations, budget_bytes - resident))
+        fit, peak = fit_on_rank(steps.counts, sharding, shards, lambda m: steps.activations(seq_len, None, m),
+                                steps.optimizer, budget_bytes, cap)
         peaks = {m: peak(m) for m in sorted(steps.measured[seq_len, None])}
     return {"largest_fit": fit, "device": device, "seconds": round(seconds(), 3),
             "peaks": {str(m): v for m, v in peaks.items()}, "fitted": None,
