@@ -2,21 +2,18 @@
 every sample of both ranks, with transformers' average_tokens_across_devices on or off."""
 
 import os
-import re
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.exactness import CASES, StepRecorder, max_step_error, reference_run
+from tests.launch import launch
 
 # Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
 # two-rank runs at once on 2 cores were seen to hang.
 pytestmark = pytest.mark.xdist_group("torchrun")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNS = ["causal_lm:1", "causal_lm:0", "no_loss_kwargs_class:1", "explicit_args_wrapper:0"]
 UNEVEN = "causal_lm:1:uneven"  # the tuner plans target 14 (7 per rank) where 3 fit
 
@@ -27,32 +24,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-GLOO_ABORT = "terminate called without an active exception"
-
-
-def run_two_ranks(cmd, env, timeout):
-    """Runs a two-rank launch, once more if (and only if) a rank died of gloo's rare abort at exit (SIGABRT after
-    "terminate called without an active exception", about 3 in 85 launches here) with no Python error on any rank;
-    a real failure, a traceback on a rank, is never retried."""
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0 and GLOO_ABORT in out and not re.search(r"\[rank\d\]: Traceback", out):
-        print(f"gloo aborted at exit; launching once more: {' '.join(map(str, cmd[-3:]))}")
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc
-
-
-def child_env(**extra) -> dict:
-    """The environment of a launched test process: this checkout first on the path, whatever else was there kept."""
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
-
-
 def launch_two_ranks(out, runs, trainer="accum"):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           os.path.join(ROOT, "tests", "workers", "ddp_worker.py"), "--out", str(out), "--trainer", trainer, *runs]
-    env = child_env()
-    proc = run_two_ranks(cmd, env, timeout=600)
+    proc = launch("ddp_worker.py", "--out", out, "--trainer", trainer, *runs, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -156,10 +129,8 @@ def test_ranks_with_different_budgets_agree_on_one_checkpointing_level(tune_runs
 
 
 def _torchrun(script, *argv, timeout=600, nproc=2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-           os.path.join(ROOT, "tests", "workers", script), *map(str, argv)]
-    env = child_env(KINETO_LOG_LEVEL="3")
-    return run_two_ranks(cmd, env, timeout)
+    """``torchrun --nproc_per_node NPROC tests/workers/SCRIPT ARGV...``, its ranks forked (`tests.launch`)."""
+    return launch(script, *argv, nproc=nproc, timeout=timeout, env={"KINETO_LOG_LEVEL": "3"})
 
 
 @pytest.fixture(scope="module")
@@ -240,16 +211,3 @@ def _stopped_within(seconds, script, *argv):
     proc = _torchrun(script, *argv, timeout=300)
     assert proc.returncode != 0 and time.monotonic() - start < seconds, "a clean stop, no hang"
     return proc.stdout + proc.stderr
-
-
-@pytest.mark.parametrize("stderr, launches", [
-    (GLOO_ABORT, 2),  # the rare abort at exit, nothing else wrong: once more
-    ("[rank1]: Traceback (most recent call last):\\n" + GLOO_ABORT, 1),  # a real error on a rank: never retried
-    ("", 1),
-])
-def test_only_gloos_abort_at_exit_is_retried(tmp_path, stderr, launches):
-    counter = tmp_path / "launches"
-    script = (f"import sys; p = {str(counter)!r}; open(p, 'a').write('x'); "
-              f"sys.stderr.write({stderr!r}); sys.exit(1)")
-    proc = run_two_ranks([sys.executable, "-c", script], dict(os.environ), timeout=60)
-    assert proc.returncode == 1 and len(counter.read_text()) == launches

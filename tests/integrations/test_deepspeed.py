@@ -8,15 +8,13 @@ C++ compile runs in CI."""
 
 import importlib.util
 import json
-import os
-import sys
 import time
 
 import pytest
 import torch
 
 from hf_accum.integrations.engines.deepspeed_batch import batch_contradiction, plan_fields, zero_stage
-from tests.integrations.test_ddp import ROOT, _free_port, _torchrun, child_env, run_two_ranks
+from tests.integrations.test_ddp import _torchrun
 
 # Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
 # two-rank runs at once on 2 cores were seen to hang.
@@ -281,9 +279,7 @@ def test_oom_under_zero3_stops_every_rank_and_use_cpu_false_is_refused(tmp_path)
 def one_process(tmp_path_factory):
     """One one-process launch for the modes "single" and "defaults", in turn: the folder and the launch."""
     out = tmp_path_factory.mktemp("deepspeed_one")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
-           os.path.join(ROOT, "tests", "workers", "deepspeed_worker.py"), "single,defaults", str(out)]
-    return out, run_two_ranks(cmd, child_env(), timeout=500)
+    return out, _torchrun("deepspeed_worker.py", "single,defaults", out, nproc=1, timeout=500)
 
 
 @pytest.mark.slow

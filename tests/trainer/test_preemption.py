@@ -16,7 +16,8 @@ from packaging import version
 
 from hf_accum.planning.store import PLAN_FILE
 from hf_accum.trainer.resilience.preemption import EXIT_PREEMPTED
-from tests.integrations.test_ddp import ROOT, _free_port, child_env, run_two_ranks
+from tests.integrations.test_ddp import _free_port
+from tests.launch import ROOT, child_env, launch
 from tests.workers.preempt_worker import run
 
 # Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
@@ -28,7 +29,8 @@ ENV = child_env()
 
 
 def python(*argv):
-    return [sys.executable, WORKER, *map(str, argv)]
+    """``python preempt_worker.py ARGV...``, forked from the launch server (`tests.launch`)."""
+    return launch(WORKER, *argv, nproc=None, timeout=300)
 
 
 def torchrun(*argv):
@@ -47,7 +49,7 @@ def checkpoints(folder):
 
 def test_sigterm_checkpoints_then_resume_matches_an_uninterrupted_run(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    stopped = subprocess.run(python(a, "self", 5), env=ENV, capture_output=True, text=True, timeout=300)
+    stopped = python(a, "self", 5)
     out = stopped.stdout + stopped.stderr
     assert stopped.returncode == EXIT_PREEMPTED, out[-3000:]
     assert "SIGTERM received: finishing the optimizer step in progress" in out
@@ -56,7 +58,7 @@ def test_sigterm_checkpoints_then_resume_matches_an_uninterrupted_run(tmp_path):
     assert checkpoints(a) == [5]  # the step in progress (5) was finished, nothing after it ran
     plan = json.loads((a / "checkpoint-5" / PLAN_FILE).read_text())["plan"]
     assert plan["target_batch_size"] == 4
-    resumed = subprocess.run(python(a, "resume"), env=ENV, capture_output=True, text=True, timeout=300)
+    resumed = python(a, "resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     run(b, "plain")  # the uninterrupted reference, in this process: it needs no process of its own
     assert rel(torch.load(a / "final.rank0.pt"), torch.load(b / "final.rank0.pt")) <= 1e-10
@@ -87,7 +89,7 @@ def test_two_ranks_stop_after_the_same_step_when_torchrun_is_signalled(tmp_path)
         # ("don't know how to restore data location ... cpu:0"): its own resume fails, whatever the trainer.
         pytest.skip("transformers 5.17 cannot resume a two-rank CPU checkpoint (the stop itself was checked)")
     # one launch, a new process group: the resumed run, then the uninterrupted reference
-    resumed = run_two_ranks(torchrun(a, "resume", "+", b, "plain"), ENV, timeout=300)
+    resumed = launch(WORKER, a, "resume", "+", b, "plain", timeout=300)  # torchrun's ranks, forked
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert all((b / f"final.rank{r}.pt").exists() for r in (0, 1)), "the reference ran to the end on both ranks"
     for r in (0, 1):

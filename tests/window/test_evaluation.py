@@ -4,8 +4,6 @@ forwarded alone, float64 cross-entropy by hand; transformers' own value is shown
 
 import logging
 import math
-import os
-import sys
 
 import pytest
 import torch
@@ -253,12 +251,9 @@ def test_planning_the_eval_batch_leaves_trls_eval_metrics_alone(tmp_path):
 @TORCHRUN
 @pytest.mark.slow
 def test_two_ranks_give_the_single_process_token_mean(tmp_path):
-    from tests.integrations.test_ddp import _free_port, child_env, run_two_ranks
+    from tests.launch import launch
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           os.path.join(root, "tests", "workers", "ddp_eval_worker.py"), "--out", str(tmp_path), "1", "3", "8"]
-    proc = run_two_ranks(cmd, child_env(), timeout=600)
+    proc = launch("ddp_eval_worker.py", "--out", tmp_path, "1", "3", "8", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     import json
 

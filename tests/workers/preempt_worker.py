@@ -44,6 +44,8 @@ def main():
         this, argv = (argv[:argv.index("+")], argv[argv.index("+") + 1:]) if "+" in argv else (argv, [])
         out, mode, *rest = this
         run(out, mode, int(rest[0]) if rest and rest[0] != "print" else 0, printing=rest[-1:] == ["print"])
+    if torch.distributed.is_initialized():  # left to interpreter exit, gloo's threads can abort it (SIGABRT)
+        torch.distributed.destroy_process_group()
 
 
 def run(out, mode, step=0, printing=False):

@@ -1,0 +1,163 @@
+"""Multi-rank test launches without an interpreter start per rank: each rank is forked from one server process
+that imported torch, transformers, hf_accum and the workers' helpers once (`multiprocessing`'s forkserver,
+preloading `tests.workers.preload`), with the environment torchrun gives its ranks and torchrun's agent store.
+
+Why: a fresh interpreter importing transformers' Trainer costs ~10 CPU-seconds on this machine; the suite started
+~80 of them for torchrun ranks, most of the CPU its launches used. What stays torchrun's: `TORCHRUN_KEYS` and their
+values are checked against a real torchrun launch (tests/test_launch.py, which fails when torchrun changes them),
+and the preemption tests, which test torchrun's own signal forwarding, still launch torchrun.
+
+What torchrun's agent does that `launch` does too: it hosts the rendezvous store (TORCHELASTIC_USE_AGENT_STORE:
+the ranks connect to it as clients, so rank 0 leaving first takes no store with it), and when one rank fails it
+ends the others with SIGTERM (SIGKILL 30 s later) and exits 1. A rank ends with ``os._exit`` after flushing its
+output, as a forked child does: no C++ static destructors run, so gloo's "terminate called without an active
+exception" at interpreter exit (the abort `run_two_ranks` once retried) cannot happen here."""
+
+import multiprocessing
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRELOAD = "tests.workers.preload"
+GRACE_S = 30  # torchrun's agent: SIGTERM, then SIGKILL after this long
+
+# What torchrun (torch.distributed.run, one node, no restarts) sets for each rank, beyond the caller's environment.
+TORCHRUN_KEYS = ("GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "OMP_NUM_THREADS", "RANK", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_ERROR_FILE",
+                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                 "WORLD_SIZE")
+
+
+def torchrun_env(rank: int, world: int, port: int, error_dir: str) -> dict:
+    """The variables torchrun sets for local rank ``rank`` of ``world`` on one node (`TORCHRUN_KEYS`)."""
+    rank, world = str(rank), str(world)
+    return {"GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world,
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "RANK": rank,
+            "ROLE_NAME": "default", "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world,
+            "TORCHELASTIC_ERROR_FILE": os.path.join(error_dir, rank, "error.json"),
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_RUN_ID": "none",
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "WORLD_SIZE": world}
+
+
+def child_env(**extra) -> dict:
+    """The environment of a launched test process: this checkout first on the path, whatever else was there kept."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+
+
+_context = None
+
+
+def _forkserver():
+    """The forkserver context, its server started on first use with the preloaded modules (one per pytest process;
+    it lives as long as the process)."""
+    global _context
+    if _context is None:
+        from multiprocessing import forkserver
+
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([PRELOAD])
+        saved = dict(os.environ)
+        os.environ.update(OMP_NUM_THREADS="1", KINETO_LOG_LEVEL="3")  # read once, when torch loads
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _context = context
+    return _context
+
+
+def _rank_main(script, argv, env, out_path, err_path):
+    """One rank: its output to its two files (file descriptors, so C++ output too), ``env`` as its environment,
+    ``script`` run as ``python script argv...`` would run it."""
+    for fd, path in ((1, out_path), (2, err_path)):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(script))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would (torch's hook adds "[rankN]: "), and
+        sys.excepthook(*sys.exc_info())  # the rank fails
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def launch(script, *argv, nproc=2, timeout=600, env=None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node NPROC tests/workers/SCRIPT ARGV...`` without torchrun (module doc); nproc=None
+    runs ``python SCRIPT ARGV...`` (one process, no torchrun variables). Returns what `subprocess.run` would:
+    returncode 0 if every rank exited 0, else 1 (torchrun's), and every rank's stdout and stderr, rank by rank.
+    Raises `subprocess.TimeoutExpired` (every rank killed) past ``timeout`` seconds."""
+    from torch.distributed import TCPStore
+
+    path = script if os.path.isabs(script) else os.path.join(ROOT, "tests", "workers", script)
+    argv = [str(a) for a in argv]
+    base = child_env(**(env or {}))
+    context = _forkserver()
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if nproc else None  # the agent's
+    with tempfile.TemporaryDirectory(prefix="hf_accum_launch_") as tmp:
+        ranks = []
+        for rank in range(nproc or 1):
+            own = base if not nproc else {**base, **torchrun_env(rank, nproc, store.port, tmp)}
+            files = os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")
+            proc = context.Process(target=_rank_main, args=(path, argv, own, *files), name=f"rank{rank}")
+            proc.start()
+            ranks.append((proc, files))
+        _wait(ranks, timeout, [path, *argv])
+        stdout, stderr = ("".join(_read(files[i]) for _, files in ranks) for i in (0, 1))
+    code = 0 if all(proc.exitcode == 0 for proc, _ in ranks) else (ranks[0][0].exitcode if not nproc else 1)
+    return subprocess.CompletedProcess([path, *argv], code, stdout, stderr)
+
+
+def _wait(ranks, timeout, args):
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + timeout
+    kill_at = None
+    while any(proc.exitcode is None for proc, _ in ranks):
+        now = time.monotonic()
+        if now > deadline:
+            for proc, _ in ranks:
+                proc.kill()
+                proc.join()
+            raise subprocess.TimeoutExpired(args, timeout)
+        if kill_at is None and any(proc.exitcode not in (None, 0) for proc, _ in ranks):
+            for proc, _ in ranks:  # one rank failed: torchrun's agent ends the others
+                if proc.exitcode is None:
+                    os.kill(proc.pid, signal.SIGTERM)
+            kill_at = now + GRACE_S
+        if kill_at is not None and now > kill_at:
+            for proc, _ in ranks:
+                if proc.exitcode is None:
+                    proc.kill()
+        wait([proc.sentinel for proc, _ in ranks if proc.exitcode is None], timeout=0.2)
+    for proc, _ in ranks:
+        proc.join()
+
+
+def _read(path):
+    """A rank's output; none where it died before opening it (the forkserver printed why on our stderr)."""
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return f.read()
