@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..compat import trainer_internals
+from ..compat import node_saving, trainer_internals
 
 logger = logging.getLogger("hf_accum.trainer")
 
@@ -40,6 +40,11 @@ class StepHooks:
             self.control.should_save = True
             self.control.should_training_stop = True
         self._planner.step_ended(outcome.reran)
+
+    def _save(self, output_dir=None, state_dict=None):
+        # save_on_each_node: each node's local rank 0 writes the model, as the Trainer asks (compat.node_saving)
+        with node_saving.each_node(self.model, self.args.save_on_each_node):
+            return super()._save(output_dir, state_dict=state_dict)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

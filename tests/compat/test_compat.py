@@ -607,3 +607,22 @@ def test_grpo_generates_into_its_buffer_when_it_is_empty():
     params = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
     assert list(params)[1:5] == ["model", "input_ids", "attention_mask", "logits_to_keep"]
     assert "batch_size" in params and "compute_entropy" in params
+
+
+def test_transformers_writes_a_models_files_on_global_rank_0_only_and_node_saving_defers_to_the_trainer(monkeypatch):
+    """Pins `compat.node_saving`: transformers' `should_save_on_this_rank` ignores the Trainer's choice on a rank
+    other than 0 (save_on_each_node's node-local rank 0). If this fails, upstream honours it: drop the patch."""
+    from transformers.distributed import mixin
+
+    from hf_accum.compat import node_saving
+    from tests.exactness import tiny_gpt2
+
+    model = tiny_gpt2()
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 2)  # node 1's local rank 0
+    assert model.should_save_on_this_rank(True) is False  # upstream: global rank 0 only
+    with node_saving.each_node(model, save_on_each_node=True):
+        assert model.should_save_on_this_rank(True) is True and model.should_save_on_this_rank(False) is False
+    assert model.should_save_on_this_rank(True) is False  # undone
+    with node_saving.each_node(model, save_on_each_node=False):  # the Trainer's default: transformers as it is
+        assert model.should_save_on_this_rank(True) is False
