@@ -209,7 +209,7 @@ class RankBytes:
         return max(backward, step)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "resident": self.resident}
+        return {**asdict(self), "resident": self.resident, "between_steps": self.between_steps}
 
 
 def rank_bytes(counts: Counts, sharding: Sharding, world: int) -> RankBytes:

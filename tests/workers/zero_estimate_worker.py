@@ -34,9 +34,11 @@ def zero_config(stage: int, **zero) -> dict:
 
 
 #: the engines a case names: ZeRO-2; ZeRO-3 with DeepSpeed's reuse distance (every weight of this small model used
-#: again within it: kept gathered from its forward to its backward); ZeRO-3 releasing every weight after its module
-#: ran (reuse distance 0: gathered as it runs, with the prefetch bucket ahead)
-CONFIGS = {"zero2": zero_config(2), "zero3": zero_config(3), "zero3release": zero_config(3, stage3_max_reuse_distance=0)}
+#: again within it: kept gathered from its forward to its backward); ZeRO-3 with reuse distance 0, not in the test
+#: yet: DeepSpeed 0.19 still keeps every weight gathered while the prefetch bucket is not 0, which the estimate does
+#: not model (docs/what-fits-where.md)
+CONFIGS = {"zero2": zero_config(2), "zero3": zero_config(3),
+           "zero3release": zero_config(3, stage3_max_reuse_distance=0)}
 
 
 def run_case(case, seq_len, sizes, rank):
