@@ -80,12 +80,13 @@ def plan_text(target: int, world: int, micro: int) -> str:
 
 
 def fit_on_rank(counts: Counts, sharding: Sharding, world: int, act: Callable[[int], int], optimizer: int,
-                budget: int, cap: int) -> tuple[int, Callable[[int], int]]:
+                budget: int, cap: int, first: Callable[[int], int] | None = None) -> tuple[int, Callable[[int], int]]:
     """The largest micro-batch up to ``cap`` whose rank peak fits ``budget`` (0: not even 1), and the rank peak by
-    micro-batch (``act(m)``: the one-process activations; ``optimizer``: AdamW's one-process temporaries)."""
+    micro-batch (``act(m)``: the one-process activations; ``optimizer``: AdamW's one-process temporaries;
+    ``first(m)``: the one-process bytes at the first gradient, None: unknown)."""
 
     def peak(m: int) -> int:
-        return rank_peak(counts, sharding, world, act(m), optimizer)
+        return rank_peak(counts, sharding, world, act(m), optimizer, None if first is None else first(m))
 
     resident = rank_peak(counts, sharding, world, 0, optimizer)
     if resident > budget or peak(1) > budget:
@@ -95,10 +96,13 @@ def fit_on_rank(counts: Counts, sharding: Sharding, world: int, act: Callable[[i
 
 def cells_for(counts: Counts, sharding: Sharding, activations: dict[str | None, Callable[[int], int]],
               optimizer: dict[str | None, int], *, seq_len: int, cards: Sequence[int], gpus: Sequence[int],
-              fraction: float, target: int, max_micro: int | None) -> list[ShardedCell]:
+              fraction: float, target: int, max_micro: int | None,
+              first_gradient: dict[str | None, Callable[[int], int]] | None = None) -> list[ShardedCell]:
     """The cells of one sequence length. ``activations[lever](m)``: the micro-batch's activations with that
     checkpointing (None, "all"; a lever's callable is only called where the one before it fits nothing);
-    ``optimizer[lever]``: AdamW's one-process temporaries."""
+    ``optimizer[lever]``: AdamW's one-process temporaries; ``first_gradient[lever](m)``: the bytes when the first
+    gradient is accumulated (None: unknown, counted as at the activations' peak)."""
+    first = first_gradient or {}
     cells = []
     for card in cards:
         budget = int(fraction * card)
@@ -107,7 +111,8 @@ def cells_for(counts: Counts, sharding: Sharding, activations: dict[str | None, 
             cap = min(per_rank, max_micro or per_rank)
             cell = None
             for lever in LEVERS:
-                m, peak = fit_on_rank(counts, sharding, world, activations[lever], optimizer[lever], budget, cap)
+                m, peak = fit_on_rank(counts, sharding, world, activations[lever], optimizer[lever], budget, cap,
+                                      first.get(lever))
                 if not m:
                     continue
                 cell = ShardedCell(card, seq_len, world, m, "none" if lever is None else "all", m == cap, peak(m),
@@ -118,8 +123,9 @@ def cells_for(counts: Counts, sharding: Sharding, activations: dict[str | None, 
                 found = []  # (fewest GPUs, lever position): the fewest GPUs, then the fewest levers
                 for i, lever in enumerate(LEVERS):
                     act1 = activations[lever](1)
-                    fewest = fewest_gpus(lambda w, a=act1, lv=lever, b=budget: rank_peak(
-                        counts, sharding, w, a, optimizer[lv]) <= b)
+                    first1 = first[lever](1) if lever in first else None
+                    fewest = fewest_gpus(lambda w, a=act1, f=first1, lv=lever, b=budget: rank_peak(
+                        counts, sharding, w, a, optimizer[lv], f) <= b)
                     if fewest is not None:
                         found.append((fewest, i))
                 if found:

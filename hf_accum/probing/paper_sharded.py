@@ -49,8 +49,11 @@ def counts_of(model: torch.nn.Module) -> Counts:
     for layer in layers:
         units.append(tuple(param(p) for p in layer.parameters() if id(p) not in seen))
         seen |= {id(p) for p in layer.parameters()}
-    root = tuple(param(p) for p in model.parameters() if id(p) not in seen)
-    return Counts(tuple(units), root)
+    order = list(model.parameters())
+    first_layer = next((i for i, p in enumerate(order) if id(p) in seen), len(order))
+    root = tuple(param(p) for p in order if id(p) not in seen)
+    leading = sum(1 for p in order[:first_layer] if id(p) not in seen)  # the embeddings, before the layers
+    return Counts(tuple(units), root, leading)
 
 
 class FakeSteps:
@@ -68,6 +71,9 @@ class FakeSteps:
         self._stack = contextlib.ExitStack()
         self._batches: dict[int, Callable[[int], Any]] = {}
         self.measured: dict[tuple[int, str | int | None], dict[int, int]] = {}
+        #: per (length, level): micro-batch -> the bytes above the weights and gradients when the first gradient is
+        #: accumulated (where ZeRO-2 allocates its gradient partition and reduce bucket)
+        self.at_first_gradient: dict[tuple[int, str | int | None], dict[int, int]] = {}
         self.optimizer = 0
         self.loss = ""
 
@@ -114,9 +120,29 @@ class FakeSteps:
         measured = self.measured.setdefault((seq_len, level), {})
         if micro not in measured:
             k = 0 if level is None else pinned_level(level, self.levels, self.model)
-            with checkpointed_layers(self.model, k, CHECKPOINT_KWARGS) if k else contextlib.nullcontext():
-                measured[micro] = self._measured(lambda: self._forward_backward(seq_len, micro))
+            first: list[int] = []
+
+            def hook(_p: torch.Tensor) -> None:
+                if not first:
+                    first.append(self.counter.current)
+
+            hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.trainable]
+            start = self.counter.current
+            try:
+                with checkpointed_layers(self.model, k, CHECKPOINT_KWARGS) if k else contextlib.nullcontext():
+                    measured[micro] = self._measured(lambda: self._forward_backward(seq_len, micro))
+            finally:
+                for h in hooks:
+                    h.remove()
+            at_first = self.at_first_gradient.setdefault((seq_len, level), {})
+            at_first[micro] = first[0] - start if first else measured[micro]
         return measured[micro]
+
+    def first_gradient(self, seq_len: int, level: str | int | None, micro: int) -> int:
+        """The bytes above the weights and allocated gradients when the first gradient of ``micro`` rows of
+        ``seq_len`` is accumulated (`activations` steps it)."""
+        self.activations(seq_len, level, micro)
+        return self.at_first_gradient[seq_len, level][micro]
 
     def _forward_backward(self, seq_len: int, micro: int) -> None:
         if seq_len not in self._batches:
@@ -152,6 +178,9 @@ class Phases:
 
     def activations(self, micro: int) -> int:
         return self.steps.activations(self.seq_len, self.level, micro)
+
+    def first_gradient(self, micro: int) -> int:
+        return self.steps.first_gradient(self.seq_len, self.level, micro)
 
     @property
     def measured(self) -> dict[int, int]:
@@ -217,8 +246,11 @@ def sharded_grid(build: Callable[[], torch.nn.Module], *, seq_lens: list[int], c
         for seq in sorted(seq_lens):
             activations = {lever: (lambda m, seq=seq, lever=lever: steps.activations(seq, lever, m))
                            for lever in (None, "all")}
+            first = {lever: (lambda m, seq=seq, lever=lever: steps.first_gradient(seq, lever, m))
+                     for lever in (None, "all")}
             cells += cells_for(steps.counts, sharding, activations, optimizer, seq_len=seq, cards=cards, gpus=gpus,
-                               fraction=fraction, target=target_batch_size, max_micro=max_micro_batch)
+                               fraction=fraction, target=target_batch_size, max_micro=max_micro_batch,
+                               first_gradient=first)
             stepped = {lever: steps.measured[seq, lever] for lever in (None, "all") if (seq, lever) in steps.measured}
             for lever, sizes in stepped.items():
                 acts[seq, lever], opts[seq, lever] = dict(sizes), steps.optimizer

@@ -13,7 +13,12 @@ DeepSpeed ZeRO-1/2/3 cannot run on fake tensors: its partitioning and buckets ar
 own `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs` count model states (fp32
 master weights, fp32 gradients and Adam's two fp32 moments partitioned, 16 or 18 bytes per parameter over the
 world), with the buckets (``reduce_bucket_size``, ``allgather_bucket_size``, ZeRO-3's prefetch) and the micro-batch's
-activations added. ``offload_optimizer`` moves the partitioned fp32 states to CPU memory (reported apart).
+activations added. ``offload_optimizer`` moves the partitioned fp32 states to CPU memory (reported apart). As a real
+engine holds them (tests/probing/test_zero_real.py): ZeRO-2 allocates its gradient partition and reduce bucket at a
+backward's first gradient and frees them in the step, so they add to what is live then, not to the activations'
+peak; ZeRO-3 keeps a weight of at most ``stage3_param_persistence_threshold`` elements whole on every rank, and keeps
+a gathered weight from its forward to its backward where the step uses it again within ``stage3_max_reuse_distance``
+elements (with DeepSpeed's 1e9, every weight of a model under ~500M parameters).
 
 A frozen weight (LoRA's base, QLoRA's quantized base) holds no gradient and no optimizer state anywhere.
 """
@@ -27,7 +32,8 @@ from typing import Any
 ENGINES = ("fsdp2", "zero1", "zero2", "zero3")
 #: DeepSpeed's defaults where its config leaves a size unset or "auto" (elements).
 ZERO_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
-                 "stage3_prefetch_bucket_size": 50_000_000}
+                 "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+                 "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000}
 
 
 @dataclass(frozen=True)
@@ -51,10 +57,13 @@ class Param:
 
 @dataclass(frozen=True)
 class Counts:
-    """The model's weights by FSDP2 unit: each decoder layer's, then the root's (embeddings, final norm, head)."""
+    """The model's weights by FSDP2 unit: each decoder layer's, then the root's (embeddings, final norm, head).
+    ``leading``: how many of the root's weights (in the model's order) come before the decoder layers' (the
+    embeddings, which run first; the rest, the final norm and the head, run after the layers)."""
 
     layers: tuple[tuple[Param, ...], ...]
     root: tuple[Param, ...]
+    leading: int = 0
 
     @property
     def params(self) -> tuple[Param, ...]:
@@ -80,6 +89,11 @@ class Sharding:
     reduce_bucket_size: int = ZERO_DEFAULTS["reduce_bucket_size"]
     allgather_bucket_size: int = ZERO_DEFAULTS["allgather_bucket_size"]
     prefetch_bucket_size: int = ZERO_DEFAULTS["stage3_prefetch_bucket_size"]
+    #: ZeRO-3: a weight of at most this many elements stays whole on every rank (DeepSpeed's "persistent" weights)
+    persistence_threshold: int = ZERO_DEFAULTS["stage3_param_persistence_threshold"]
+    #: ZeRO-3: at most this many gathered elements; a gathered weight used again within this many is kept
+    max_live_parameters: int = ZERO_DEFAULTS["stage3_max_live_parameters"]
+    max_reuse_distance: int = ZERO_DEFAULTS["stage3_max_reuse_distance"]
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -144,7 +158,10 @@ def from_deepspeed(config: dict[str, Any]) -> Sharding:
 
     return Sharding(f"zero{stage}", offload_optimizer=offload, reduce_bucket_size=size("reduce_bucket_size"),
                     allgather_bucket_size=size("allgather_bucket_size"),
-                    prefetch_bucket_size=size("stage3_prefetch_bucket_size"))
+                    prefetch_bucket_size=size("stage3_prefetch_bucket_size"),
+                    persistence_threshold=size("stage3_param_persistence_threshold"),
+                    max_live_parameters=size("stage3_max_live_parameters"),
+                    max_reuse_distance=size("stage3_max_reuse_distance"))
 
 
 @dataclass
@@ -160,21 +177,39 @@ class RankBytes:
     optimizer_step: int = 0  # the optimizer step's temporaries (and ZeRO's all-gather of the updated weights)
     cpu: int = 0  # offloaded to CPU memory (not on the card)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: False where the gradients (and the gradient buffers) are allocated when a backward's first gradient reaches
+    #: the engine and freed by the optimizer step (ZeRO-2: the gradient partition, the reduce bucket), not held
+    #: between steps
+    gradients_held: bool = True
 
     @property
     def resident(self) -> int:
+        """The model states (weights, gradients, optimizer state), as DeepSpeed's own estimators count them."""
         return self.weights + self.gradients + self.optimizer
 
-    def peak(self, activations: int, optimizer_temporaries: int) -> int:
+    @property
+    def between_steps(self) -> int:
+        """What the rank holds between optimizer steps (`resident` less the gradients where not held)."""
+        return self.weights + self.optimizer + (self.gradients if self.gradients_held else 0)
+
+    def peak(self, activations: int, optimizer_temporaries: int, first_gradient: int | None = None) -> int:
         """The rank's peak: the larger of forward + backward (``activations``: the one-process step's bytes above
         its weights and gradients) and the optimizer step (``optimizer_temporaries``: the one-process step's, on
-        this rank's share)."""
-        backward = self.resident + activations + self.gathered + self.gradient_buffers
-        step = self.resident + self.optimizer_step + optimizer_temporaries
+        this rank's share). ``first_gradient``: the one-process step's bytes above its weights and gradients when
+        the first gradient is accumulated (unknown: ``activations``, as if at the peak): where the gradients are
+        not held (ZeRO-2), they and the buffers are live from then on, on top of what is live then."""
+        if self.gradients_held:
+            backward = self.resident + activations + self.gathered + self.gradient_buffers
+            step = self.resident + self.optimizer_step + optimizer_temporaries
+        else:
+            late = self.gradients + self.gradient_buffers
+            at_first = activations if first_gradient is None else first_gradient
+            backward = self.between_steps + self.gathered + max(activations, at_first + late)
+            step = self.between_steps + self.gradients + self.optimizer_step + optimizer_temporaries
         return max(backward, step)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "resident": self.resident}
+        return {**asdict(self), "resident": self.resident, "between_steps": self.between_steps}
 
 
 def rank_bytes(counts: Counts, sharding: Sharding, world: int) -> RankBytes:
@@ -213,27 +248,62 @@ def _zero(counts: Counts, s: Sharding, world: int) -> RankBytes:
     states = 4 * part + 8 * part + fp32_grads  # fp32 master weights, Adam's two moments, fp32 gradients
     frozen = full(params) - bit16
     if stage == 3:
-        weights = -(-(bit16 + frozen) // world)
-        biggest = max((p.numel * p.element for p in params), default=0)
-        gathered = min(full(params), biggest + s.prefetch_bucket_size * element)
+        # every weight's partition; a persistent weight (at most persistence_threshold elements) also whole
+        persistent = sum(p.numel * p.element for p in params if p.numel <= s.persistence_threshold)
+        weights = -(-(bit16 + frozen) // world) + persistent
+        gathered = _zero3_gathered(counts, s, element)
     else:
         weights, gathered = bit16 + frozen, 0
     gradients = 0 if s.offload_optimizer else (bit16 if stage == 1 else element * part)
     reduce = element * min(s.reduce_bucket_size, trainable)
     allgather = element * min(s.allgather_bucket_size, trainable) if stage < 3 else 0
     on_card = 0 if s.offload_optimizer else states
+    # ZeRO-2 allocates its gradient partition and reduce bucket at a backward's first gradient (`setup_buckets`,
+    # `copy_grads_in_partition`) and frees them in the step; ZeRO-1 keeps whole gradients, ZeRO-3 a flat partition
+    held = stage != 2 or s.offload_optimizer
     return RankBytes(weights=weights, gradients=gradients, optimizer=on_card, gathered=gathered,
                      gradient_buffers=reduce, optimizer_step=allgather, cpu=states if s.offload_optimizer else 0,
-                     notes=("optimizer step on CPU (DeepSpeed's CPU Adam)",) if s.offload_optimizer else ())
+                     notes=("optimizer step on CPU (DeepSpeed's CPU Adam)",) if s.offload_optimizer else (),
+                     gradients_held=held)
 
 
-def rank_peak(counts: Counts, sharding: Sharding, world: int, activations: int, optimizer_temporaries: int) -> int:
+def _zero3_gathered(counts: Counts, s: Sharding, element: int) -> int:
+    """ZeRO-3's gathered (non-persistent) weights at the head of backward, where the activations peak. DeepSpeed
+    releases a weight after its module ran unless the step's trace uses it again within ``max_reuse_distance``
+    elements: a unit's forward and backward are about twice the elements of the units after it apart, so the last
+    units stay gathered from their forward to their backward; the rest are gathered while they run, with the
+    prefetch bucket's elements ahead. At most ``max_live_parameters`` elements. Forward order: the root's leading
+    weights (the embeddings), the decoder layers, the rest of the root (the final norm, the head), each of the
+    root's weights its own module."""
+    root = [(p,) for p in counts.root]
+    units = [*root[:counts.leading], *counts.layers, *root[counts.leading:]]
+
+    def gathered(unit) -> int:
+        return sum(p.numel * p.element for p in unit if p.numel > s.persistence_threshold)
+
+    after, kept_bytes, released = 0, 0, []
+    for unit in reversed(units):
+        nbytes = gathered(unit)
+        if 2 * after < s.max_reuse_distance:
+            kept_bytes += nbytes
+        else:
+            released.append(nbytes)
+        after += sum(p.numel for p in unit)
+    # a released unit gathered while it runs, with the prefetch bucket's elements ahead of it
+    running = min(max(released) + s.prefetch_bucket_size * element, sum(released)) if released else 0
+    biggest = max((gathered(unit) for unit in units), default=0)
+    return min(kept_bytes + running, max(s.max_live_parameters * element, biggest))
+
+
+def rank_peak(counts: Counts, sharding: Sharding, world: int, activations: int, optimizer_temporaries: int,
+              first_gradient: int | None = None) -> int:
     """The rank's predicted peak (`RankBytes.peak`); the one-process optimizer temporaries are shared over the world
     (AdamW's temporaries span the parameters it steps, and each rank steps its shard; ZeRO with offload steps on
-    CPU)."""
+    CPU). ``first_gradient``: the one-process step's bytes when its first gradient is accumulated
+    (`paper_sharded.FakeSteps.first_gradient`; None: counted as at the activations' peak)."""
     rb = rank_bytes(counts, sharding, world)
     temporaries = 0 if sharding.offload_optimizer else -(-optimizer_temporaries // world)
-    return rb.peak(activations, temporaries)
+    return rb.peak(activations, temporaries, first_gradient)
 
 
 def deepspeed_model_states(total_params: int, largest_layer_params: int, world: int, stage: int,

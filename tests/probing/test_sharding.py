@@ -78,15 +78,49 @@ def test_deepspeeds_own_estimators_agree_with_the_formula_written_out():
                 deepspeed_model_states(p, largest_layer, world, 3, offload)
 
 
-def test_zero3_partitions_the_weights_and_gathers_the_largest_with_the_prefetch_bucket():
+def test_zero3_partitions_the_weights_and_keeps_small_ones_whole():
     counts = Counts((), (Param((4096, 16), 2, True), Param((64,), 2, True)))
     p = 4096 * 16 + 64
-    rb = rank_bytes(counts, Sharding("zero3", prefetch_bucket_size=10), 4)
-    assert rb.weights == 2 * p // 4 and rb.gradients == 2 * p // 4 and rb.optimizer == 16 * p // 4
-    assert rb.gathered == 2 * (4096 * 16 + 10)  # the largest weight and the prefetch bucket
-    assert rank_bytes(counts, Sharding("zero3"), 4).gathered == 2 * p  # never more than the whole model
+    rb = rank_bytes(counts, Sharding("zero3", persistence_threshold=64), 4)
+    # every weight's partition, and the (64,) norm whole on every rank (DeepSpeed's persistent weights)
+    assert rb.weights == 2 * p // 4 + 2 * 64 and rb.gradients == 2 * p // 4 and rb.optimizer == 16 * p // 4
+    # DeepSpeed's default threshold (1e5 elements): both weights persistent, nothing left to gather
+    assert rank_bytes(counts, Sharding("zero3"), 4).weights == 2 * p // 4 + 2 * p
+    assert rank_bytes(counts, Sharding("zero3"), 4).gathered == 0
     zero1 = rank_bytes(counts, Sharding("zero1"), 4)
     assert zero1.weights == zero1.gradients == 2 * p  # ZeRO-1 partitions the optimizer state only
+
+
+def test_zero3_gathers_what_its_reuse_distance_keeps_else_the_largest_unit_with_the_prefetch_bucket():
+    layer = (Param((1024, 16), 2, True),)  # 16384 elements, 32 KiB
+    counts = Counts((layer, layer), (Param((64,), 2, True),))
+    gathered = {k: rank_bytes(counts, Sharding("zero3", persistence_threshold=64, prefetch_bucket_size=10, **kw),
+                              4).gathered for k, kw in {
+        "default": {},  # every weight used again within 1e9 elements: kept from its forward to its backward
+        "released": {"max_reuse_distance": 0},  # released after its module: the layer running and the prefetch
+        "last kept": {"max_reuse_distance": 1000},  # the last layer's forward and backward 2 x 64 elements apart
+        "live cap": {"max_live_parameters": 20_000}}.items()}
+    assert gathered == {"default": 2 * 2 * 16384, "released": 2 * (16384 + 10), "last kept": 2 * 16384 + 2 * 16384,
+                        "live cap": 2 * 20_000}
+
+
+def test_zero3_settings_from_a_deepspeed_config():
+    s = from_deepspeed({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 640,
+                                              "stage3_max_live_parameters": "auto", "stage3_max_reuse_distance": 0}})
+    assert (s.persistence_threshold, s.max_live_parameters, s.max_reuse_distance) == (640, 1_000_000_000, 0)
+
+
+def test_counts_know_the_embeddings_run_before_the_decoder_layers():
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hf_accum.probing.paper_sharded import counts_of
+    from tests.workers.sharded_estimate_worker import small_llama_config
+
+    with torch.device("meta"):
+        counts = counts_of(LlamaForCausalLM(small_llama_config()))
+    assert counts.leading == 1 and counts.root[0].shape == (512, 64)  # embed_tokens; then the norm and the head
+    assert [p.shape for p in counts.root[1:]] == [(64,), (512, 64)]
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -118,6 +152,23 @@ def test_a_ranks_peak_is_the_larger_of_backward_and_the_optimizer_step():
     rb = rank_bytes(counts, s, 2)
     assert rank_peak(counts, s, 2, 1000, 0) == rb.resident + 1000 + rb.gathered + rb.gradient_buffers
     assert rank_peak(counts, s, 2, 0, 10**6) == rb.resident + 10**6 // 2  # AdamW's temporaries on the shard
+
+
+def test_zero2s_gradient_partition_and_bucket_are_live_from_the_first_gradient_to_the_step():
+    counts = _two_layers()
+    s = parse_sharding("zero2")
+    rb = rank_bytes(counts, s, 2)
+    late = rb.gradients + rb.gradient_buffers  # allocated at a backward's first gradient, freed by the step
+    assert rb.between_steps == rb.resident - rb.gradients
+    # the first gradient unknown: counted as at the activations' peak
+    assert rank_peak(counts, s, 2, 10**6, 0) == rb.between_steps + 10**6 + late
+    # the activations' peak well before the first gradient: nothing of them on top
+    assert rank_peak(counts, s, 2, 10**6, 0, first_gradient=1000) == rb.between_steps + 10**6
+    assert rank_peak(counts, s, 2, 10**6, 0, first_gradient=10**6 - 100) == rb.between_steps + 10**6 - 100 + late
+    # ZeRO-1 and ZeRO-3 hold theirs between steps: the first gradient changes nothing
+    for name in ("zero1", "zero3"):
+        z = parse_sharding(name)
+        assert rank_peak(counts, z, 2, 10**6, 0, first_gradient=0) == rank_peak(counts, z, 2, 10**6, 0)
 
 
 # --- the grid's pure parts -------------------------------------------------------------------------------------
