@@ -189,19 +189,30 @@ def estimate_model(build, *, seq_len: int, target_batch_size: int, device_memory
         if pair_step is not None and pair_step.reference is not None:
             to_fake(pair_step.reference)
         meter = PaperMeter(counter, model, device_memory, device, also_held=paper_pairs.reference_tensors(pair_step))
-        try:
-            result, plan = probe_model(
-                model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
-                budget_bytes=budget_bytes, make_batch=batches(model, seq_len, pair_step, task), autocast_dtype=autocast,
-                max_micro_batch=max_micro_batch, meter=meter, log=log, lever=lever, forward=forward_of(pair_step),
-                optimizer_kwargs=adamw_kwargs(device, optimizer))
+        peaks_of: dict[str, Any] = {}
+
+        def peaks(result: ProbeResult, warm=None) -> None:
+            """Each level's peaks; ``warm``: the probe's step on its warmed optimizer, for the further sizes."""
             chosen = None if lever is None else result.extra["checkpointing"]["chosen_k"]
             level_peaks = _level_peaks(result, lever, chosen)
             if all_peaks:
                 level_peaks = {k: _at(lever, k, lambda k=k, known=known: every_peak(
                     model, meter, seq_len, _largest(result, k, chosen), autocast,
-                    also if k == chosen or lever is None else (), device, known, pair_step, task))
+                    also if k == chosen or lever is None else (), device, known, pair_step, task, step=warm))
                     for k, known in level_peaks.items()}
+            peaks_of.update(chosen=chosen, level_peaks=level_peaks)
+
+        # the probe's optimizer is every_peak's own (the device's AdamW): its further sizes step on it, warmed
+        warm = adamw_kwargs(device, optimizer) == optimizer_kwargs(device)
+        try:
+            result, plan = probe_model(
+                model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
+                budget_bytes=budget_bytes, make_batch=batches(model, seq_len, pair_step, task), autocast_dtype=autocast,
+                max_micro_batch=max_micro_batch, meter=meter, log=log, lever=lever, forward=forward_of(pair_step),
+                optimizer_kwargs=adamw_kwargs(device, optimizer), after=peaks if warm else None)
+            if not warm:
+                peaks(result)
+            chosen, level_peaks = peaks_of["chosen"], peaks_of["level_peaks"]
         finally:
             meter.close()
     level = chosen if lever is not None else checkpointed_now(model)
@@ -376,25 +387,31 @@ MEASURE_EVERY_UP_TO = 16  # above this many sizes, the sizes between measured on
 
 def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest: int,
                autocast: torch.dtype | None, also: tuple[int, ...] = (), device: str = "cpu",
-               known: dict[int, int] | None = None, pair_step=None, task: str = "causal_lm") -> dict[int, int]:
+               known: dict[int, int] | None = None, pair_step=None, task: str = "causal_lm",
+               step=None) -> dict[int, int]:
     """The predicted peak at every micro-batch 1 .. largest + 1 (the probe measured only the sizes its search
     proposed). Up to `MEASURE_EVERY_UP_TO` sizes each is run; beyond, 1, 2, the probe's sizes and the last two are
     run and those between are interpolated: a step's memory grows linearly with its rows between the sizes measured
-    (the estimates of tests/probing/test_estimate.py differ by the same bytes per row from micro 2 on)."""
+    (the estimates of tests/probing/test_estimate.py differ by the same bytes per row from micro 2 on).
+    ``step``: the probe's own step on its warmed optimizer (the device's AdamW, as the one made here): the sizes run
+    on it, no warm-up of another (a step after the warm-up starts from the same live tensors, whichever ran)."""
     last = max(largest, 0) + 1
     known = {m: v for m, v in (meter.peaks if known is None else known).items() if m <= last}  # the probe's own trials
     wanted = set(range(1, last + 1)) if last <= MEASURE_EVERY_UP_TO else {1, 2, last - 1, last} | set(known)
     wanted |= set(also)
     missing = sorted(m for m in wanted if m not in known and m >= 1)
     if missing:
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(trainable, **optimizer_kwargs(device))
-        step = make_step_fn(model, opt, batches(model, seq_len, pair_step, task), autocast_dtype=autocast,
-                            forward=forward_of(pair_step))
-        step(1)  # creates the optimizer state, as the probe's warm-up does
+        opt = None
+        if step is None:
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(trainable, **optimizer_kwargs(device))
+            step = make_step_fn(model, opt, batches(model, seq_len, pair_step, task), autocast_dtype=autocast,
+                                forward=forward_of(pair_step))
+            step(1)  # creates the optimizer state, as the probe's warm-up does
         for micro in missing:
             known[micro] = meter.measure(lambda m=micro: step(m)).peak_bytes
-        opt.state.clear()
+        if opt is not None:
+            opt.state.clear()
     return {**interpolate(known, last), **{m: known[m] for m in also}}
 
 
