@@ -66,6 +66,9 @@ class StorageCounter(TorchDispatchMode):
         if func in _MASKED:  # a boolean mask's shape depends on its values: every element counted as set
             args = _worst_case_masks(args)
         out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):  # most operators: one tensor, no tree to walk
+            self.track(out)
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
