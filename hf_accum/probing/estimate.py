@@ -189,19 +189,35 @@ def estimate_model(build, *, seq_len: int, target_batch_size: int, device_memory
         if pair_step is not None and pair_step.reference is not None:
             to_fake(pair_step.reference)
         meter = PaperMeter(counter, model, device_memory, device, also_held=paper_pairs.reference_tensors(pair_step))
-        try:
-            result, plan = probe_model(
-                model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
-                budget_bytes=budget_bytes, make_batch=batches(model, seq_len, pair_step, task), autocast_dtype=autocast,
-                max_micro_batch=max_micro_batch, meter=meter, log=log, lever=lever, forward=forward_of(pair_step),
-                optimizer_kwargs=adamw_kwargs(device, optimizer))
+        peaks_of: dict[str, Any] = {}
+
+        def peaks(result: ProbeResult, warmed: torch.optim.Optimizer | None = None) -> None:
+            """Each level's peaks; ``warmed``: the probe's optimizer, still warm (`every_peak` starts from it)."""
             chosen = None if lever is None else result.extra["checkpointing"]["chosen_k"]
             level_peaks = _level_peaks(result, lever, chosen)
             if all_peaks:
                 level_peaks = {k: _at(lever, k, lambda k=k, known=known: every_peak(
                     model, meter, seq_len, _largest(result, k, chosen), autocast,
-                    also if k == chosen or lever is None else (), device, known, pair_step, task))
+                    also if k == chosen or lever is None else (), device, known, pair_step, task, warmed))
                     for k, known in level_peaks.items()}
+            peaks_of.update(chosen=chosen, level_peaks=level_peaks)
+
+        def warm(result: ProbeResult, _step) -> None:
+            """The further sizes while the probe's optimizer (the last to step) is warm, where its state is what
+            every_peak's own warm-up would create; else they run after the probe, as every_peak warms up itself."""
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            if meter.optimizer is not None and same_state(meter.optimizer, trainable):
+                peaks(result, meter.optimizer)
+
+        try:
+            result, plan = probe_model(
+                model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
+                budget_bytes=budget_bytes, make_batch=batches(model, seq_len, pair_step, task), autocast_dtype=autocast,
+                max_micro_batch=max_micro_batch, meter=meter, log=log, lever=lever, forward=forward_of(pair_step),
+                optimizer_kwargs=adamw_kwargs(device, optimizer), after=warm if all_peaks else None)
+            if not peaks_of:
+                peaks(result)
+            chosen, level_peaks = peaks_of["chosen"], peaks_of["level_peaks"]
         finally:
             meter.close()
     level = chosen if lever is not None else checkpointed_now(model)
@@ -376,11 +392,15 @@ MEASURE_EVERY_UP_TO = 16  # above this many sizes, the sizes between measured on
 
 def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest: int,
                autocast: torch.dtype | None, also: tuple[int, ...] = (), device: str = "cpu",
-               known: dict[int, int] | None = None, pair_step=None, task: str = "causal_lm") -> dict[int, int]:
+               known: dict[int, int] | None = None, pair_step=None, task: str = "causal_lm",
+               warmed: torch.optim.Optimizer | None = None) -> dict[int, int]:
     """The predicted peak at every micro-batch 1 .. largest + 1 (the probe measured only the sizes its search
     proposed). Up to `MEASURE_EVERY_UP_TO` sizes each is run; beyond, 1, 2, the probe's sizes and the last two are
     run and those between are interpolated: a step's memory grows linearly with its rows between the sizes measured
-    (the estimates of tests/probing/test_estimate.py differ by the same bytes per row from micro 2 on)."""
+    (the estimates of tests/probing/test_estimate.py differ by the same bytes per row from micro 2 on).
+    ``warmed``: the probe's optimizer after its steps (the gradients allocated): where its state is the tensors this
+    one's warm-up would create (`same_state`), this one starts from them instead of a warm-up step (the steps
+    measured are this optimizer's, on the same live tensors)."""
     last = max(largest, 0) + 1
     known = {m: v for m, v in (meter.peaks if known is None else known).items() if m <= last}  # the probe's own trials
     wanted = set(range(1, last + 1)) if last <= MEASURE_EVERY_UP_TO else {1, 2, last - 1, last} | set(known)
@@ -391,11 +411,31 @@ def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest:
         opt = torch.optim.AdamW(trainable, **optimizer_kwargs(device))
         step = make_step_fn(model, opt, batches(model, seq_len, pair_step, task), autocast_dtype=autocast,
                             forward=forward_of(pair_step))
-        step(1)  # creates the optimizer state, as the probe's warm-up does
+        if warmed is not None and same_state(warmed, trainable):
+            opt.state.update({p: warmed.state[p] for p in trainable})  # shared: the steps update them in place
+            meter.optimizer = opt  # as its first step would say: the state the next measurement starts from
+        else:
+            step(1)  # creates the optimizer state, as the probe's warm-up does
         for micro in missing:
             known[micro] = meter.measure(lambda m=micro: step(m)).peak_bytes
         opt.state.clear()
     return {**interpolate(known, last), **{m: known[m] for m in also}}
+
+
+def same_state(warmed: torch.optim.Optimizer, trainable: list[torch.nn.Parameter]) -> bool:
+    """Whether ``warmed`` holds, for every parameter of ``trainable``, what AdamW's first step creates (any of its
+    kernels: plain, foreach or fused): the step count (a float32 scalar) and two moments shaped and typed as the
+    parameter, and the parameter's gradient."""
+    for p in trainable:
+        state = warmed.state.get(p, {})
+        if set(state) != {"step", "exp_avg", "exp_avg_sq"} or p.grad is None:
+            return False
+        step, moments = state["step"], (state["exp_avg"], state["exp_avg_sq"])
+        if not isinstance(step, torch.Tensor) or step.shape != () or step.dtype != torch.float32:
+            return False
+        if any(m.shape != p.shape or m.dtype != p.dtype or m.stride() != p.stride() for m in moments):
+            return False
+    return True
 
 
 def interpolate(points: dict[int, int], last: int) -> dict[int, int]:

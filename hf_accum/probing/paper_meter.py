@@ -66,6 +66,9 @@ class StorageCounter(TorchDispatchMode):
         if func in _MASKED:  # a boolean mask's shape depends on its values: every element counted as set
             args = _worst_case_masks(args)
         out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):  # most operators: one tensor, no tree to walk
+            self.track(out)
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
@@ -157,8 +160,12 @@ class PaperMeter(Meter):
         return Measurement(peak_bytes=peak, reserved_bytes=reserved, seconds=None, baseline_bytes=baseline)
 
     def time(self, fn: Callable[[], Any], *, micro_batch_size: int | None = None) -> float:
-        """Runs ``fn()`` (the warm-up creates the optimizer state) and says 0.0: no device time to measure."""
-        fn()
+        """Says 0.0: no device time to measure. Runs ``fn()`` only as the warm-up, where the optimizer has no state
+        yet (the step creates it, and the gradients every later step keeps); once it has, a step leaves what is live
+        as it found it (a size measures the same after any other: tests/probing/test_paper_session.py), so the
+        timings a search asks for later (the level search's plain steps) would step for nothing and are not run."""
+        if self.optimizer is None or not self.optimizer.state:
+            fn()
         return 0.0
 
     def capacity_bytes(self) -> int:

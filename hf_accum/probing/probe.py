@@ -167,6 +167,7 @@ def probe_model(
     lever: Any = None,
     seeder: Seeder | None = None,
     timed_rows: bool = False,
+    after: Callable[[ProbeResult, StepFn], None] | None = None,
 ) -> tuple[ProbeResult, Plan]:
     """Probe ``model`` and plan ``target_batch_size``: returns what was measured and the exact plan.
 
@@ -176,6 +177,8 @@ def probe_model(
     what to record of it in ``result.extra["estimate"]`` (`seed.py`; with a lever, a seed per anchor position).
     ``timed_rows``: also time plain steps at the largest fit and half of it (``result.extra["step_times"]``, a token
     budget's step-time model: `step_timing.py`).
+    ``after(result, step_fn)``: called last, while the probe's optimizer is still warm (the estimate's further sizes
+    step on it instead of warming another: `estimate.every_peak`).
 
     The probe steps a fresh optimizer (``optimizer_cls(trainable params, **optimizer_kwargs)``, or one
     like ``optimizer`` if given, whose own state is never touched) and leaves the model, its gradients
@@ -199,6 +202,8 @@ def probe_model(
         if timed_rows:
             result.extra["step_times"], result.extra["optimizer_seconds"] = time_rows(result, step_fn, meter,
                                                                                       lever, model)
+        if after is not None:
+            after(result, step_fn)
     return result, plan
 
 

@@ -224,3 +224,26 @@ def test_probe_from_estimate_takes_a_bool(tmp_path):
 
     with pytest.raises(ValueError, match="probe_from_estimate='yes' must be True or False"):
         AccumTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], probe_from_estimate="yes")
+
+
+def test_every_peak_starts_from_a_warmed_optimizer_only_where_its_state_is_a_warm_up_s():
+    """`every_peak` skips its warm-up step only where the probe's optimizer holds what that step would create: a
+    float32 step and two moments per parameter, shaped and typed as it, and the parameter's gradient."""
+    from hf_accum.probing.estimate import same_state
+
+    def stepped(**kwargs):
+        p = torch.nn.Parameter(torch.zeros(3, 2))
+        opt = torch.optim.AdamW([p], **kwargs)
+        p.grad = torch.zeros_like(p)
+        opt.step()
+        return opt, p
+
+    for kwargs in ({}, {"foreach": True}, {"fused": True}):
+        opt, p = stepped(**kwargs)
+        assert same_state(opt, [p]), kwargs
+    opt, p = stepped(amsgrad=True)  # a third moment: not what the device's AdamW creates
+    assert not same_state(opt, [p])
+    opt, p = stepped()
+    p.grad = None
+    assert not same_state(opt, [p])  # no gradient: the warm-up would allocate it
+    assert not same_state(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]), [p])  # no state yet

@@ -93,8 +93,9 @@ def test_precomputed_reference_log_probs_replace_the_reference_forward(precomput
 def test_full_dpo_holds_a_frozen_reference_copy():
     """Full fine-tuning without precomputed log-probs: TRL loads a second copy of the model as the reference; its
     weights are held beside the policy's, so the step starts from that many more bytes."""
+    # all_peaks=False: only the search's first trial (its baseline) and the loss line are read
     kwargs = dict(seq_len=16, target_batch_size=1, device="cpu", device_memory=64 * 2**30, budget_bytes=1024 * MiB,
-                  pairs="dpo")
+                  pairs="dpo", all_peaks=False)
     copy = estimate_model(_dpo_build(lora=False), **kwargs)
     none = estimate_model(_dpo_build(lora=False), precompute_ref_log_probs=True, **kwargs)
     model = _dpo_build(lora=False)()

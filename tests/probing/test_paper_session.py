@@ -100,3 +100,23 @@ def test_one_session_at_a_time():
         assert b is not a and sessions(2048, None).key == (2048, None)
     assert log == [("open", (512, None)), ("close", (512, None)), ("open", (512, "all")), ("close", (512, "all")),
                    ("open", (2048, None)), ("close", (2048, None))]
+
+
+def test_the_paper_meter_steps_only_the_warm_up():
+    """A timing on paper says 0.0; it runs the step only while the optimizer has no state (the warm-up creates it),
+    not the level search's later timings (a step after the warm-up leaves what is live as it found it)."""
+    from types import SimpleNamespace
+
+    from hf_accum.probing.paper_meter import StorageCounter
+
+    meter = PaperMeter(StorageCounter(), torch.nn.Linear(2, 2), 1024, "cpu")
+    try:
+        ran = []
+        assert meter.time(lambda: ran.append("no optimizer yet")) == 0.0
+        meter.optimizer = SimpleNamespace(state={})
+        assert meter.time(lambda: ran.append("no state yet")) == 0.0
+        meter.optimizer = SimpleNamespace(state={"weight": {"step": 1}})
+        assert meter.time(lambda: ran.append("warm")) == 0.0
+        assert ran == ["no optimizer yet", "no state yet"]
+    finally:
+        meter.close()
