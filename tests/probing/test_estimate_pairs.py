@@ -105,7 +105,7 @@ def test_full_dpo_holds_a_frozen_reference_copy():
 
 
 @pytest.fixture(scope="module")
-def reward_probe():
+def reward_probe(tmp_path_factory):
     """AccumRewardTrainer's own probe on the tiny Llama with a scalar head and LoRA, on generated preference pairs."""
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
@@ -117,18 +117,12 @@ def reward_probe():
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="SEQ_CLS",
                                              target_modules=DPO_TARGETS[:-1]))
     data = Dataset.from_list(tiny.generate_preference_data(64))
-    args = AccumRewardConfig(output_dir=tempfile_dir(), target_batch_size=16, auto_tune=True, use_cpu=True,
+    args = AccumRewardConfig(output_dir=str(tmp_path_factory.mktemp("reward")), target_batch_size=16, auto_tune=True, use_cpu=True,
                              memory_budget_bytes=24 * MiB, gradient_checkpointing=False, max_length=64,
                              report_to=[], bf16=False, disable_tqdm=True)
     trainer = AccumRewardTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     trainer.tune()
     return trainer.probe_result, model
-
-
-def tempfile_dir():
-    import tempfile
-
-    return tempfile.mkdtemp(prefix="hf_accum_reward_")
 
 
 def test_a_reward_model_is_within_5_percent_of_its_trainers_probe(reward_probe):
