@@ -29,7 +29,11 @@ ENV = child_env()
 
 
 def python(*argv):
-    """``python preempt_worker.py ARGV...``, forked from the launch server (`tests.launch`)."""
+    return [sys.executable, WORKER, *map(str, argv)]
+
+
+def forked(*argv):
+    """What ``python preempt_worker.py ARGV...`` gives, its process forked from the launch server (`tests.launch`)."""
     return launch(WORKER, *argv, nproc=None, timeout=300)
 
 
@@ -49,7 +53,7 @@ def checkpoints(folder):
 
 def test_sigterm_checkpoints_then_resume_matches_an_uninterrupted_run(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    stopped = python(a, "self", 5)
+    stopped = forked(a, "self", 5)
     out = stopped.stdout + stopped.stderr
     assert stopped.returncode == EXIT_PREEMPTED, out[-3000:]
     assert "SIGTERM received: finishing the optimizer step in progress" in out
@@ -58,7 +62,7 @@ def test_sigterm_checkpoints_then_resume_matches_an_uninterrupted_run(tmp_path):
     assert checkpoints(a) == [5]  # the step in progress (5) was finished, nothing after it ran
     plan = json.loads((a / "checkpoint-5" / PLAN_FILE).read_text())["plan"]
     assert plan["target_batch_size"] == 4
-    resumed = python(a, "resume")
+    resumed = forked(a, "resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     run(b, "plain")  # the uninterrupted reference, in this process: it needs no process of its own
     assert rel(torch.load(a / "final.rank0.pt"), torch.load(b / "final.rank0.pt")) <= 1e-10
