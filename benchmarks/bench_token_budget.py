@@ -230,8 +230,7 @@ def part2(passes=5, kernel="torch"):
             trainer.add_callback(timer)
             trainer.train()
             seconds = sum(timer.seconds) / len(timer.seconds)
-        modelled = STEPS * st["optimizer_seconds"] + sum(
-            st["forward_seconds"] + rows * length * tb.token_seconds(st, length) for rows, length in shapes)
+        modelled = sum(st["forward_seconds"] + rows * length * tb.token_seconds(st, length) for rows, length in shapes)
         real = sum(len(d["input_ids"]) for d in data)
         return recorder, seconds, len(shapes) / STEPS, sum(r * n for r, n in shapes) / real, modelled / STEPS
 

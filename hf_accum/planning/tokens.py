@@ -52,8 +52,7 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
         rows_model = _usable(model, trials, result.budget_bytes, rows_at)
     timed = {length: {int(rows): s for rows, s in r.extra.get("step_times", {}).items()}
              for length, r in measured.items()}
-    optimizer = [r.extra["optimizer_seconds"] for r in measured.values() if r.extra.get("optimizer_seconds")]
-    step_time = fit_step_time(timed, min(optimizer) if optimizer else 0.0)
+    step_time = fit_step_time(timed)
     tokens = TokenBudget(budget, rows_model, step_time=step_time)
     result.extra["expected"] = _expected_cuts(lengths, per_rank, tokens, result.max_micro_batch_size,
                                               packable=_packable(trainer.model, make_short))
@@ -66,7 +65,6 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
                          for t in r.measured_trials],
         "cost_model": model,
         "step_times": {str(length): {str(k): v for k, v in by_rows.items()} for length, by_rows in timed.items()},
-        "optimizer_seconds": min(optimizer) if optimizer else None,
         "step_time": step_time,
     }
     return Plan(per_rank, 1, plan.world_size, plan.target_batch_size, token_budget=budget,

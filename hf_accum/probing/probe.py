@@ -75,15 +75,11 @@ def make_step_fn(
             loss = fwd(model, batch)
         loss.backward()
         del loss, batch
-        finish()
-
-    def finish() -> None:  # what a step costs whatever its micro-batch: `step_timing` times it alone
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
-    step_fn.optimizer_step = finish
     return step_fn
 
 
@@ -200,8 +196,7 @@ def probe_model(
         plan = _with_level(plan_from_result(result, target_batch_size, world_size), result)
         plan = _with_kernel(plan, result, model, step_fn, meter, budget, lever, autocast_dtype is not None, log)
         if timed_rows:
-            result.extra["step_times"], result.extra["optimizer_seconds"] = time_rows(result, step_fn, meter,
-                                                                                      lever, model)
+            result.extra["step_times"] = time_rows(result, step_fn, meter, lever, model)
         if after is not None:
             after(result, step_fn)
     return result, plan

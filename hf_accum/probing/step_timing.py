@@ -19,35 +19,25 @@ from .loop import ProbeResult
 REPEATS = 3  # each size timed three times, the fastest kept: a shared machine's hiccup is not the step's cost
 
 
-def time_rows(result: ProbeResult, step_fn: Callable[[int], None], meter, lever: Any,
-              model) -> tuple[dict[str, float], float | None]:
-    """``({rows: seconds}, optimizer_seconds)``: one optimizer step at the largest fit and half of it (JSON keys), and
-    the step's part that no micro-batch size changes, timed alone (``step_fn.optimizer_step``: clipping, the
-    optimizer's step, zeroing; None where the step function has none), each the slowest rank's; ``({}, None)``
-    where nothing fits, on paper, or after an out-of-memory error."""
+def time_rows(result: ProbeResult, step_fn: Callable[[int], None], meter, lever: Any, model) -> dict[str, float]:
+    """``{rows: seconds}`` (JSON keys) of one optimizer step at the largest fit and half of it, the slowest rank's;
+    empty where nothing fits, on paper, or after an out-of-memory error."""
     top = result.max_micro_batch_size
     if top < 1 or meter.name == "estimate":
-        return {}, None
+        return {}
     level = (result.extra.get("checkpointing") or {}).get("chosen_k")
     kernel = (result.extra.get("loss_kernel") or {}).get("kernel")
     seconds: dict[str, float] = {}
     with contextlib.nullcontext() if lever is None or level is None else lever.at(level), pinned(model, kernel):
         for rows in sorted({max(1, top // 2), top}):
-            best = _fastest(meter, lambda rows=rows: step_fn(rows), rows)
+            best = None
+            for _ in range(REPEATS):
+                took, _oom = guarded(lambda rows=rows: _time(meter, lambda: step_fn(rows), rows))
+                best = took if best is None or (took is not None and took < best) else best
+            best = _slowest_rank(best or 0.0)  # every rank takes part, whatever its own outcome
             if best > 0:
                 seconds[str(rows)] = best
-    finish = getattr(step_fn, "optimizer_step", None)  # a trainer's own step function may have none
-    optimizer = _fastest(meter, finish, 1) if finish is not None and seconds else None
-    return seconds, optimizer
-
-
-def _fastest(meter, step: Callable[[], None], rows: int) -> float:
-    """The least of `REPEATS` timings of ``step()``, the slowest rank's; 0.0 after an out-of-memory error."""
-    best = None
-    for _ in range(REPEATS):
-        took, _oom = guarded(lambda: _time(meter, step, rows))
-        best = took if best is None or (took is not None and took < best) else best
-    return _slowest_rank(best or 0.0)  # every rank takes part, whatever its own outcome
+    return seconds
 
 
 def _time(meter, step: Callable[[], None], rows: int) -> float:

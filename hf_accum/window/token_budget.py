@@ -152,25 +152,20 @@ def token_seconds(step_time: dict, length: int) -> float:
 
 def modelled_seconds(step_time: dict, lengths: Sequence[int], groups: list[list[int]]) -> float:
     """What the forwards ``groups`` of rows of ``lengths`` take by ``step_time`` (`fit_step_time`): each its fixed
-    cost plus its padded tokens at their length's cost, and the window's optimizer step once (a plan stored before
-    it was timed has none)."""
-    return step_time.get("optimizer_seconds", 0.0) + sum(
-        step_time["forward_seconds"] + len(g) * longest * token_seconds(step_time, longest)
-        for g in groups for longest in [max(lengths[i] for i in g)])
+    cost plus its padded tokens at their length's cost."""
+    return sum(step_time["forward_seconds"] + len(g) * longest * token_seconds(step_time, longest)
+               for g in groups for longest in [max(lengths[i] for i in g)])
 
 
-def fit_step_time(timed: dict[int, dict[int, float]], optimizer_seconds: float = 0.0) -> dict | None:
+def fit_step_time(timed: dict[int, dict[int, float]]) -> dict | None:
     """A forward's cost from timed steps: ``timed[length][rows]`` the seconds of one step of ``rows`` rows padded to
-    ``length``, ``optimizer_seconds`` the part of every step that is no forward's (the optimizer's step, timed alone:
-    a window pays it once, however many forwards it runs). Least squares over the lengths timed at two or more sizes:
-    ``seconds - optimizer_seconds ≈ forward_seconds + rows x length x per_token[length]``, one fixed cost for all (a
-    negative one, noise, is taken as 0) and a cost per padded token at each length, never less than a
+    ``length``. Least squares over the lengths timed at two or more sizes: ``seconds ≈ forward_seconds + rows x
+    length x per_token[length]``, one fixed cost for all (a step's, its optimizer step included, so a forward's is
+    over-stated; a negative one, noise, is taken as 0) and a cost per padded token at each length, never less than a
     shorter length's (attention makes a token of a longer row dearer; a smaller figure is noise), which keeps the
     cheapest cuts contiguous in the sorted rows; a length whose token cost comes out <= 0 (its steps are mostly the
     fixed cost, and noise hides the rest) takes the least positive one. None when no length was timed at two sizes,
     or no token cost comes out > 0 (no model rather than a wrong one)."""
-    timed = {length: {rows: sec - optimizer_seconds for rows, sec in by_rows.items() if sec and sec > 0}
-             for length, by_rows in timed.items()}
     sums = {}  # length -> (n, Σx, Σy, Σxx, Σxy), x the tokens of a step
     for length, by_rows in timed.items():
         points = [(rows * length, sec) for rows, sec in by_rows.items() if sec and sec > 0]
@@ -192,7 +187,7 @@ def fit_step_time(timed: dict[int, dict[int, float]], optimizer_seconds: float =
     for length in sorted(slopes):  # a length whose steps are mostly the fixed cost can time no token cost: the least
         floor = max(floor, slopes[length] if slopes[length] > 0 else min(positive))
         per_token[str(length)] = floor
-    return {"forward_seconds": fixed, "token_seconds": per_token, "optimizer_seconds": optimizer_seconds}
+    return {"forward_seconds": fixed, "token_seconds": per_token}
 
 
 def _sorted(lengths: Sequence[int]) -> tuple[list[int], list[int]]:
