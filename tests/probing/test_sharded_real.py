@@ -31,13 +31,21 @@ def test_each_ranks_estimated_peak_is_within_5_percent_of_real_fsdp2_with_the_sa
         with Phases(build, seq_len=SEQ, device="cpu", bf16=False) as phases:
             estimated = {m: rank_peak(phases.counts, sharding, world, phases.activations(m), phases.optimizer)
                          for m in SIZES}
-        for rank in range(world):
-            real = {int(m): v for m, v in json.loads((tmp_path / f"{case}.rank{rank}.json").read_text()).items()}
-            for m in SIZES:
-                errors[case, rank, m] = (estimated[m] - real[m]) / real[m]
-            # every budget between two measured sizes: the estimate's largest fit is the real one
-            for lo, hi in zip(SIZES, SIZES[1:]):
-                budget = (real[lo] + real[hi]) // 2
-                assert max(m for m in SIZES if estimated[m] <= budget) == lo, (case, rank, budget)
+        errors.update(against_each_rank(tmp_path, case, world, estimated, SIZES))
     print("estimate vs real FSDP2 peak: " + ", ".join(f"{c} rank{r} m{m}: {e:+.2%}" for (c, r, m), e in errors.items()))
     assert all(abs(e) <= 0.05 for e in errors.values()), errors
+
+
+def against_each_rank(folder, case, world, estimated, sizes):
+    """``{(case, rank, micro): relative error}`` of ``estimated`` against each rank's measured peaks
+    (FOLDER/CASE.rankR.json); asserts that for every budget between two measured sizes the estimate's largest fit
+    is the real one."""
+    errors = {}
+    for rank in range(world):
+        real = {int(m): v for m, v in json.loads((folder / f"{case}.rank{rank}.json").read_text()).items()}
+        for m in sizes:
+            errors[case, rank, m] = (estimated[m] - real[m]) / real[m]
+        for lo, hi in zip(sizes, sizes[1:]):
+            budget = (real[lo] + real[hi]) // 2
+            assert max(m for m in sizes if estimated[m] <= budget) == lo, (case, rank, budget)
+    return errors

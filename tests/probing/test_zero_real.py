@@ -9,7 +9,6 @@ Not covered yet: ZeRO-3 with a small ``stage3_max_reuse_distance`` (weights rele
 DeepSpeed still keeps weights the prefetcher marked, which the estimate does not model (see the worker's CONFIGS).
 """
 
-import json
 
 import pytest
 
@@ -18,6 +17,7 @@ from hf_accum.probing.paper_sharded import Phases
 from hf_accum.probing.sharding import parse_sharding, rank_peak
 from tests.integrations.test_ddp import _torchrun
 from tests.integrations.test_deepspeed import needs_deepspeed
+from tests.probing.test_sharded_real import against_each_rank
 from tests.workers.sharded_estimate_worker import small_llama_config
 from tests.workers.zero_estimate_worker import CONFIGS
 
@@ -42,14 +42,6 @@ def test_each_ranks_estimated_peak_is_within_5_percent_of_a_real_zero_engine_wit
                 case, sharding = f"{engine}-{kind}", parse_sharding(CONFIGS[engine])
                 estimated = {m: rank_peak(phases.counts, sharding, world, phases.activations(m), phases.optimizer,
                                           phases.first_gradient(m)) for m in SIZES}
-                for rank in range(world):
-                    real = {int(m): v for m, v in
-                            json.loads((tmp_path / f"{case}.rank{rank}.json").read_text()).items()}
-                    for m in SIZES:
-                        errors[case, rank, m] = (estimated[m] - real[m]) / real[m]
-                    # every budget between two measured sizes: the estimate's largest fit is the real one
-                    for lo, hi in zip(SIZES, SIZES[1:]):
-                        budget = (real[lo] + real[hi]) // 2
-                        assert max(m for m in SIZES if estimated[m] <= budget) == lo, (case, rank, budget)
+                errors.update(against_each_rank(tmp_path, case, world, estimated, SIZES))
     print("estimate vs real ZeRO peak: " + ", ".join(f"{c} rank{r} m{m}: {e:+.2%}" for (c, r, m), e in errors.items()))
     assert all(abs(e) <= 0.05 for e in errors.values()), errors
