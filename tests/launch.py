@@ -13,6 +13,7 @@ ends the others with SIGTERM (SIGKILL 30 s later) and exits 1. A rank ends with 
 output, as a forked child does: no C++ static destructors run, so gloo's "terminate called without an active
 exception" at interpreter exit (the abort `run_two_ranks` once retried) cannot happen here."""
 
+import faulthandler
 import multiprocessing
 import os
 import runpy
@@ -25,6 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = "tests.workers.preload"
 GRACE_S = 30  # torchrun's agent: SIGTERM, then SIGKILL after this long
+TAIL = 6000  # a timed-out launch's message ends with this many characters of each rank's stderr
 
 # What torchrun (torch.distributed.run, one node, no restarts) sets for each rank, beyond the caller's environment.
 TORCHRUN_KEYS = ("GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -84,6 +86,7 @@ def _rank_main(script, argv, env, out_path, err_path):
         os.close(opened)
     os.environ.clear()
     os.environ.update(env)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a launch that times out asks where each rank is
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(script))
     code = 0
@@ -123,10 +126,23 @@ def launch(script, *argv, nproc=2, timeout=600, env=None) -> subprocess.Complete
             proc = context.Process(target=_rank_main, args=(path, argv, own, *files), name=f"rank{rank}")
             proc.start()
             ranks.append((proc, files))
-        _wait(ranks, timeout, [path, *argv])
+        try:
+            _wait(ranks, timeout, [path, *argv])
+        except subprocess.TimeoutExpired:
+            raise LaunchTimeout([path, *argv], timeout, stderr="".join(
+                f"--- rank {i}'s stderr, its threads' stacks last ---\n{_read(files[1])[-TAIL:]}"
+                for i, (_, files) in enumerate(ranks))) from None
         stdout, stderr = ("".join(_read(files[i]) for _, files in ranks) for i in (0, 1))
     code = 0 if all(proc.exitcode == 0 for proc, _ in ranks) else (ranks[0][0].exitcode if not nproc else 1)
     return subprocess.CompletedProcess([path, *argv], code, stdout, stderr)
+
+
+class LaunchTimeout(subprocess.TimeoutExpired):
+    """A launch past its timeout; its message ends with each rank's stderr, which ends with where its threads were
+    (faulthandler's stacks, asked for with SIGUSR1 before the ranks are killed): a hang says where it hangs."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{self.stderr}"
 
 
 def _wait(ranks, timeout, args):
@@ -137,6 +153,10 @@ def _wait(ranks, timeout, args):
     while any(proc.exitcode is None for proc, _ in ranks):
         now = time.monotonic()
         if now > deadline:
+            for proc, _ in ranks:  # each rank still running prints its threads' stacks (_rank_main), then dies
+                if proc.exitcode is None:
+                    os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)
             for proc, _ in ranks:
                 proc.kill()
                 proc.join()

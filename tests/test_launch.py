@@ -73,8 +73,11 @@ def test_a_launch_past_its_timeout_raises_and_leaves_no_rank(tmp_path):
     script = tmp_path / "sleep.py"
     script.write_text(f"import os, time\nopen({str(tmp_path)!r} + '/pid' + os.environ['RANK'], 'w').write(str(os.getpid()))"
                       "\ntime.sleep(120)\n")
-    with pytest.raises(subprocess.TimeoutExpired):
+    with pytest.raises(subprocess.TimeoutExpired) as late:
         launch(str(script), timeout=5)
+    for rank in (0, 1):  # each rank said where it was: the script's sleep
+        assert f"rank {rank}'s stderr" in str(late.value)
+    assert str(late.value).count(f'File "{script}", line 3 in <module>') == 2
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
     for pid in pids:  # killed and reaped
         with pytest.raises(ProcessLookupError):
