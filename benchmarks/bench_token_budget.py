@@ -182,6 +182,7 @@ def part2(passes=5, kernel="torch"):
         probe_s = time.perf_counter() - start
         plan = prober.plan
         timed = prober.probe_result.extra["token_budget"]["step_times"]
+        two_forwards = prober.probe_result.extra["token_budget"]["step_times_two_forwards"]
         del prober
     budget = tb.plan_budget(plan)
     st = plan.step_time
@@ -193,7 +194,7 @@ def part2(passes=5, kernel="torch"):
               f"modelled {record.get('step_seconds', {}).get(name, float('nan')):.3f} s/step"
               + (" (chosen)" if name == record["kernel"] else ""))
     kernel_in_force = record.get("kernel", kernel)  # the runs train with the plan's kernel
-    print(f"timed steps (s): {timed}")
+    print(f"timed steps (s): {timed}; the largest fit in two forwards: {two_forwards}")
     if st is None:
         print("no step-time model: the planner cuts by the padding rule")
         return
