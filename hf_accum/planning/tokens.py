@@ -20,10 +20,11 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
     quadratic term grows), so the largest token count fitting at the longest *and* at the shortest example fits
     every length between: the budget is the smallest of the measured capacities (rows that fit x length) at the
     longest example, the shortest that matters, and one between them. Their three lines make the cost model
-    (`token_budget.cost_model`), by which a length between may hold more rows. The plain steps each probe timed at
-    two sizes give the step-time model (`token_budget.fit_step_time`) by which the window's number of forwards is
-    chosen; without it (a probe that timed nothing) the padding rule cuts. Each rank loads its whole window (micro =
-    the per-rank target, accumulation 1); the engine cuts it."""
+    (`token_budget.cost_model`), by which a length between may hold more rows. The plain steps each probe timed (its
+    largest fit and half of it in one forward, the largest fit in two: `step_timing.py`) give the step-time model
+    (`token_budget.fit_step_time`) by which the window's number of forwards is chosen; without it (a probe that timed
+    nothing) the padding rule cuts. Each rank loads its whole window (micro = the per-rank target, accumulation 1);
+    the engine cuts it."""
     per_rank = plan.target_batch_size // plan.world_size
     at_longest = result.max_micro_batch_size * seq_len
     # A forward never holds more rows than the window, so below at_longest / per_rank tokens per row the chunks
@@ -50,9 +51,8 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
     if model is not None:
         trials = [(t, length) for length, r in measured.items() for t in r.measured_trials]
         rows_model = _usable(model, trials, result.budget_bytes, rows_at)
-    timed = {length: {int(rows): s for rows, s in r.extra.get("step_times", {}).items()}
-             for length, r in measured.items()}
-    step_time = fit_step_time(timed)
+    timed, two_forwards = _timings(measured, "step_times"), _timings(measured, "step_times_two_forwards")
+    step_time = fit_step_time(timed, two_forwards)
     tokens = TokenBudget(budget, rows_model, step_time=step_time)
     result.extra["expected"] = _expected_cuts(lengths, per_rank, tokens, result.max_micro_batch_size,
                                               packable=_packable(trainer.model, make_short))
@@ -64,11 +64,21 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
         "short_trials": [t.__dict__ for length, r in measured.items() if length != seq_len
                          for t in r.measured_trials],
         "cost_model": model,
-        "step_times": {str(length): {str(k): v for k, v in by_rows.items()} for length, by_rows in timed.items()},
+        "step_times": _as_json(timed),
+        "step_times_two_forwards": _as_json(two_forwards),  # the same rows as step_times' largest, in two forwards
         "step_time": step_time,
     }
     return Plan(per_rank, 1, plan.world_size, plan.target_batch_size, token_budget=budget,
                 token_model=rows_model, step_time=step_time), result
+
+
+def _timings(measured: dict[int, ProbeResult], key: str) -> dict[int, dict[int, float]]:
+    """``{length: {rows: seconds}}`` of each probe's timed steps under ``key`` (`step_timing.time_rows`)."""
+    return {length: {int(rows): s for rows, s in r.extra.get(key, {}).items()} for length, r in measured.items()}
+
+
+def _as_json(timings: dict[int, dict[int, float]]) -> dict[str, dict[str, float]]:
+    return {str(length): {str(rows): s for rows, s in by_rows.items()} for length, by_rows in timings.items()}
 
 
 def _usable(model: dict, trials: list, budget_bytes: int, rows_at: dict[int, int]) -> dict:

@@ -59,28 +59,39 @@ def make_step_fn(
     a trainer passes its ``compute_loss``.  The gradients are zeroed, not freed, after the step: during
     an accumulation window every micro-step but the first starts with all gradients allocated, which is
     the peak to plan for.
+
+    ``step_fn(micro, forwards=n)``: the same ``micro`` rows cut into ``n`` near-equal forwards, their gradients
+    accumulated, one optimizer step: the same tokens as one forward, a forward's fixed cost more each (a token
+    budget's step-time model times it: `step_timing.py`).
     """
     fwd = forward or _default_forward
     device_type = next(model.parameters()).device.type
 
-    def step_fn(micro: int) -> None:
+    def step_fn(micro: int, forwards: int = 1) -> None:
         model.train()
-        batch = make_batch(micro)
-        ctx = (
-            torch.autocast(device_type=device_type, dtype=autocast_dtype)
-            if autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        with ctx:
-            loss = fwd(model, batch)
-        loss.backward()
-        del loss, batch
+        for rows in _near_equal(micro, forwards):
+            batch = make_batch(rows)
+            ctx = (
+                torch.autocast(device_type=device_type, dtype=autocast_dtype)
+                if autocast_dtype is not None
+                else contextlib.nullcontext()
+            )
+            with ctx:
+                # the losses are not scaled by 1/forwards: only the time of this step is read, not its gradient
+                loss = fwd(model, batch)
+            loss.backward()
+            del loss, batch
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
     return step_fn
+
+
+def _near_equal(rows: int, parts: int) -> list[int]:
+    """``rows`` cut into ``parts`` sizes differing by at most one, the larger first (5 in 2: 3 + 2)."""
+    return [rows // parts + (i < rows % parts) for i in range(parts)]
 
 
 def random_token_batch(model: torch.nn.Module, seq_len: int) -> MakeBatch:
@@ -171,8 +182,9 @@ def probe_model(
     choose its level (:func:`probe_levels`); the plan then records it, and the caller applies it.
     ``seeder(budget_bytes, meter)``: ``(seed, record)``, an estimate of the largest fit to start the search from and
     what to record of it in ``result.extra["estimate"]`` (`seed.py`; with a lever, a seed per anchor position).
-    ``timed_rows``: also time plain steps at the largest fit and half of it (``result.extra["step_times"]``, a token
-    budget's step-time model: `step_timing.py`).
+    ``timed_rows``: also time plain steps at the largest fit and half of it (``result.extra["step_times"]``) and at
+    the largest fit cut into two forwards (``result.extra["step_times_two_forwards"]``), a token budget's step-time
+    model: `step_timing.py`.
     ``after(result, step_fn)``: called last, while the probe's optimizer is still warm (the estimate's further sizes
     step on it instead of warming another: `estimate.every_peak`).
 
@@ -196,7 +208,8 @@ def probe_model(
         plan = _with_level(plan_from_result(result, target_batch_size, world_size), result)
         plan = _with_kernel(plan, result, model, step_fn, meter, budget, lever, autocast_dtype is not None, log)
         if timed_rows:
-            result.extra["step_times"] = time_rows(result, step_fn, meter, lever, model)
+            result.extra["step_times"], result.extra["step_times_two_forwards"] = time_rows(
+                result, step_fn, meter, lever, model)
         if after is not None:
             after(result, step_fn)
     return result, plan

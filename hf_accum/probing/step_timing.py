@@ -1,8 +1,19 @@
-"""A token budget's step times (``micro_batching="tokens"``): at the length a probe measured, plain steps (no
-profiler; on CPU the process's CPU time) at its largest fit and at half of it, under the lever level and the loss kernel it chose. Two sizes give
-a forward's fixed cost and its cost per padded token (`window.token_budget.fit_step_time`), by which the window is
-cut into the number of forwards with the least modelled step time. Nothing is timed on paper (the estimate's fake
-tensors take no time)."""
+"""A token budget's step times (``micro_batching="tokens"``): at the length a probe measured, plain optimizer steps
+(no profiler; on CPU the process's CPU time) under the lever level and the loss kernel it chose, of
+- its largest fit ``top`` in one forward (A),
+- half of it, ``top // 2`` rows, in one forward (C),
+- the same ``top`` rows cut into two forwards (an odd ``top`` as evenly as it goes), gradients accumulated, one
+  optimizer step (B).
+
+With a forward of ``r`` rows costing ``f(r)`` and the optimizer's step ``O``, ``A - C`` is the tokens' cost of the
+rows between the two sizes, and ``B - A`` a forward's fixed cost: the same tokens, one forward more, and ``O`` in
+both. The fixed cost of a line through A and C holds ``O`` too, which a window pays once, not once per forward:
+charged to every forward, it makes a forward look dearer than it is and the cut take too few. Nor does a line through
+two sizes of one forward without the optimizer show a forward's own fixed cost: such steps came out proportional to
+their rows (a fixed cost of 0, the cut then taking far too many forwards), while a window's measured step time rose
+with each forward more (issue 57). Only the same rows cut two ways show it. `window.token_budget.fit_step_time` turns
+the three into a forward's fixed cost and its cost per padded token, by which the window is cut into the number of
+forwards with the least modelled step time. Nothing is timed on paper (the estimate's fake tensors take no time)."""
 
 from __future__ import annotations
 
@@ -16,28 +27,42 @@ from .kernel_timing import pinned
 from .levels import _slowest_rank
 from .loop import ProbeResult
 
-REPEATS = 3  # each size timed three times, the fastest kept: a shared machine's hiccup is not the step's cost
+REPEATS = 3  # each step timed three times, the fastest kept: a shared machine's hiccup is not the step's cost
 
 
-def time_rows(result: ProbeResult, step_fn: Callable[[int], None], meter, lever: Any, model) -> dict[str, float]:
-    """``{rows: seconds}`` (JSON keys) of one optimizer step at the largest fit and half of it, the slowest rank's;
-    empty where nothing fits, on paper, or after an out-of-memory error."""
+def time_rows(result: ProbeResult, step_fn: Callable[..., None], meter, lever: Any,
+              model) -> tuple[dict[str, float], dict[str, float]]:
+    """``({rows: seconds}, {rows: seconds})`` (JSON keys), the slowest rank's: one optimizer step of one forward at
+    the largest fit and at half of it, and one of the largest fit's rows in two forwards (``step_fn(rows,
+    forwards=2)``: `probe.make_step_fn`; none at a largest fit of one row, which cannot be cut). Empty where nothing
+    fits, on paper, or after an out-of-memory error."""
     top = result.max_micro_batch_size
     if top < 1 or meter.name == "estimate":
-        return {}
+        return {}, {}
     level = (result.extra.get("checkpointing") or {}).get("chosen_k")
     kernel = (result.extra.get("loss_kernel") or {}).get("kernel")
-    seconds: dict[str, float] = {}
+    one: dict[str, float] = {}
+    two: dict[str, float] = {}
     with contextlib.nullcontext() if lever is None or level is None else lever.at(level), pinned(model, kernel):
         for rows in sorted({max(1, top // 2), top}):
-            best = None
-            for _ in range(REPEATS):
-                took, _oom = guarded(lambda rows=rows: _time(meter, lambda: step_fn(rows), rows))
-                best = took if best is None or (took is not None and took < best) else best
-            best = _slowest_rank(best or 0.0)  # every rank takes part, whatever its own outcome
-            if best > 0:
-                seconds[str(rows)] = best
-    return seconds
+            _keep(one, rows, _fastest(meter, lambda rows=rows: step_fn(rows), rows))
+        if top >= 2:  # every rank agreed on top: every rank times the same steps, as _slowest_rank needs
+            _keep(two, top, _fastest(meter, lambda: step_fn(top, forwards=2), top))
+    return one, two
+
+
+def _fastest(meter, step: Callable[[], None], rows: int) -> float:
+    """The fastest of `REPEATS` timings of ``step()``, the slowest rank's; 0.0 after an out-of-memory error."""
+    best = None
+    for _ in range(REPEATS):
+        took, _oom = guarded(lambda: _time(meter, step, rows))
+        best = took if best is None or (took is not None and took < best) else best
+    return _slowest_rank(best or 0.0)  # every rank takes part, whatever its own outcome
+
+
+def _keep(seconds: dict[str, float], rows: int, took: float) -> None:
+    if took > 0:
+        seconds[str(rows)] = took
 
 
 def _time(meter, step: Callable[[], None], rows: int) -> float:

@@ -12,8 +12,10 @@ chunk pads only to its own longest row, and cut into contiguous groups:
    (contiguous groups of the sorted rows are optimal: tests/window/test_token_budget.py checks it by brute force);
 3. how many forwards, from the fewest up to as many as equal micro-batches sized for the window's longest row would
    take ("samples" mode's count): the one whose modelled step time is least (`step_time`: a forward's fixed cost plus
-   a cost per padded token, fitted from the probe's timed steps, stored in the plan with the cost model, so a stored
-   or resumed plan cuts the same window the same way); fewer forwards on a tie. Every such cut is exact: the loss is
+   a cost per padded token, `fit_step_time` of the probe's timed optimizer steps, stored in the plan with the cost
+   model, so a stored or resumed plan cuts the same window the same way); fewer forwards on a tie. The fixed cost is
+   what one forward more adds to a step of the same rows (timed in one forward and in two), so the optimizer's step,
+   which a window pays once, is not charged to every forward. Every such cut is exact: the loss is
    normalized over the whole window. A plan without step times (``auto_tune=False``, or a plan file stored before
    them) keeps the earlier rule: one more forward while the window's padded tokens exceed ``PADDING_TARGET`` (1.10)
    times its real tokens. (At the fewest forwards a long-tailed window pads ~1.29 tokens per real token,
@@ -157,29 +159,37 @@ def modelled_seconds(step_time: dict, lengths: Sequence[int], groups: list[list[
                for g in groups for longest in [max(lengths[i] for i in g)])
 
 
-def fit_step_time(timed: dict[int, dict[int, float]]) -> dict | None:
-    """A forward's cost from timed steps: ``timed[length][rows]`` the seconds of one step of ``rows`` rows padded to
-    ``length``. Least squares over the lengths timed at two or more sizes: ``seconds ≈ forward_seconds + rows x
-    length x per_token[length]``, one fixed cost for all (a step's, its optimizer step included, so a forward's is
-    over-stated; a negative one, noise, is taken as 0) and a cost per padded token at each length, never less than a
-    shorter length's (attention makes a token of a longer row dearer; a smaller figure is noise), which keeps the
-    cheapest cuts contiguous in the sorted rows; a length whose token cost comes out <= 0 (its steps are mostly the
-    fixed cost, and noise hides the rest) takes the least positive one. None when no length was timed at two sizes,
-    or no token cost comes out > 0 (no model rather than a wrong one)."""
-    sums = {}  # length -> (n, Σx, Σy, Σxx, Σxy), x the tokens of a step
-    for length, by_rows in timed.items():
-        points = [(rows * length, sec) for rows, sec in by_rows.items() if sec and sec > 0]
-        if len({x for x, _ in points}) >= 2:
-            sums[length] = (len(points), sum(x for x, _ in points), sum(y for _, y in points),
-                            sum(x * x for x, _ in points), sum(x * y for x, y in points))
-    if not sums:
+def fit_step_time(timed: dict[int, dict[int, float]],
+                  two_forwards: dict[int, dict[int, float]] | None = None) -> dict | None:
+    """A forward's cost from timed optimizer steps (`probing.step_timing`): ``timed[length][rows]`` the seconds of
+    one step of ``rows`` rows padded to ``length`` in one forward, ``two_forwards[length][rows]`` of the same rows
+    cut into two forwards. ``{"forward_seconds": F, "token_seconds": {length: c}}``: a forward of ``r`` rows costs
+    ``F + r x length x c``.
+
+    - A forward's fixed cost ``F``: where the same rows were timed both ways, the two-forward step less the
+      one-forward one (the same tokens, one forward more; the optimizer's step, paid once in both, cancels); over
+      several lengths their plain mean (each length's largest fit fills the same memory, so its steps are of like
+      size and like noise, and the mean is their least-squares value), a negative one (noise) taken as 0.
+      Without such a pair (a plan's timings stored before them, or a largest fit of one row, which cannot be
+      cut): as before, the intercept shared by every length's line through its one-forward steps (least squares), a
+      negative one taken as 0; it holds the optimizer's step, which over-states a forward's.
+    - The cost per padded token at each length timed at two or more sizes: its line's slope (with the two-forward
+      pairs, each length's own line, whose intercept holds the optimizer's step; without them, the line through the
+      shared intercept). Never less than a shorter length's (attention makes a token of a longer row dearer; a
+      smaller figure is noise), which keeps the cheapest cuts contiguous in the sorted rows; a length whose slope
+      comes out <= 0 (its steps are mostly fixed cost, and noise hides the rest) takes the least positive one.
+
+    None when no length was timed at two sizes, or no token cost comes out > 0 (no model rather than a wrong one)."""
+    lines = _lines(timed)
+    if not lines:
         return None
-    # the fixed cost shared by every length's line: setting the derivative of the squared error to 0
-    n, sy = sum(v[0] for v in sums.values()), sum(v[2] for v in sums.values())
-    denominator = n - sum(sx * sx / sxx for _, sx, _, sxx, _ in sums.values())
-    numerator = sy - sum(sxy * sx / sxx for _, sx, _, sxx, sxy in sums.values())
-    fixed = max(0.0, numerator / denominator) if denominator > 0 else 0.0
-    slopes = {length: (sxy - fixed * sx) / sxx for length, (_, sx, _, sxx, sxy) in sums.items()}
+    extra = _extra_forward_seconds(timed, two_forwards or {})
+    if extra:
+        fixed = max(0.0, sum(extra) / len(extra))
+        slopes = {length: (n * sxy - sx * sy) / (n * sxx - sx * sx) for length, (n, sx, sy, sxx, sxy) in lines.items()}
+    else:
+        fixed = _shared_intercept(lines)
+        slopes = {length: (sxy - fixed * sx) / sxx for length, (_, sx, _, sxx, sxy) in lines.items()}
     positive = [v for v in slopes.values() if v > 0]
     if not positive:
         return None
@@ -188,6 +198,33 @@ def fit_step_time(timed: dict[int, dict[int, float]]) -> dict | None:
         floor = max(floor, slopes[length] if slopes[length] > 0 else min(positive))
         per_token[str(length)] = floor
     return {"forward_seconds": fixed, "token_seconds": per_token}
+
+
+def _lines(timed: dict[int, dict[int, float]]) -> dict[int, tuple]:
+    """``length -> (n, Σx, Σy, Σxx, Σxy)`` over its one-forward steps, x a step's tokens and y its seconds, for each
+    length timed at two or more sizes."""
+    sums = {}
+    for length, by_rows in timed.items():
+        points = [(rows * length, sec) for rows, sec in by_rows.items() if sec and sec > 0]
+        if len({x for x, _ in points}) >= 2:
+            sums[length] = (len(points), sum(x for x, _ in points), sum(y for _, y in points),
+                            sum(x * x for x, _ in points), sum(x * y for x, y in points))
+    return sums
+
+
+def _extra_forward_seconds(timed: dict[int, dict[int, float]],
+                           two_forwards: dict[int, dict[int, float]]) -> list[float]:
+    """What one forward more added to a step of the same rows, for each pair timed both ways (may be < 0: noise)."""
+    return [sec - timed[length][rows] for length, by_rows in two_forwards.items() for rows, sec in by_rows.items()
+            if sec and sec > 0 and timed.get(length, {}).get(rows, 0) > 0]
+
+
+def _shared_intercept(lines: dict[int, tuple]) -> float:
+    """The fixed cost shared by every length's line (setting the derivative of the squared error to 0), >= 0."""
+    n, sy = sum(v[0] for v in lines.values()), sum(v[2] for v in lines.values())
+    denominator = n - sum(sx * sx / sxx for _, sx, _, sxx, _ in lines.values())
+    numerator = sy - sum(sxy * sx / sxx for _, sx, _, sxx, sxy in lines.values())
+    return max(0.0, numerator / denominator) if denominator > 0 else 0.0
 
 
 def _sorted(lengths: Sequence[int]) -> tuple[list[int], list[int]]:
