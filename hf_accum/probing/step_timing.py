@@ -41,28 +41,21 @@ def time_rows(result: ProbeResult, step_fn: Callable[..., None], meter, lever: A
         return {}, {}
     level = (result.extra.get("checkpointing") or {}).get("chosen_k")
     kernel = (result.extra.get("loss_kernel") or {}).get("kernel")
-    one: dict[str, float] = {}
-    two: dict[str, float] = {}
+    steps = [("one", rows, lambda rows=rows: step_fn(rows)) for rows in sorted({max(1, top // 2), top})]
+    if top >= 2:  # every rank agreed on top: every rank times the same steps, as _slowest_rank needs
+        steps.append(("two", top, lambda: step_fn(top, forwards=2)))
+    best: list[float | None] = [None] * len(steps)
     with contextlib.nullcontext() if lever is None or level is None else lever.at(level), pinned(model, kernel):
-        for rows in sorted({max(1, top // 2), top}):
-            _keep(one, rows, _fastest(meter, lambda rows=rows: step_fn(rows), rows))
-        if top >= 2:  # every rank agreed on top: every rank times the same steps, as _slowest_rank needs
-            _keep(two, top, _fastest(meter, lambda: step_fn(top, forwards=2), top))
-    return one, two
-
-
-def _fastest(meter, step: Callable[[], None], rows: int) -> float:
-    """The fastest of `REPEATS` timings of ``step()``, the slowest rank's; 0.0 after an out-of-memory error."""
-    best = None
-    for _ in range(REPEATS):
-        took, _oom = guarded(lambda: _time(meter, step, rows))
-        best = took if best is None or (took is not None and took < best) else best
-    return _slowest_rank(best or 0.0)  # every rank takes part, whatever its own outcome
-
-
-def _keep(seconds: dict[str, float], rows: int, took: float) -> None:
-    if took > 0:
-        seconds[str(rows)] = took
+        for _ in range(REPEATS):  # the steps in turn, not each's repeats in a row: a drift moves all alike
+            for i, (_, rows, step) in enumerate(steps):
+                took, _oom = guarded(lambda: _time(meter, step, rows))
+                best[i] = took if best[i] is None or (took is not None and took < best[i]) else best[i]
+    seconds: dict[str, dict[str, float]] = {"one": {}, "two": {}}
+    for (forwards, rows, _), fastest in zip(steps, best):
+        took = _slowest_rank(fastest or 0.0)  # every rank takes part, whatever its own outcome
+        if took > 0:
+            seconds[forwards][str(rows)] = took
+    return seconds["one"], seconds["two"]
 
 
 def _time(meter, step: Callable[[], None], rows: int) -> float:

@@ -27,6 +27,7 @@ Padding-free rows cost their total tokens (no padding): consecutive sequences ar
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -168,8 +169,9 @@ def fit_step_time(timed: dict[int, dict[int, float]],
 
     - A forward's fixed cost ``F``: where the same rows were timed both ways, the two-forward step less the
       one-forward one (the same tokens, one forward more; the optimizer's step, paid once in both, cancels); over
-      several lengths their plain mean (each length's largest fit fills the same memory, so its steps are of like
-      size and like noise, and the mean is their least-squares value), a negative one (noise) taken as 0.
+      several lengths their median (each is a small difference of two steps' times, and one length's noise can
+      make it negative or double it: bench_token_budget part 2 saw -0.007 s beside 0.007 and 0.010), a negative one
+      taken as 0.
       Without such a pair (a plan's timings stored before them, or a largest fit of one row, which cannot be
       cut): as before, the intercept shared by every length's line through its one-forward steps (least squares), a
       negative one taken as 0; it holds the optimizer's step, which over-states a forward's.
@@ -185,7 +187,7 @@ def fit_step_time(timed: dict[int, dict[int, float]],
         return None
     extra = _extra_forward_seconds(timed, two_forwards or {})
     if extra:
-        fixed = max(0.0, sum(extra) / len(extra))
+        fixed = max(0.0, statistics.median(extra))
         slopes = {length: (n * sxy - sx * sy) / (n * sxx - sx * sx) for length, (n, sx, sy, sxx, sxy) in lines.items()}
     else:
         fixed = _shared_intercept(lines)
@@ -247,6 +249,9 @@ class _LeastPadding:
     def __init__(self, sorted_len: list[int], budget: int | TokenBudget, weight=None):
         self.sorted_len, self.budget = sorted_len, budget
         self.weight = weight or (lambda length: length)  # a row padded to length costs this much
+        # each row's cost and capacity, once: a layer reads them O(n x rows) times, once per window step in training
+        self.row_cost = [self.weight(length) for length in sorted_len]
+        self.fits = [_rows(budget, length) for length in sorted_len]
         n = len(sorted_len)
         self.best = [[0.0] + [float("inf")] * n]
         self.cut = [[0] * (n + 1)]
@@ -260,12 +265,11 @@ class _LeastPadding:
         n, prev = len(self.sorted_len), self.best[-1]
         layer, where = [float("inf")] * (n + 1), [0] * (n + 1)
         for i in range(1, n + 1):
-            longest = self.sorted_len[i - 1]
-            fits = _rows(self.budget, longest)
+            fits, cost = self.fits[i - 1], self.row_cost[i - 1]  # the group's longest row: the last, sorted
             for j in range(i - 1, -1, -1):
                 if i - j > fits:
                     break
-                c = prev[j] + (i - j) * self.weight(longest)
+                c = prev[j] + (i - j) * cost
                 if c < layer[i]:
                     layer[i], where[i] = c, j
         self.best.append(layer)
