@@ -48,7 +48,7 @@ def time_rows(result: ProbeResult, step_fn: Callable[..., None], meter, lever: A
     with contextlib.nullcontext() if lever is None or level is None else lever.at(level), pinned(model, kernel):
         for _ in range(REPEATS):  # the steps in turn, not each's repeats in a row: a drift moves all alike
             for i, (_, rows, step) in enumerate(steps):
-                took, _oom = guarded(lambda: _time(meter, step, rows))
+                took, _oom = guarded(lambda step=step, rows=rows: _time(meter, step, rows))
                 best[i] = took if best[i] is None or (took is not None and took < best[i]) else best[i]
     seconds: dict[str, dict[str, float]] = {"one": {}, "two": {}}
     for (forwards, rows, _), fastest in zip(steps, best):
