@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -168,18 +169,22 @@ class ExplicitArgsWrapper(nn.Module):
         return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
-def train_recording_outcome(trainer, path: str, *, reraise: bool = True) -> None:
+def train_recording_outcome(trainer, path: str, *, reraise: bool = True, show: bool = False) -> None:
     """``trainer.train()`` in a launched worker, writing what it raised (or None) and the step it reached to
     ``path`` whatever happens, then re-raising: the test reads every rank's outcome.
 
     ``reraise=False`` is for the rank a failure is injected into: it records and exits cleanly. torchrun sends
     SIGTERM to every other rank as soon as one exits with an error, and a rank that learns of the stop only when
-    that rank leaves (its pending collective fails then) could be ended before it writes its own record."""
+    that rank leaves (its pending collective fails then) could be ended before it writes its own record.
+    ``show=True`` prints what it raised as an uncaught exception would be (``sys.excepthook``: torch's adds the
+    "[rankN]: " prefixes), for a test that reads the rank's traceback while the rank exits cleanly."""
     raised = None
     try:
         trainer.train()
     except BaseException as exc:
         raised = {"type": type(exc).__name__, "message": str(exc)}
+        if show:
+            sys.excepthook(*sys.exc_info())
         if reraise:
             raise
     finally:

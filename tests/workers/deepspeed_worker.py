@@ -198,7 +198,9 @@ def oom_mode(out, rank):
     trainer = trainer_for(os.path.join(out, "oom"), stage=3)
     if rank == 1:
         OOMAt(trainer.model, [3])
-    train_recording_outcome(trainer, os.path.join(out, f"oom.rank{rank}.json"))
+    # rank 1 prints its traceback and exits cleanly, so rank 0 (which learns of the stop when rank 1 leaves) is not
+    # ended by the launcher's SIGTERM before it writes its record (a CI run of the oldest env lost it so)
+    train_recording_outcome(trainer, os.path.join(out, f"oom.rank{rank}.json"), reraise=rank != 1, show=rank == 1)
 
 
 def probe_oom_mode(out, rank):
