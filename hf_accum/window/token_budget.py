@@ -20,7 +20,8 @@ chunk pads only to its own longest row, and cut into contiguous groups:
    them) keeps the earlier rule: one more forward while the window's padded tokens exceed ``PADDING_TARGET`` (1.10)
    times its real tokens. (At the fewest forwards a long-tailed window pads ~1.29 tokens per real token,
    benchmarks/bench_token_budget.py part 1; whether a forward more is worth it depends on what a forward costs beyond
-   its tokens, which only timing says: on CPU the fewest forwards were the fastest, bench part 2.)
+   its tokens, which only timing says: bench part 2 on CPU measured 5 to 12 forwards within 10% of each other and the
+   fewest, 4-5, 18% slower than the fastest.)
 
 Padding-free rows cost their total tokens (no padding): consecutive sequences are packed greedily.
 """
