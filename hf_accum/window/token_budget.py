@@ -21,7 +21,7 @@ chunk pads only to its own longest row, and cut into contiguous groups:
    times its real tokens. (At the fewest forwards a long-tailed window pads ~1.29 tokens per real token,
    benchmarks/bench_token_budget.py part 1; whether a forward more is worth it depends on what a forward costs beyond
    its tokens, which only timing says: bench part 2 on CPU measured 5 to 12 forwards within 10% of each other and the
-   fewest, 4-5, 18% slower than the fastest.)
+   fewest (4.8 per step) 27% slower than the fastest.)
 
 Padding-free rows cost their total tokens (no padding): consecutive sequences are packed greedily.
 """
