@@ -165,6 +165,7 @@ def _model_probe(trainer, prepared: Prepared) -> Probe:
             log=lambda line: _show("hf_accum probe: %s", args, line),  # each trial a line, seen without any setup
             lever=lever,
             timed_rows=args.micro_batching == "tokens",  # the token cut's step-time model (planning/tokens.py)
+            collective=trainer._collective() if trainer.engine.probe_runs_collectives else None,
             **seeded,
         )
 

@@ -9,8 +9,8 @@ it was (`Engine.state_restored`: weights, optimizer state, schedule, counters).
 
 Those steps run collectives on every rank, so every rank must run the same trials in the same order: the budget
 and the limit are the smallest over the ranks, and each measurement is the largest over the ranks (one exchange
-per trial) before the search reads it. An out-of-memory error cannot be skipped by one rank (the others would
-wait in a collective): it stops every rank, saying what to set.
+per trial) before the search reads it (`agreed.py`). An out-of-memory error cannot be skipped by one rank (the
+others would wait in a collective): it stops every rank, saying what to set.
 """
 
 from __future__ import annotations
@@ -19,62 +19,15 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..window.oom import guarded
 from ..window.protocol import Collective, StopTraining
+from .agreed import AgreedMeter, smallest
 from .loop import MakeBatch, NothingFitsError, ProbeResult, probe_micro_batches
-from .meters import CpuMeter, Measurement, Meter, all_live_tensor_bytes, format_bytes
+from .meters import CpuMeter, Meter, all_live_tensor_bytes, format_bytes
 from .plan import Plan, forward_breakpoints
 from .preserve import modes_and_rng_preserved
 from .probe import plan_from_result
 
 SCRATCH = ".hf_accum_probe_state"  # under output_dir: the engine's state while the probe runs, removed after
-
-
-class AgreedMeter(Meter):
-    """``inner``'s measurements, the largest over the ranks, so that every rank's search takes the same path. An
-    out-of-memory error stops every rank (announced in the store for the ranks left waiting)."""
-
-    def __init__(self, inner: Meter, collective: Collective, engine: str, names: str, fit_one: str | None = None):
-        self.inner, self.collective, self.engine, self.names = inner, collective, engine, names
-        self.fit_one = fit_one  # what to do when micro-batch 1 runs out of memory, where known better than the default
-        self.name = inner.name
-        self.catches_oom = False  # no rank may skip a size the others run: sizes over the limit are never tried
-
-    def measure(self, fn: Callable[[], Any], *, micro_batch_size: int | None = None) -> Measurement:
-        m = self._run(lambda: self.inner.measure(fn, micro_batch_size=micro_batch_size), micro_batch_size)
-        reserved = -1 if m.reserved_bytes is None else m.reserved_bytes
-        peak, reserved, baseline, rounding, micros = self.collective.max_of(
-            (m.peak_bytes, reserved, m.baseline_bytes, m.rounding_bytes, round(m.seconds * 1e6)))
-        return Measurement(peak, None if reserved < 0 else reserved, micros / 1e6, baseline, rounding)
-
-    def time(self, fn: Callable[[], Any], *, micro_batch_size: int | None = None) -> float:
-        return self._run(lambda: self.inner.time(fn, micro_batch_size=micro_batch_size), micro_batch_size)
-
-    def _run(self, measure, micro: int | None):
-        value, oom = guarded(measure)
-        if not oom:
-            return value
-        fix = (f"lower {self.names} or set probe_max_micro_batch below {micro}" if micro and micro > 1 else
-               self.fit_one or "to fit micro-batch 1, enable gradient_checkpointing, train LoRA adapters or offload to "
-               "CPU in the DeepSpeed config")
-        reason = (f"out of memory while the probe ran micro-batch {micro} through {self.engine}, where no rank can "
-                  f"skip a size the others run; {fix}")
-        self.collective.announce_stop(reason)
-        raise StopTraining(reason)
-
-    def capacity_bytes(self) -> int:
-        return self.inner.capacity_bytes()
-
-    def unavailable_bytes(self) -> int:
-        return self.inner.unavailable_bytes()
-
-    def describe(self) -> dict[str, Any]:
-        return self.inner.describe()
-
-
-def smallest(collective: Collective, *values: int) -> tuple[int, ...]:
-    """Each value's minimum over the ranks (one exchange)."""
-    return tuple(-v for v in collective.max_of(tuple(-int(v) for v in values)))
 
 
 def probe_through_engine(

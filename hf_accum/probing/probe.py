@@ -15,6 +15,8 @@ import torch
 
 from ..compat import bitsandbytes_cpu
 from ..config.fit_hints import levers_on
+from ..window.protocol import Collective
+from .agreed import in_lockstep
 from .kernel_timing import measure_kernels
 from .levels import probe_levels
 from .loop import (
@@ -175,6 +177,7 @@ def probe_model(
     seeder: Seeder | None = None,
     timed_rows: bool = False,
     after: Callable[[ProbeResult, StepFn], None] | None = None,
+    collective: Collective | None = None,
 ) -> tuple[ProbeResult, Plan]:
     """Probe ``model`` and plan ``target_batch_size``: returns what was measured and the exact plan.
 
@@ -187,6 +190,9 @@ def probe_model(
     model: `step_timing.py`.
     ``after(result, step_fn)``: called last, while the probe's optimizer is still warm (the estimate's further sizes
     step on it instead of warming another: `estimate.every_peak`).
+    ``collective``: the ranks, where each probe step runs collectives (a model sharded in place: FSDP2): every rank
+    then runs the same trials, reading the largest measurement over the ranks under the smallest budget
+    (`agreed.in_lockstep`); without it each rank searches on its own figures.
 
     The probe steps a fresh optimizer (``optimizer_cls(trainable params, **optimizer_kwargs)``, or one
     like ``optimizer`` if given, whose own state is never touched) and leaves the model, its gradients
@@ -199,6 +205,8 @@ def probe_model(
                   optimizer_kwargs=optimizer_kwargs, optimizer=optimizer, forward=forward,
                   autocast_dtype=autocast_dtype, max_grad_norm=max_grad_norm, meter=meter) as (step_fn, meter):
         budget = resolve_budget(meter, budget_bytes, budget_fraction, names=budget_names)
+        if collective is not None and collective.world > 1:
+            meter, budget = in_lockstep(meter, collective, budget, " or ".join(budget_names))
         seed, estimated = seeder(budget, meter) if seeder is not None else (None, None)
         result = _search(step_fn, meter, budget, cap, per_rank, optimize=optimize, log=log, lever=lever, seed=seed)
         # the levers in use before the plan is made: "nothing fits" suggests only those that are off

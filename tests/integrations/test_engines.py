@@ -63,6 +63,8 @@ def test_a_model_sharded_at_load_runs_on_fsdp_and_cannot_resume(monkeypatch):
     engine = engines.select(_Trainer(model=model))
     assert type(engine) is Fsdp and not engine.resumable and not engine.checkpoints_optimizer
     assert engines.select(_Trainer()).resumable
+    # its forwards all-gather in the probe too: every rank must run the same trials (probing/agreed.py)
+    assert engine.probe_runs_collectives
 
 
 def test_what_each_engine_says(monkeypatch):
@@ -79,6 +81,8 @@ def test_what_each_engine_says(monkeypatch):
     assert "out of memory under DeepSpeed" in ds.no_rerun_reason
     assert ds.probe_before_train(16).endswith("target_batch_size=16.")
     assert plain.probe_before_train(16) is None and not plain.probes_through_engine
+    # the probe steps the model itself before accelerate wraps it: no collective in a step, each rank searches alone
+    assert not any(e.probe_runs_collectives for e in (plain, ddp, fsdp, ds))
     # one rank may forward alone in evaluation: one process, or no collectives in forwards
     assert plain.evaluates_alone(True) and ddp.evaluates_alone(False) and not ddp.evaluates_alone(True)
     assert not fsdp.evaluates_alone(False) and Fsdp(trainers[4]).evaluates_alone(False)

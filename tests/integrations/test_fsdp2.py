@@ -57,7 +57,7 @@ def test_load_time_fsdp2_matches_ddp_and_the_meter_and_probe_count_local_shards(
         assert res["local_shard_bytes"] < sum(p.numel() * 8 for p in start.values())
         # the probe's figure: every measured step starts from this rank's weights, zeroed gradient shards and
         # AdamW state shards, counted here after one real step by the storages behind the local shards
-        assert res["probe_baselines"] and set(res["probe_baselines"]) == {res["counted_step_bytes"]}
+        assert res["probe_local_baselines"] and set(res["probe_local_baselines"]) == {res["counted_step_bytes"]}
         assert res["counted_step_bytes"] < res["unsharded_step_bytes"]
         ddp, fsdp = res["ddp"], res["fsdp2"]
         num = sum(float(((fsdp[n] - start[n]) - (ddp[n] - start[n])).pow(2).sum()) for n in start)
@@ -70,7 +70,13 @@ def test_load_time_fsdp2_matches_ddp_and_the_meter_and_probe_count_local_shards(
         assert res["untouched_by_refusal"]
         assert "cannot be resumed" in res["stop_advice"] and "resume_from_checkpoint" not in res["stop_advice"]
     assert ranks[0]["plan"] == ranks[1]["plan"]
-    assert ranks[0]["probe_baselines"] != ranks[1]["probe_baselines"], "each rank measured its own shards"
+    assert ranks[0]["probe_local_baselines"] != ranks[1]["probe_local_baselines"], "each rank measured its own shards"
+    # every probe step all-gathers, so every rank ran the same trials on the largest figures over the ranks
+    # (probing/agreed.py): the search read the larger rank's baseline on both
+    largest = max(res["counted_step_bytes"] for res in ranks)
+    for res in ranks:
+        assert set(res["probe_baselines"]) == {largest}
+        assert len(res["probe_baselines"]) == len(ranks[0]["probe_baselines"])
     # what a stop writes: the weights (gathered) and the state, never an optimizer file that could not be loaded
     files = ranks[0]["checkpoint_files"]
     assert "model.safetensors" in files and "trainer_state.json" in files and "optimizer.pt" not in files

@@ -4,9 +4,10 @@ The real thing, through DeepSpeed on two ranks, is in tests/integrations/test_de
 
 import pytest
 
-from hf_accum.probing.engine import AgreedMeter, smallest
+from hf_accum.probing.agreed import AgreedMeter, smallest
 from hf_accum.probing.loop import probe_micro_batches
 from hf_accum.probing.meters import FakeMeter
+from hf_accum.probing.probe import probe_model
 from hf_accum.window.protocol import StopTraining
 
 MiB = 2**20
@@ -17,15 +18,16 @@ class PeerCollective:
 
     world = 2
 
-    def __init__(self, mine: FakeMeter, peer):
-        self.mine, self.peer = mine, peer
+    def __init__(self, mine: FakeMeter, peer, peer_limits=None):
+        self.mine, self.peer, self.peer_limits = mine, peer, peer_limits
         self.exchanges: list[tuple[int, ...]] = []
         self.announced: list[str] = []
 
     def max_of(self, values):
         self.exchanges.append(tuple(values))
-        if len(values) != 5:  # the budget and limit: the peer's equal here
-            return tuple(values)
+        if len(values) != 5:  # the budget and limit (negated: `smallest`): the peer's equal unless given
+            return tuple(values) if self.peer_limits is None else tuple(
+                max(v, -p) for v, p in zip(values, self.peer_limits))
         peer = (int(self.peer(self.mine.calls[-1])), -1, 0, 0, 0)
         return tuple(max(a, b) for a, b in zip(values, peer))
 
@@ -54,6 +56,42 @@ def test_each_rank_searches_the_largest_figures_over_the_ranks(mine, peer):
     expected = _trials(FakeMeter(lambda m: max(mine(m), peer(m)), 10**12))
     assert agreed == expected
     assert len(collective.exchanges) == len(meter.calls) == len(expected[0])  # one exchange per measured trial
+
+
+def _probed(meter, budget, collective=None):
+    from tests.exactness import tiny_llama
+
+    result, plan = probe_model(tiny_llama(), seq_len=8, target_batch_size=16, budget_bytes=budget, meter=meter,
+                               collective=collective)
+    return [(t.micro_batch_size, t.peak_bytes, t.status) for t in result.trials], plan.micro_batch_size
+
+
+@pytest.mark.parametrize("peer_budget", [100 * MiB, 80 * MiB])
+def test_a_model_sharded_in_place_is_probed_in_lockstep_on_the_worse_ranks_figures(peer_budget):
+    """`probe_model(collective=...)` (FSDP2: every probe step all-gathers): one exchange agrees the budget and the
+    limit (the smallest), then one per measured trial (the largest peak); every rank runs the trials the worse
+    rank's search runs. Here the peer holds 4 MiB more from micro-batch 2 on: searched alone, this rank would stop
+    after three trials while the peer ran a fourth, all-gathering for a forward no other rank runs (the hang
+    tests/integrations/test_fsdp2.py met)."""
+    mine = lambda m: 10 * MiB + 5 * MiB * m  # noqa: E731
+    peer = lambda m: mine(m) + (4 * MiB if m > 1 else 0)  # noqa: E731
+    meter = FakeMeter(mine, 10**12)
+    collective = PeerCollective(meter, peer, peer_limits=(peer_budget, 10**12))
+    agreed = _probed(meter, 100 * MiB, collective)
+    expected = _probed(FakeMeter(lambda m: max(mine(m), peer(m)), 10**12), min(peer_budget, 100 * MiB))
+    assert agreed == expected
+    alone = _probed(FakeMeter(mine, 10**12), 100 * MiB)
+    assert len(alone[0]) < len(agreed[0])  # searched alone, this rank would leave the search first
+    assert collective.exchanges[0] == (-100 * MiB, -(10**12))  # the budget and the limit, first and once
+    assert len(collective.exchanges) == 1 + len(meter.calls)  # then one per measured trial
+
+
+def test_one_rank_probes_alone_whatever_collective_it_is_given():
+    meter = FakeMeter(lambda m: 10 * MiB + 5 * MiB * m, 10**12)
+    collective = PeerCollective(meter, lambda m: 0)
+    collective.world = 1
+    assert _probed(meter, 100 * MiB, collective) == _probed(FakeMeter(meter.memory, 10**12), 100 * MiB)
+    assert collective.exchanges == []
 
 
 def test_an_out_of_memory_error_stops_every_rank_with_what_to_set():
@@ -145,3 +183,44 @@ def test_an_out_of_memory_error_at_micro_batch_one_names_the_buffers_where_they_
     with pytest.raises(StopTraining, match=r"micro-batch 1 through DeepSpeed ZeRO-2.*; DeepSpeed's own communication"):
         probe_micro_batches(lambda micro: None, agreed, 100 * MiB, 16, must_resolve=[1, 2, 4, 8, 16])
     assert collective.announced and "zero_optimization" in collective.announced[0]
+
+
+class EqualPeers:
+    """Ranks that measure what this one measures: each exchange recorded, each value returned as given."""
+
+    world = 2
+
+    def __init__(self):
+        self.exchanges: list[tuple[int, ...]] = []
+
+    def max_of(self, values):
+        self.exchanges.append(tuple(values))
+        return tuple(values)
+
+    def announce_stop(self, reason):
+        raise AssertionError(f"no rank stops here: {reason}")
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["sharded in place", "each rank alone"])
+def test_the_trainer_probes_in_lockstep_where_its_engine_says_the_probe_steps_run_collectives(tmp_path, in_place,
+                                                                                             monkeypatch):
+    """`tuning.measure` hands the probe the trainer's collective where `Engine.probe_runs_collectives` (FSDP2's
+    model sharded in place: `engines/fsdp.py`), and none elsewhere (DDP probes the unwrapped model)."""
+    from hf_accum.tiny import build_tokenizer
+    from tests.conftest import sft_trainer
+
+    trainer = sft_trainer(build_tokenizer(), output_dir=str(tmp_path), target_batch_size=16,
+                          memory_budget_bytes=8 * MiB, max_steps=1)
+    peers = EqualPeers()
+    monkeypatch.setattr(trainer.engine, "probe_runs_collectives", in_place)
+    monkeypatch.setattr(trainer, "_collective", lambda: peers)
+    plan = trainer.tune()
+    measured = [t for t in trainer.probe_result.trials if t.peak_bytes is not None]
+    stored, *probe = peers.exchanges
+    assert stored == (0, 0)  # every rank says whether it found a stored plan (`tuning.agreed_stored`), as before
+    if in_place:  # the budget and the limit once, then one exchange per measurement (each trial, each loss kernel)
+        assert probe[0][0] == -8 * MiB and all(len(e) == 5 for e in probe[1:])
+        assert [t.peak_bytes for t in measured] == [e[0] for e in probe[1:1 + len(measured)]]
+    else:
+        assert probe == []
+    assert plan.micro_batch_size > 1 and measured

@@ -96,9 +96,23 @@ def train_mode(src, out, rank):
     # the probe's figure: what each measured step starts with (weights, zeroed gradients, optimizer state)
     model = load(src, True)
     trainer = trainer_for(model, args_for(os.path.join(out, "probe"), auto_tune=True, probe_max_micro_batch=2))
-    plan = trainer.tune()
+    from hf_accum.probing.meters import CpuMeter
+
+    local, measure = [], CpuMeter.measure  # this rank's own figures, before the ranks agree on the largest
+
+    def recorded(self, fn, **kwargs):
+        m = measure(self, fn, **kwargs)
+        local.append(m.baseline_bytes)
+        return m
+
+    CpuMeter.measure = recorded
+    try:
+        plan = trainer.tune()
+    finally:
+        CpuMeter.measure = measure
     result["plan"] = plan.to_dict()
     result["probe_baselines"] = [t.baseline_bytes for t in trainer.probe_result.measured_trials]
+    result["probe_local_baselines"] = local
     optimizer = trainer.create_optimizer()  # the optimizer class and settings the probe stepped
     batch = pad_collate(lm_examples(2, seed=1))
     model(**batch).loss.backward()

@@ -10,7 +10,8 @@ module (`ddp.py`, `fsdp.py`, `deepspeed.py`) overrides only what differs. It cov
 - the window protocol's policy (`window_policy`) and whether one rank may forward alone in evaluation
   (`evaluates_alone`, `measures_eval_batch`);
 - probing through the engine: `probes_through_engine` and what the probe needs of the live engine
-  (`live_model`, `set_live_batch`, `state_restored`, `buffers`);
+  (`live_model`, `set_live_batch`, `state_restored`, `buffers`); `probe_runs_collectives` where the probe's steps
+  of the model itself do (a model sharded in place), so that every rank runs the same trials;
 - the batch the engine is built with (`check_plan` before it changes, `plan_applied` after);
 - saving and restoring state: `own_optimizer_files`, `resumable`, `checkpoints_optimizer`;
 - its label in plans and plan keys (`label`).
@@ -30,6 +31,7 @@ class Engine:
     label: str | None = None  # how plans and plan keys name the engine ("DeepSpeed ZeRO-3"); None: DDP or one process
     steps_in_backward = False  # the engine takes the optimizer step inside the window's last backward
     probes_through_engine = False  # the probe runs real steps through the engine `train()` builds, at the first window
+    probe_runs_collectives = False  # the probe's steps of the model itself run collectives: every rank the same trials
     own_optimizer_files = False  # checkpoints hold the engine's own optimizer files, not the Trainer's
     resumable = True  # a checkpoint of this run can be resumed exactly
     checkpoints_optimizer = True  # transformers can checkpoint the optimizer state

@@ -14,6 +14,8 @@ class Fsdp(Engine):
         super().__init__(trainer)
         sharded_at_load = parallel.sharded_at_load(trainer.model)
         self.resumable = self.checkpoints_optimizer = not sharded_at_load
+        # sharded in place, the model all-gathers in every forward of the probe too (accelerate's wrapper comes later)
+        self.probe_runs_collectives = sharded_in_place(trainer.model)
 
     def no_sync(self, model):
         # FSDP2 applied at load time is no accelerate wrapper: its switch is on the model itself.
@@ -25,10 +27,14 @@ class Fsdp(Engine):
         return Policy.STOP
 
 
+def sharded_in_place(model) -> bool:
+    """Parameters sharded in place: FSDP2's `fully_shard`, transformers' sharding at load, DTensors."""
+    return parallel.is_fsdp2(model) or parallel.sharded_at_load(model) or parallel.has_dtensors(model)
+
+
 def runs(trainer) -> bool:
     """FSDP runs this trainer: accelerate's FSDP, or parameters sharded in place (FSDP2, sharded at load: DTensors)."""
-    return (parallel.accelerate_fsdp(trainer) or parallel.is_fsdp2(trainer.model)
-            or parallel.sharded_at_load(trainer.model) or parallel.has_dtensors(trainer.model))
+    return parallel.accelerate_fsdp(trainer) or sharded_in_place(trainer.model)
 
 
-__all__ = ["Fsdp", "runs"]
+__all__ = ["Fsdp", "runs", "sharded_in_place"]
