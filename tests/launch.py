@@ -77,15 +77,17 @@ def _forkserver():
     return _context
 
 
-def _rank_main(script, argv, env, out_path, err_path):
+def _rank_main(script, argv, env, out_path, err_path, cwd=None):
     """One rank: its output to its two files (file descriptors, so C++ output too), ``env`` as its environment,
-    ``script`` run as ``python script argv...`` would run it."""
+    ``script`` run as ``python script argv...`` would run it (in ``cwd`` if given)."""
     for fd, path in ((1, out_path), (2, err_path)):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(opened, fd)
         os.close(opened)
     os.environ.clear()
     os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a launch that times out asks where each rank is
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(script))
@@ -106,7 +108,7 @@ def _rank_main(script, argv, env, out_path, err_path):
     os._exit(code)
 
 
-def launch(script, *argv, nproc=2, timeout=600, env=None) -> subprocess.CompletedProcess:
+def launch(script, *argv, nproc=2, timeout=600, env=None, cwd=None) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node NPROC tests/workers/SCRIPT ARGV...`` without torchrun (module doc); nproc=None
     runs ``python SCRIPT ARGV...`` (one process, no torchrun variables). Returns what `subprocess.run` would:
     returncode 0 if every rank exited 0, else 1 (torchrun's), and every rank's stdout and stderr, rank by rank.
@@ -123,7 +125,7 @@ def launch(script, *argv, nproc=2, timeout=600, env=None) -> subprocess.Complete
         for rank in range(nproc or 1):
             own = base if not nproc else {**base, **torchrun_env(rank, nproc, store.port, tmp)}
             files = os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")
-            proc = context.Process(target=_rank_main, args=(path, argv, own, *files), name=f"rank{rank}")
+            proc = context.Process(target=_rank_main, args=(path, argv, own, *files, cwd), name=f"rank{rank}")
             proc.start()
             ranks.append((proc, files))
         try:

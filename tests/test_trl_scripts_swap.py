@@ -24,9 +24,24 @@ def test_the_substitution_applies_once_or_names_what_changed():
         swap.swapped_source(text.replace("SFTTrainer(", "Other("), "SFTTrainer", "SFTConfig")
 
 
-@pytest.mark.slow  # four script runs, each mostly imports: ~40 s on 2 idle cores
+def forked(argv, env, cwd, log, timeout):
+    """``python ARGV...`` as `tests.launch` runs a one-process launch: forked from the server that imported torch,
+    transformers, DeepSpeed and hf_accum once, the script run as ``python`` runs it (`runpy`, as ``__main__``). Four
+    fresh interpreters cost this test ~140 CPU-s, mostly imports (py-spy over a README run, 2026-11-29);
+    `scripts/swap/trl_scripts_swap.py` run by hand still starts a fresh one per script."""
+    from tests.launch import launch
+
+    done = launch(argv[0], *argv[1:], nproc=None, timeout=timeout, env=env, cwd=cwd)
+    Path(log).write_text(done.stdout + done.stderr)
+    return done.returncode
+
+
+@pytest.mark.slow  # four script runs
 def test_trl_sft_script_swapped_trains_as_the_plain_one_packed_and_not(tmp_path):
-    results = swap.run_cases(["sft", "sft-packed"], tmp_path, steps=2, timeout=300, jobs=4)
+    from tests.launch import _forkserver
+
+    _forkserver()  # started before the runs' threads ask for it
+    results = swap.run_cases(["sft", "sft-packed"], tmp_path, steps=2, timeout=300, jobs=2, runner=forked)
     print(swap.table(results))
     for r in results:
         for mode in ("plain", "swapped"):

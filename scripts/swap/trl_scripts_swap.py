@@ -97,14 +97,21 @@ def script_copies(work: Path) -> dict[tuple[str, str], Path]:
     return out
 
 
-def run_one(script: Path, flags: list[str], out: Path, log: Path, timeout: int) -> dict:
+def fresh_interpreter(argv: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: int) -> int:
+    """``python ARGV...`` in a fresh interpreter, as a user runs TRL's script: its exit code, its output in ``log``."""
+    with open(log, "w") as f:
+        return subprocess.run([sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                              timeout=timeout).returncode
+
+
+def run_one(script: Path, flags: list[str], out: Path, log: Path, timeout: int, runner=fresh_interpreter) -> dict:
+    """``runner(argv, env, cwd, log, timeout)`` runs ``python ARGV...`` and returns its exit code (the tests fork
+    it from a preloaded server instead: tests/test_trl_scripts_swap.py)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                WANDB_DISABLED="true", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     start = time.time()
-    with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, str(script), *flags, "--output_dir", str(out)], stdout=f,
-                            stderr=subprocess.STDOUT, env=env, cwd=out.parent, timeout=timeout).returncode
+    rc = runner([str(script), *flags, "--output_dir", str(out)], env, out.parent, log, timeout)
     states = sorted(out.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
     history = json.loads(states[-1].read_text())["log_history"] if states else []
     return {"rc": rc, "seconds": time.time() - start, "saved": any(out.glob("*.safetensors")),
@@ -131,8 +138,10 @@ def compare(plain: dict, swapped: dict) -> tuple[float | None, bool]:
     return worst, ok
 
 
-def run_cases(cases: list[str], work: Path, steps: int = 3, timeout: int = 600, jobs: int = 2) -> list[dict]:
-    """Every case plain and swapped, ``jobs`` script runs at a time (each is mostly imports)."""
+def run_cases(cases: list[str], work: Path, steps: int = 3, timeout: int = 600, jobs: int = 2,
+              runner=fresh_interpreter) -> list[dict]:
+    """Every case plain and swapped, ``jobs`` script runs at a time (each is mostly imports), each by ``runner``
+    (`run_one`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     paths = prepare(work)
@@ -143,7 +152,8 @@ def run_cases(cases: list[str], work: Path, steps: int = 3, timeout: int = 600, 
             flags = flags_for(case, paths, steps)
             for mode, extra in (("plain", []), ("swapped", ["--target_batch_size", "8"])):
                 runs[case, mode] = pool.submit(run_one, scripts[CASES[case][0], mode], [*flags, *extra],
-                                               work / f"out-{case}-{mode}", work / f"{case}-{mode}.log", timeout)
+                                               work / f"out-{case}-{mode}", work / f"{case}-{mode}.log", timeout,
+                                               runner)
     results = []
     for case in cases:
         plain, swapped = runs[case, "plain"].result(), runs[case, "swapped"].result()
