@@ -78,8 +78,11 @@ def batch(tok, n=2):
 
 
 def args(tmp_path, **kw):
+    # probe_from_estimate=False here and below: the seed says only where the search starts (tests/probing/
+    # test_estimate_quantized.py tests the 4-bit estimate); a 4-bit base's estimate costs seconds of fake steps
     return AccumTrainingArguments(**{**dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no",
-                                            disable_tqdm=True, per_device_train_batch_size=2, seed=0), **kw})
+                                            disable_tqdm=True, per_device_train_batch_size=2, seed=0,
+                                            probe_from_estimate=False), **kw})
 
 
 # --- the mechanism, pinned: fails when bitsandbytes changes it --------------------------------------------------
@@ -264,7 +267,7 @@ def sft_trainer(tmp_path, tok):
     def make(kw):
         config = AccumSFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
                                 disable_tqdm=True, per_device_train_batch_size=2, per_device_eval_batch_size=2,
-                                max_steps=4, learning_rate=1e-2, max_length=64, seed=0, **kw)
+                                max_steps=4, learning_rate=1e-2, max_length=64, seed=0, probe_from_estimate=False, **kw)
         return AccumSFTTrainer(model=qlora(tok), args=config, train_dataset=Dataset.from_list(rows[:24]),
                                eval_dataset=Dataset.from_list(rows[24:]), processing_class=tok)
     return make
@@ -281,7 +284,7 @@ def dpo_trainer(tmp_path, tok):
     def make(kw):
         config = AccumDPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
                                 disable_tqdm=True, per_device_train_batch_size=2, per_device_eval_batch_size=2,
-                                max_steps=4, learning_rate=1e-2, max_length=64, seed=0, beta=0.1,
+                                max_steps=4, learning_rate=1e-2, max_length=64, seed=0, probe_from_estimate=False, beta=0.1,
                                 gradient_checkpointing=False, **kw)
         return AccumDPOTrainer(model=qlora(tok), args=config, train_dataset=Dataset.from_list(rows[:16]),
                                eval_dataset=Dataset.from_list(rows[16:]), processing_class=tok)

@@ -27,8 +27,9 @@ def main():
         name, avg, *mode = run.split(":")
         case = CASES[name]
         model = case.model()
-        # uneven: the tuner plans target 14 (7 per rank) where 3 fit: 3 forwards of 2, 2, 3 per window
-        batch = (dict(target_batch_size=14, probe_max_micro_batch=3) if mode == ["uneven"]
+        # uneven: the tuner plans target 14 (7 per rank) where 3 fit: 3 forwards of 2, 2, 3 per window (the probe
+        # unseeded: the estimate only says where the search starts; ddp_tune_worker.py probes seeded on two ranks)
+        batch = (dict(target_batch_size=14, probe_max_micro_batch=3, probe_from_estimate=False) if mode == ["uneven"]
                  else dict(per_device_train_batch_size=3, gradient_accumulation_steps=2))
         kwargs = dict(
             output_dir=os.path.join(opts.out, run.replace(":", "_")), **batch, num_train_epochs=1, learning_rate=1e-2, max_grad_norm=0.0,
