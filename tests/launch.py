@@ -139,6 +139,60 @@ def launch(script, *argv, nproc=2, timeout=600, env=None, cwd=None) -> subproces
     return subprocess.CompletedProcess([path, *argv], code, stdout, stderr)
 
 
+FORK_SERVICE, FORK_KEY = "HF_ACCUM_TEST_FORK_SERVICE", "HF_ACCUM_TEST_FORK_KEY"
+FORKED = os.path.join(ROOT, "tests", "workers", "forked.py")
+_service = None
+
+
+def fork_service() -> dict:
+    """The variables a process that torchrun starts needs to run its rank as a fork of the preloaded server
+    (`tests/workers/forked.py`, the command torchrun is given: ``python forked.py WORKER ARGS...``): the address and
+    key of a service in this process that forks each rank it is asked for, started on first use. torchrun's agent,
+    its rendezvous and its signals stay real; a rank is a fork, as `launch`'s are, instead of ~10 CPU-s of imports
+    (the two-node test started 8 such interpreters: 160 CPU-s of imports in a py-spy profile of the suite)."""
+    global _service
+    if _service is None:
+        import threading
+        from multiprocessing.connection import Listener
+
+        context = _forkserver()
+        key = os.urandom(16)
+        listener = Listener(family="AF_UNIX", authkey=key)
+        threading.Thread(target=_serve, args=(listener, context), name="fork-service", daemon=True).start()
+        _service = {FORK_SERVICE: listener.address, FORK_KEY: key.hex()}
+    return dict(_service)
+
+
+def _serve(listener, context):
+    import threading
+
+    while True:
+        conn = listener.accept()
+        threading.Thread(target=_serve_one, args=(conn, context), daemon=True).start()
+
+
+def _serve_one(conn, context):
+    """One rank: forked with the environment and directory of the process that asked (torchrun's rank), its pid
+    sent back (that process relays its signals to it), then its exit code and output. If the asking process dies
+    first (torchrun's SIGKILL), the rank is killed too."""
+    with conn, tempfile.TemporaryDirectory(prefix="hf_accum_forked_") as tmp:
+        script, argv, env, cwd = conn.recv()
+        files = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        proc = context.Process(target=_rank_main, args=(script, argv, env, *files, cwd), name="forked")
+        proc.start()
+        conn.send(proc.pid)
+        while proc.exitcode is None:
+            proc.join(0.2)
+            if proc.exitcode is None and conn.poll():  # the asker sends nothing more: readable means it is gone
+                proc.kill()
+                proc.join()
+                return
+        try:
+            conn.send((proc.exitcode, _read(files[0]), _read(files[1])))
+        except OSError:  # the asker is gone
+            pass
+
+
 class LaunchTimeout(subprocess.TimeoutExpired):
     """A launch past its timeout; its message ends with each rank's stderr, which ends with where its threads were
     (faulthandler's stacks, asked for with SIGUSR1 before the ranks are killed): a hang says where it hangs."""

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from hf_accum.config.paths import PLAN_FILE
 from tests.exactness import StepRecorder, max_step_error, reference_run, tiny_gpt2
 from tests.integrations.test_ddp import _free_port
-from tests.launch import ROOT, child_env
+from tests.launch import FORKED, ROOT, child_env, fork_service
 from tests.workers.two_node_worker import STEPS, TARGET
 
 pytestmark = pytest.mark.xdist_group("torchrun")
@@ -29,12 +29,13 @@ STOP_AT = 2
 
 def two_nodes(outs, *argv, timeout=400):
     """Two torchrun launches, one per node folder, joined by c10d rendezvous on a free port: their exit codes and
-    outputs."""
+    outputs. Each rank torchrun starts is forked from the tests' preloaded server (`tests/workers/forked.py`): the
+    agents, their rendezvous and signals are torchrun's own; 8 fresh rank interpreters cost 160 CPU-s of imports."""
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
                                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes",
-                               WORKER, str(out), *map(str, argv)],
-                              env=child_env(KINETO_LOG_LEVEL="3"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               FORKED, WORKER, str(out), *map(str, argv)],
+                              env=child_env(KINETO_LOG_LEVEL="3", **fork_service()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for out in outs]
     try:
         outputs = [p.communicate(timeout=timeout)[0] for p in procs]

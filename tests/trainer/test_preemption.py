@@ -1,6 +1,7 @@
 """Preemption with real signals (float64): SIGTERM mid-run finishes the step in progress, saves a checkpoint with
 its plan, says how to resume and exits 143; resuming in a new process ends with the weights of a run never
-stopped. With two gloo ranks the signal goes to torchrun, which forwards it: both ranks stop after the same step."""
+stopped. With two gloo ranks the signal goes to torchrun, which forwards it: both ranks stop after the same step
+(torchrun's ranks forked from the tests' preloaded server: `tests/workers/forked.py` relays the signal)."""
 
 import json
 import os
@@ -17,7 +18,7 @@ from packaging import version
 from hf_accum.planning.store import PLAN_FILE
 from hf_accum.trainer.resilience.preemption import EXIT_PREEMPTED
 from tests.integrations.test_ddp import _free_port
-from tests.launch import ROOT, child_env, launch
+from tests.launch import FORKED, ROOT, child_env, fork_service, launch
 from tests.workers.preempt_worker import run
 
 # Multi-rank tests (torchrun) run on one pytest-xdist worker under `--dist loadgroup` (tox's oldest env): two
@@ -38,8 +39,10 @@ def forked(*argv):
 
 
 def torchrun(*argv):
+    """torchrun itself (its agent forwards the signal), each of its ranks forked from the launch server
+    (`tests/workers/forked.py`, which relays the signal to it; the environment needs `fork_service`'s variables)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-            WORKER, *map(str, argv)]
+            FORKED, WORKER, *map(str, argv)]
 
 
 def rel(a, b):
@@ -72,7 +75,7 @@ def test_sigterm_checkpoints_then_resume_matches_an_uninterrupted_run(tmp_path):
 def test_two_ranks_stop_after_the_same_step_when_torchrun_is_signalled(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
-    proc = subprocess.Popen(torchrun(a, "marker", 3), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(torchrun(a, "marker", 3), env={**ENV, **fork_service()}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     deadline = time.monotonic() + 240
     while not (a / "marker").exists():
