@@ -33,7 +33,7 @@ def test_each_ranks_estimated_peak_is_within_5_percent_of_real_fsdp2_with_the_sa
                          for m in SIZES}
         errors.update(against_each_rank(tmp_path, case, world, estimated, SIZES))
     print("estimate vs real FSDP2 peak: " + ", ".join(f"{c} rank{r} m{m}: {e:+.2%}" for (c, r, m), e in errors.items()))
-    assert all(abs(e) <= 0.05 for e in errors.values()), errors
+    assert all(abs(e) <= 0.05 for e in errors.values()), {k: e for k, e in errors.items() if abs(e) > 0.04}
 
 
 def against_each_rank(folder, case, world, estimated, sizes):
