@@ -20,8 +20,14 @@ def main() -> None:
                   authkey=bytes.fromhex(os.environ["HF_ACCUM_TEST_FORK_KEY"]))
     conn.send((script, argv, dict(os.environ), os.getcwd()))
     pid = conn.recv()
+    def relay(number, _frame):
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:  # the rank has ended (torchrun ends the others when one stops): its status follows
+            pass
+
     for sig in RELAYED:  # torchrun's forwarded SIGTERM, a test's SIGUSR1 for the stacks: to the rank
-        signal.signal(sig, lambda number, _frame: os.kill(pid, number))
+        signal.signal(sig, relay)
     code, out, err = conn.recv()
     sys.stdout.write(out)
     sys.stderr.write(err)
