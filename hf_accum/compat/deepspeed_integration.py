@@ -164,3 +164,19 @@ def set_deepspeed_batch(trainer, micro: int, accumulation: int) -> None:
     for config in {id(c): c for c in (deepspeed_batch_config(trainer), trainer.args.hf_deepspeed_config.config)}.values():
         config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
                       train_batch_size=engine.train_batch_size())
+
+
+def refuse_zero3_float64(trainer) -> None:
+    """DeepSpeed's ZeRO-3 shards float32, bfloat16 and float16 parameters only (`zero.Init` asserts it when the
+    engine is built). Whether a float64 model gets past that assertion depends on the machine: DeepSpeed 0.18-0.19's
+    `partition_parameters._set_dtype` reads ``dtype or float16 if fp16_supported else bfloat16`` (precedence), so on a
+    CPU whose oneDNN reports no fp16 (no AVX512-FP16 / AMX-FP16) the float64 asked for becomes bfloat16, the
+    assertion passes and the parameters stay float64 beside float32 master weights; on a GPU, or a CPU with fp16, it
+    fails inside `deepspeed.initialize`. Refused everywhere, before any work, naming the fix."""
+    if trainer.model is None or deepspeed_stage(trainer) != 3:
+        return
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
+
+    if any(p.dtype == torch.float64 and not is_zero_param(p) for p in trainer.model.parameters()):
+        raise ValueError("deepspeed: ZeRO-3 cannot shard float64 parameters (DeepSpeed takes float32, bfloat16 or "
+                         "float16): cast the model first (model.float()), or use ZeRO stage 2.")

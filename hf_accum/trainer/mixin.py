@@ -98,8 +98,9 @@ class AccumulationMixin(StepHooks, EvaluationHooks):
         self._eval_cap: int | None = None  # the most units per evaluation forward known to fit, after an OOM
         self._eval_said: set[str] = set()
         self._stop_request = StopRequest()
-        self._parallel = engines.select(self)  # the engine seam: DDP, FSDP, DeepSpeed or one process
-        construction.refuse_unsupported_setups(self)
+        with stopping.refusal_leaves_output_dir(self, starts=False):  # a refused trainer leaves no folder either
+            self._parallel = engines.select(self)  # the engine seam: DDP, FSDP, DeepSpeed or one process
+            construction.refuse_unsupported_setups(self)
         self._skips_nonfinite = self._nonfinite_limit is not None
         construction.adjust_args_copy(self)
         # What happens after each optimizer step and at each checkpoint (`_maybe_log_save_evaluate`,

@@ -6,6 +6,9 @@
   through the engine at the first window), recording the weights when the first optimizer step begins, the
   probe's trials and one real step measured after training. Saves per rank the final full weights, the engine's
   batch fields and step count, the plan and the forwards run.
+Every ZeRO-3 run trains the model in float32 (DeepSpeed's ZeRO-3 shards no float64 parameters: hf_accum refuses a
+float64 model under it, `compat.deepspeed_integration.refuse_zero3_float64`, which the oom mode records); DDP and
+ZeRO-2 train it in float64. The float32 model is the float64 one's initial weights exactly (built in float32, cast).
 Modes joined by commas ("single,defaults") run in turn in one launch.
 - single OUT (one process, no launcher; world 1): the `compat.deepspeed_integration` pieces on a real DeepSpeed setup (the plan filled
   into the config accelerate builds the engine from, a contradicting explicit field refused when a plan is applied,
@@ -53,7 +56,8 @@ class CountForwards:
 
 
 def trainer_for(out, stage=None, max_steps=3, save_steps=None, callbacks=(), micro=2, accumulation=2, tuned=False,
-                zero=None, **kw):
+                zero=None, dtype=None, **kw):
+    """``dtype``: the model's (default float64, float32 under ZeRO-3: see the module docstring)."""
     from accelerate.state import AcceleratorState
     from transformers.trainer_callback import PrinterCallback
 
@@ -71,7 +75,8 @@ def trainer_for(out, stage=None, max_steps=3, save_steps=None, callbacks=(), mic
         disable_tqdm=True, remove_unused_columns=False, ddp_backend="gloo", logging_steps=1,
         deepspeed=ds_config(stage, **(zero or {})) if stage is not None else None, **kw,  # max_nonfinite_steps: default
     )
-    trainer = AccumTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_examples(40, seed=3),
+    dtype = dtype or (torch.float32 if stage == 3 else torch.float64)
+    trainer = AccumTrainer(model=tiny_gpt2(dtype), args=args, train_dataset=lm_examples(40, seed=3),
                            data_collator=pad_collate, callbacks=list(callbacks))
     trainer.remove_callback(PrinterCallback)
     return trainer
@@ -193,8 +198,14 @@ def oom_mode(out, rank):
         message = None
     except ValueError as exc:
         message = str(exc)
+    try:  # a float64 model under ZeRO-3: refused when the trainer is built, before any work
+        trainer_for(os.path.join(out, "float64"), stage=3, dtype=torch.float64)
+        float64 = None
+    except ValueError as exc:
+        float64 = str(exc)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"world_one": message}, f)
+        json.dump({"world_one": message, "zero3_float64": float64,
+                   "left": [d for d in ("world_one", "float64") if os.path.exists(os.path.join(out, d))]}, f)
     trainer = trainer_for(os.path.join(out, "oom"), stage=3)
     if rank == 1:
         OOMAt(trainer.model, [3])

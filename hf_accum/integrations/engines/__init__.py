@@ -11,9 +11,10 @@ from .ddp import Ddp
 
 def select(trainer) -> Engine:
     """The engine that runs ``trainer`` (refusing a launch whose engine would silently differ from the one asked)."""
-    from ...compat import parallel
+    from ...compat import deepspeed_integration, parallel
 
     parallel.refuse_silent_engine_fallback(trainer)
+    deepspeed_integration.refuse_zero3_float64(trainer)
     if deepspeed.runs(trainer):
         return deepspeed.DeepSpeed(trainer)
     if fsdp.runs(trainer):

@@ -122,9 +122,10 @@ def say_stopped(trainer, message: str) -> None:
 
 
 @contextlib.contextmanager
-def refusal_leaves_output_dir(trainer):
+def refusal_leaves_output_dir(trainer, starts: bool = True):
     """A run refused before training leaves output_dir as it found it: the empty folder transformers' __init__
-    made is removed again (nothing else was written: the plan file comes after every check and the probe)."""
+    made is removed again (nothing else was written: the plan file comes after every check and the probe).
+    ``starts=False``: the block passing does not start the run (the trainer's own checks in ``__init__``)."""
     try:
         yield
     except BaseException:
@@ -133,4 +134,5 @@ def refusal_leaves_output_dir(trainer):
             with contextlib.suppress(OSError):  # gone already, or written to since: left as it is
                 os.rmdir(made)
         raise
-    trainer._made_output_dir = None  # the run started: the folder is its own, and a later refusal keeps it
+    if starts:
+        trainer._made_output_dir = None  # the run started: the folder is its own, and a later refusal keeps it
