@@ -280,6 +280,8 @@ CLAIMS: list[tuple[str, str, tuple[str, ...]]] = [
      (T + "probing/test_engine_probe.py::test_each_rank_searches_the_largest_figures_over_the_ranks",)),
     ("scaling.md", "(refused: set them `\"auto\"`)",
      (T + "integrations/test_deepspeed.py::test_auto_tune_under_deepspeed_refuses_fields_it_chooses",)),
+    ("development.md", "the library now refuses a float64 model under ZeRO-3 when the trainer is built",
+     (T + "integrations/test_deepspeed.py::test_oom_under_zero3_stops_every_rank_and_use_cpu_false_is_refused",)),
     ("scaling.md", "A float64 model under ZeRO-3 is refused when the trainer is built",
      (T + "integrations/test_deepspeed.py::test_oom_under_zero3_stops_every_rank_and_use_cpu_false_is_refused",)),
     ("scaling.md", "`trainer.tune()` before `train()` is refused under DeepSpeed",
