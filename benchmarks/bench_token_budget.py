@@ -24,8 +24,12 @@ tokens (measured as below), so "samples" fits 4 worst-case rows; then
 - both modes train 4 optimizer steps under the CPU meter: peak (tensor bytes, weights, gradients and optimizer
   state included) vs the budget.
 
+Part 4 (only with ``--part 4``; a diagnostic of the step-time model): one window of 64 equal rows cut into 1, 2, 4, 8
+and 16 forwards, trained through AccumTrainer beside the probe's bare step: what one forward more costs at each size.
+
     python benchmarks/bench_token_budget.py           # parts 1-3, about 15 minutes on 2 CPU cores
     python benchmarks/bench_token_budget.py --part 3
+    python benchmarks/bench_token_budget.py --part 4  # about 2 minutes
 """
 
 import dataclasses
@@ -378,17 +382,96 @@ def part3():
         print(f"training peak ({mode}, 4 steps, meter): {peak / 2**20:.1f} MiB = {peak / budget:.3f} x budget")
 
 
+def part4(passes=3, lengths=(32, 128), ks=(1, 2, 4, 8, 16)):
+    """What one forward more costs (issue 57): one window of TARGET rows of equal length (no padding, so only the
+    number of forwards differs), cut into k forwards by the token budget (``max_tokens_per_forward`` = TARGET x
+    length / k), trained through AccumTrainer (least CPU seconds per optimizer step over ``passes`` interleaved runs
+    of 4 steps, the first step left out), beside the probe's bare step (`probe.make_step_fn`, the same rows in k
+    forwards, least of 5). The step-time model charges every forward one fixed cost; this prints what a forward more
+    costs at each size."""
+    import copy
+    import tempfile
+
+    from transformers.trainer_callback import PrinterCallback, TrainerCallback
+
+    from hf_accum import AccumTrainer, AccumTrainingArguments
+    from hf_accum.probing.probe import make_step_fn
+    from tests.exactness import pad_collate, tiny_llama
+
+    steps = 4
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.seconds, self._start = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.process_time() - self._start)
+
+    torch.set_num_threads(1)
+    logging.getLogger("hf_accum").setLevel(logging.ERROR)
+    initial = tiny_llama(max_position_embeddings=512)
+    print(f"\nPart 4: one window of {TARGET} equal rows cut into k forwards (CPU s per optimizer step, 1 thread)")
+    for length in lengths:
+        g = random.Random(length)
+        data = [{"input_ids": ids, "labels": ids} for ids in
+                ([g.randint(1, 96) for _ in range(length)] for _ in range(TARGET * steps))]
+
+        def trained(k, data=data, length=length):
+            with tempfile.TemporaryDirectory() as out:
+                args = AccumTrainingArguments(
+                    output_dir=out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=TARGET // MICRO,
+                    target_batch_size=TARGET, auto_tune=False, micro_batching="tokens",
+                    max_tokens_per_forward=TARGET * length // k, max_steps=steps, learning_rate=1e-3,
+                    max_grad_norm=0.0, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+                    remove_unused_columns=False, log_level="error", check_accumulation=False,
+                    levers="loss_kernel=torch")
+                trainer = AccumTrainer(model=copy.deepcopy(initial), args=args, train_dataset=data,
+                                       data_collator=pad_collate)
+                trainer.remove_callback(PrinterCallback)
+                timer = StepTimer()
+                trainer.add_callback(timer)
+                trainer.train()
+                return min(timer.seconds[1:])
+
+        def bare(k, data=data):
+            model = copy.deepcopy(initial)
+            step = make_step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                lambda rows: pad_collate(data[:rows]))
+            step(TARGET)
+            best = math.inf
+            for _ in range(5):
+                start = time.process_time()
+                step(TARGET, forwards=k)
+                best = min(best, time.process_time() - start)
+            return best
+
+        runs = {k: math.inf for k in ks}
+        for p in range(passes):
+            for k in (ks if p % 2 == 0 else ks[::-1]):
+                runs[k] = min(runs[k], trained(k))
+        plain = {k: bare(k) for k in ks}
+        print(f"length {length}: " + "; ".join(f"k={k}: training {runs[k]:.4f}, bare {plain[k]:.4f}" for k in ks))
+        top = ks[-1]
+        print(f"  a forward more, k=1 -> {top}: training {(runs[top] - runs[1]) / (top - 1) * 1e3:.1f} ms, bare "
+              f"{(plain[top] - plain[1]) / (top - 1) * 1e3:.1f} ms; k=1 -> 2: training "
+              f"{(runs[2] - runs[1]) * 1e3:.1f} ms, bare {(plain[2] - plain[1]) * 1e3:.1f} ms")
+
+
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", type=int, choices=(1, 2, 3))
+    parser.add_argument("--part", type=int, choices=(1, 2, 3, 4))
     parser.add_argument("--kernel", default="torch", help="part 2's loss kernel: a name, or 'auto' (chosen with "
                         "the token budget by whole steps)")
     parser.add_argument("--passes", type=int, default=5, help="part 2: runs of each cut, the least kept")
     parsed = parser.parse_args()
     chosen = parsed.part
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    for number, part in ((1, part1), (2, lambda: part2(passes=parsed.passes, kernel=parsed.kernel)), (3, part3)):
-        if chosen in (None, number):
+    for number, part in ((1, part1), (2, lambda: part2(passes=parsed.passes, kernel=parsed.kernel)), (3, part3),
+                         (4, part4)):
+        if chosen in (None, number) and (number != 4 or chosen == 4):  # part 4 (a diagnostic) only when asked
             part()
