@@ -133,6 +133,25 @@ def peak_of(model, rows, length, vocab):
         return meter.measure(trainer.train).peak_bytes
 
 
+def step_timer():
+    """A Trainer callback holding the CPU seconds of each optimizer step (``.seconds``), from the Trainer's step
+    beginning (the window's first batch is loaded after it) to its end (after the optimizer step). Built on first
+    use: part 1 imports no transformers."""
+    from transformers.trainer_callback import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.seconds, self._start = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.process_time() - self._start)
+
+    return StepTimer()
+
+
 def part2(passes=5, kernel="torch"):
     """The tokens-mode probe of the tiny float64 Llama (memory budget halfway between real steps of 4 and 5 rows x
     512, levers pinned off so that only the cut differs) gives the token budget and the step-time model; then the
@@ -150,25 +169,12 @@ def part2(passes=5, kernel="torch"):
     import tempfile
     from unittest import mock
 
-    from transformers.trainer_callback import PrinterCallback, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from hf_accum.planning import planner
     from hf_accum.window import token_budget as tb
     from tests.exactness import StepRecorder, max_relative_error, pad_collate, tiny_llama
-
-    class StepTimer(TrainerCallback):
-        """CPU seconds of each optimizer step, from the Trainer's step beginning (the window's first batch is
-        loaded after it) to its end (after the optimizer step)."""
-
-        def __init__(self):
-            self.seconds, self._start = [], None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.process_time()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.seconds.append(time.process_time() - self._start)
 
     torch.set_num_threads(1)  # the probe's step times and the runs' alike
     data = tiny_data()
@@ -237,7 +243,7 @@ def part2(passes=5, kernel="torch"):
             trainer = AccumTrainer(model=model, args=args, train_dataset=data, data_collator=pad_collate,
                                    callbacks=[recorder])
             trainer.remove_callback(PrinterCallback)
-            timer = StepTimer()
+            timer = step_timer()
             trainer.add_callback(timer)
             trainer.train()
             seconds = list(timer.seconds)
@@ -392,23 +398,13 @@ def part4(passes=3, lengths=(32, 128), ks=(1, 2, 4, 8, 16)):
     import copy
     import tempfile
 
-    from transformers.trainer_callback import PrinterCallback, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from hf_accum.probing.probe import make_step_fn
     from tests.exactness import pad_collate, tiny_llama
 
     steps = 4
-
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.seconds, self._start = [], None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.process_time()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.seconds.append(time.process_time() - self._start)
 
     torch.set_num_threads(1)
     logging.getLogger("hf_accum").setLevel(logging.ERROR)
@@ -431,7 +427,7 @@ def part4(passes=3, lengths=(32, 128), ks=(1, 2, 4, 8, 16)):
                 trainer = AccumTrainer(model=copy.deepcopy(initial), args=args, train_dataset=data,
                                        data_collator=pad_collate)
                 trainer.remove_callback(PrinterCallback)
-                timer = StepTimer()
+                timer = step_timer()
                 trainer.add_callback(timer)
                 trainer.train()
                 return min(timer.seconds[1:])
