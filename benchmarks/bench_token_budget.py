@@ -7,7 +7,7 @@ Part 1 (pure, every window of one epoch in the sampler's order): forwards per op
 tokens for "samples" (micro 4, each micro-batch padded to its longest), "tokens" (padded rows sorted and cut
 under the budget: the fewest forwards, and the padding rule of a plan without step times, more while a window pads more than 1.10 tokens per real
 one) and "tokens" on padding-free rows. Part 2 (a tiny float64 Llama, 6 windows): the tokens-mode probe
-gives the token budget and the step-time model (`token_budget.fit_step_time`); then every candidate cut (a number of
+gives the token budget and the step-time model (`step_time.fit_step_time`); then every candidate cut (a number of
 forwards per window, the fewest to "samples" mode's count), the planner's choice, the padding rule and "samples" mode
 are trained through AccumTrainer from the same weights: forwards and padded/real tokens per step as the model saw
 them, the modelled and the measured CPU seconds per optimizer step side by side, and the largest relative difference
@@ -173,6 +173,7 @@ def part2(passes=5, kernel="torch"):
 
     from hf_accum import AccumTrainer, AccumTrainingArguments
     from hf_accum.planning import planner
+    from hf_accum.window import step_time
     from hf_accum.window import token_budget as tb
     from tests.exactness import StepRecorder, max_relative_error, pad_collate, tiny_llama
 
@@ -193,7 +194,7 @@ def part2(passes=5, kernel="torch"):
         probe_s = time.perf_counter() - start
         plan = prober.plan
         timed = prober.probe_result.extra["token_budget"]["step_times"]
-        two_forwards = prober.probe_result.extra["token_budget"]["step_times_two_forwards"]
+        optimizer = prober.probe_result.extra["token_budget"]["optimizer_step_seconds"]
         del prober
     budget = tb.plan_budget(plan)
     st = plan.step_time
@@ -205,12 +206,14 @@ def part2(passes=5, kernel="torch"):
               f"modelled {record.get('step_seconds', {}).get(name, float('nan')):.3f} s/step"
               + (" (chosen)" if name == record["kernel"] else ""))
     kernel_in_force = record.get("kernel", kernel)  # the runs train with the plan's kernel
-    print(f"timed steps (s): {timed}; the largest fit in two forwards: {two_forwards}")
+    print(f"timed steps of one forward (s): {timed}; the optimizer's step alone: {optimizer}")
     if st is None:
         print("no step-time model: the planner cuts by the padding rule")
         return
-    print(f"step-time model: a forward {st['forward_seconds']:.4f} s + per padded token "
-          + ", ".join(f"{float(v) * 1e6:.2f} us at {k}" for k, v in st["token_seconds"].items()))
+    print(f"step-time model: the optimizer's step {st['optimizer_seconds']:.4f} s; a forward (s) by length and rows: "
+          + "; ".join(f"{k}: " + ", ".join(f"{r} {v:.4f}" for r, v in by_rows.items())
+                      for k, by_rows in st["forward_seconds_by_rows"].items()))
+    forwards_model = step_time.Forwards(st)
 
     own = tb.partition_padded
 
@@ -247,7 +250,7 @@ def part2(passes=5, kernel="torch"):
             trainer.add_callback(timer)
             trainer.train()
             seconds = list(timer.seconds)
-        modelled = sum(st["forward_seconds"] + rows * length * tb.token_seconds(st, length) for rows, length in shapes)
+        modelled = STEPS * forwards_model.optimizer + sum(forwards_model.cost(length, rows) for rows, length in shapes)
         real = sum(len(d["input_ids"]) for d in data)
         return recorder, seconds, len(shapes) / STEPS, sum(r * n for r, n in shapes) / real, modelled / STEPS
 

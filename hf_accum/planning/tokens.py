@@ -20,9 +20,9 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
     quadratic term grows), so the largest token count fitting at the longest *and* at the shortest example fits
     every length between: the budget is the smallest of the measured capacities (rows that fit x length) at the
     longest example, the shortest that matters, and one between them. Their three lines make the cost model
-    (`token_budget.cost_model`), by which a length between may hold more rows. The plain steps each probe timed (its
-    largest fit and half of it in one forward, the largest fit in two: `step_timing.py`) give the step-time model
-    (`token_budget.fit_step_time`) by which the window's number of forwards is chosen; without it (a probe that timed
+    (`token_budget.cost_model`), by which a length between may hold more rows. The plain steps each probe timed (one
+    forward from its largest fit down to one row, halving, and the optimizer's step alone: `step_timing.py`) give the
+    step-time model (`step_time.fit_step_time`) by which the window's number of forwards is chosen; without it (a probe that timed
     nothing) the padding rule cuts. Each rank loads its whole window (micro = the per-rank target, accumulation 1);
     the engine cuts it."""
     per_rank = plan.target_batch_size // plan.world_size
@@ -51,8 +51,9 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
     if model is not None:
         trials = [(t, length) for length, r in measured.items() for t in r.measured_trials]
         rows_model = _usable(model, trials, result.budget_bytes, rows_at)
-    timed, two_forwards = _timings(measured, "step_times"), _timings(measured, "step_times_two_forwards")
-    step_time = fit_step_time(timed, two_forwards)
+    timed = _timings(measured, "step_times")
+    optimizer = [s for r in measured.values() if (s := r.extra.get("optimizer_step_seconds"))]
+    step_time = fit_step_time(timed, optimizer)
     tokens = TokenBudget(budget, rows_model, step_time=step_time)
     result.extra["expected"] = _expected_cuts(lengths, per_rank, tokens, result.max_micro_batch_size,
                                               packable=_packable(trainer.model, make_short))
@@ -65,7 +66,7 @@ def token_plan(trainer, plan: Plan, result: ProbeResult, seq_len: int, probe,
                          for t in r.measured_trials],
         "cost_model": model,
         "step_times": _as_json(timed),
-        "step_times_two_forwards": _as_json(two_forwards),  # the same rows as step_times' largest, in two forwards
+        "optimizer_step_seconds": optimizer,  # each probe's optimizer step alone, subtracted from its steps
         "step_time": step_time,
     }
     return Plan(per_rank, 1, plan.world_size, plan.target_batch_size, token_budget=budget,
@@ -122,7 +123,7 @@ def _expected_cuts(lengths: list[int] | None, per_rank: int, budget: TokenBudget
     from ..probing.plan import plan_batch
     from ..window.cuts import near_equal_groups
     from ..window.kernel_budget import data_windows
-    from ..window.token_budget import modelled_seconds, partition_packed, partition_padded, token_seconds
+    from ..window.token_budget import modelled_seconds, packed_seconds, partition_packed, partition_padded
 
     if not lengths:
         return {}
@@ -148,6 +149,5 @@ def _expected_cuts(lengths: list[int] | None, per_rank: int, budget: TokenBudget
         if st is not None:
             out["step_seconds_modelled"] = sum(modelled_seconds(st, w, g) for w, g in zip(windows, tokens)) / len(windows)
             out["padding_free_step_seconds_modelled"] = sum(
-                len(spans) * st["forward_seconds"] + sum(n * token_seconds(st, n) for n in w)
-                for w, spans in zip(windows, packed)) / len(windows)
+                packed_seconds(st, [w[lo:hi] for lo, hi in spans]) for w, spans in zip(windows, packed)) / len(windows)
     return out

@@ -18,6 +18,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+from ..window import step_time as step_model
 from ..window.cuts import forwards_for
 
 
@@ -142,13 +143,10 @@ class Plan:
             if self.token_budget is None or not isinstance(self.token_model, dict) or not keys <= set(self.token_model):
                 raise ValueError(f"inconsistent plan: token_model needs a token_budget and the keys {sorted(keys)}")
         if self.step_time is not None:
-            st = self.step_time
-            per_token = st.get("token_seconds") if isinstance(st, dict) else None
-            if (self.token_budget is None or not isinstance(st.get("forward_seconds"), (int, float))
-                    or st["forward_seconds"] < 0 or not isinstance(per_token, dict) or not per_token
-                    or not all(isinstance(v, (int, float)) and v > 0 for v in per_token.values())):
-                raise ValueError(f"inconsistent plan: step_time={st!r} needs a token_budget, forward_seconds >= 0 "
-                                 "and token_seconds {length: seconds per token > 0}")
+            wrong = step_model.check(self.step_time)
+            if self.token_budget is None or wrong:
+                raise ValueError(f"inconsistent plan: step_time={self.step_time!r} needs a token_budget"
+                                 + (f" and {wrong}" if wrong else ""))
         for name, record in (self.levers or {}).items():
             check_lever_record(name, record)
         if self.target_batch_size % self.world_size:
@@ -200,8 +198,7 @@ class Plan:
         if self.token_budget is not None:
             timed = ""
             if self.step_time is not None:  # what a forward costs beyond its tokens sets how many forwards
-                timed = (f", as many as the least modelled step time (a forward's fixed cost "
-                         f"{self.step_time['forward_seconds']:.3g} s)")
+                timed = f", as many as the least modelled step time ({step_model.describe(self.step_time)})"
             return (f"window {self.micro_batch_size} × world {self.world_size} = {self.target_batch_size}, "
                     f"cut into forwards of at most {self.token_budget} tokens{timed}{on}")
         if not self.even:

@@ -63,15 +63,16 @@ def make_step_fn(
     the peak to plan for.
 
     ``step_fn(micro, forwards=n)``: the same ``micro`` rows cut into ``n`` near-equal forwards, their gradients
-    accumulated, one optimizer step: the same tokens as one forward, a forward's fixed cost more each (a token
-    budget's step-time model times it: `step_timing.py`).
+    accumulated, one optimizer step (benchmarks/bench_token_budget.py part 4 times it). ``step_fn(0)``: the
+    optimizer's step alone, on the zeroed gradients a step leaves (a token budget's step-time model subtracts it
+    from every forward's step: `step_timing.py`).
     """
     fwd = forward or _default_forward
     device_type = next(model.parameters()).device.type
 
     def step_fn(micro: int, forwards: int = 1) -> None:
         model.train()
-        for rows in _near_equal(micro, forwards):
+        for rows in _near_equal(micro, forwards) if micro else ():
             batch = make_batch(rows)
             ctx = (
                 torch.autocast(device_type=device_type, dtype=autocast_dtype)
@@ -185,9 +186,9 @@ def probe_model(
     choose its level (:func:`probe_levels`); the plan then records it, and the caller applies it.
     ``seeder(budget_bytes, meter)``: ``(seed, record)``, an estimate of the largest fit to start the search from and
     what to record of it in ``result.extra["estimate"]`` (`seed.py`; with a lever, a seed per anchor position).
-    ``timed_rows``: also time plain steps at the largest fit and half of it (``result.extra["step_times"]``) and at
-    the largest fit cut into two forwards (``result.extra["step_times_two_forwards"]``), a token budget's step-time
-    model: `step_timing.py`.
+    ``timed_rows``: also time plain steps of one forward from the largest fit down to one row, halving
+    (``result.extra["step_times"]``), and the optimizer's step alone (``result.extra["optimizer_step_seconds"]``), a
+    token budget's step-time model: `step_timing.py`.
     ``after(result, step_fn)``: called last, while the probe's optimizer is still warm (the estimate's further sizes
     step on it instead of warming another: `estimate.every_peak`).
     ``collective``: the ranks, where each probe step runs collectives (a model sharded in place: FSDP2): every rank
@@ -216,7 +217,7 @@ def probe_model(
         plan = _with_level(plan_from_result(result, target_batch_size, world_size), result)
         plan = _with_kernel(plan, result, model, step_fn, meter, budget, lever, autocast_dtype is not None, log)
         if timed_rows:
-            result.extra["step_times"], result.extra["step_times_two_forwards"] = time_rows(
+            result.extra["step_times"], result.extra["optimizer_step_seconds"] = time_rows(
                 result, step_fn, meter, lever, model)
         if after is not None:
             after(result, step_fn)

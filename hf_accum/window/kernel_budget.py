@@ -1,9 +1,9 @@
 """The loss kernel and the token budget chosen together (``micro_batching="tokens"``): pure functions of lengths.
 
 In "tokens" mode a loss kernel changes two things at once: what a forward costs (its step-time model,
-`token_budget.fit_step_time`) and how many tokens a forward may hold (its `TokenBudget`, measured under it). A kernel
+`step_time.fit_step_time`) and how many tokens a forward may hold (its `TokenBudget`, measured under it). A kernel
 faster per forward that holds more memory per token gets a smaller budget, so a window takes more forwards, each
-paying the fixed cost again. So kernels are compared by whole steps: each kernel's budget cuts the same windows of the
+paying what a forward costs beyond its tokens. So kernels are compared by whole steps: each kernel's budget cuts the same windows of the
 user's data as training would (`partition_padded`), and its step-time model gives the modelled seconds per optimizer
 step; the least wins (to the microsecond), the earlier in ``order`` (registration order: a library's before ours)
 on a tie. A kernel

@@ -11,26 +11,32 @@ chunk pads only to its own longest row, and cut into contiguous groups:
    number of forwards), the one with the least padding: a small dynamic programme over the sorted lengths
    (contiguous groups of the sorted rows are optimal: tests/window/test_token_budget.py checks it by brute force);
 3. how many forwards, from the fewest up to as many as equal micro-batches sized for the window's longest row would
-   take ("samples" mode's count): the one whose modelled step time is least (`step_time`: a forward's fixed cost plus
-   a cost per padded token, `fit_step_time` of the probe's timed optimizer steps, stored in the plan with the cost
-   model, so a stored or resumed plan cuts the same window the same way); fewer forwards on a tie. The fixed cost is
-   what one forward more adds to a step of the same rows (timed in one forward and in two), so the optimizer's step,
-   which a window pays once, is not charged to every forward. Every such cut is exact: the loss is
-   normalized over the whole window. A plan without step times (``auto_tune=False``, or a plan file stored before
-   them) keeps the earlier rule: one more forward while the window's padded tokens exceed ``PADDING_TARGET`` (1.10)
-   times its real tokens. (At the fewest forwards a long-tailed window pads ~1.29 tokens per real token,
-   benchmarks/bench_token_budget.py part 1; whether a forward more is worth it depends on what a forward costs beyond
-   its tokens, which only timing says: bench part 2 on CPU measured 5 to 12 forwards within 10% of each other and the
-   fewest (4.8 per step) 27% slower than the fastest.)
+   take ("samples" mode's count): the one whose modelled step time is least (`step_time`, `fit_step_time` of the
+   probe's timed steps, stored in the plan, so a stored or resumed plan cuts the same window the same way); fewer
+   forwards on a tie. The probe times one forward of its largest fit, half of it, a quarter, ... down to one row at
+   each length it measured, and the optimizer's step alone, so a forward of ``rows`` rows padded to ``length``
+   costs what was measured at that size less the optimizer's step (which a window pays once), interpolated
+   between the timed sizes and lengths (`step_time.Forwards`). No single fixed cost per forward describes a forward:
+   cutting a large forward in two costs about nothing where smaller forwards run faster per token, and each forward
+   more of a few rows costs milliseconds (benchmarks/bench_token_budget.py part 4). Every such cut is exact: the
+   loss is normalized over the whole window. A plan without step times (``auto_tune=False``, or a plan file stored
+   before them) keeps the earlier rule: one more forward while the window's padded tokens exceed
+   ``PADDING_TARGET`` (1.10) times its real tokens. A plan file stored with the earlier step-time model (a fixed
+   cost per forward plus a cost per padded token: ``token_seconds``) still cuts by it.
 
 Padding-free rows cost their total tokens (no padding): consecutive sequences are packed greedily.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+from .step_time import Forwards, fit_step_time, modelled_seconds, packed_seconds, token_seconds
+
+__all__ = ["PADDING_TARGET", "TokenBudget", "TooLongForBudget", "candidate_cuts", "cost_model", "fewest_groups",
+           "fit_step_time", "modelled_seconds", "packed_seconds", "padded_tokens", "partition_packed",
+           "partition_padded", "plan_budget", "predicted_peak", "row_cost", "step_time_rule", "token_seconds"]
 
 PADDING_TARGET = 1.10  # a plan without step times: padded / real tokens above which one more forward is taken (step 3)
 
@@ -142,94 +148,6 @@ def step_time_rule(budget: int | TokenBudget) -> str:
     return "time" if isinstance(budget, TokenBudget) and budget.step_time is not None else "padding"
 
 
-def token_seconds(step_time: dict, length: int) -> float:
-    """What one padded token of a row padded to ``length`` costs by ``step_time``: linear between the timed lengths,
-    the nearest one's beyond them."""
-    points = sorted((int(k), v) for k, v in step_time["token_seconds"].items())
-    if length <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if length <= x1:
-            return y0 + (y1 - y0) * (length - x0) / (x1 - x0)
-    return points[-1][1]
-
-
-def modelled_seconds(step_time: dict, lengths: Sequence[int], groups: list[list[int]]) -> float:
-    """What the forwards ``groups`` of rows of ``lengths`` take by ``step_time`` (`fit_step_time`): each its fixed
-    cost plus its padded tokens at their length's cost."""
-    return sum(step_time["forward_seconds"] + len(g) * longest * token_seconds(step_time, longest)
-               for g in groups for longest in [max(lengths[i] for i in g)])
-
-
-def fit_step_time(timed: dict[int, dict[int, float]],
-                  two_forwards: dict[int, dict[int, float]] | None = None) -> dict | None:
-    """A forward's cost from timed optimizer steps (`probing.step_timing`): ``timed[length][rows]`` the seconds of
-    one step of ``rows`` rows padded to ``length`` in one forward, ``two_forwards[length][rows]`` of the same rows
-    cut into two forwards. ``{"forward_seconds": F, "token_seconds": {length: c}}``: a forward of ``r`` rows costs
-    ``F + r x length x c``.
-
-    - A forward's fixed cost ``F``: where the same rows were timed both ways, the two-forward step less the
-      one-forward one (the same tokens, one forward more; the optimizer's step, paid once in both, cancels); over
-      several lengths their median (each is a small difference of two steps' times, and one length's noise can
-      make it negative or double it: bench_token_budget part 2 saw -0.007 s beside 0.007 and 0.010), a negative one
-      taken as 0.
-      Without such a pair (a plan's timings stored before them, or a largest fit of one row, which cannot be
-      cut): as before, the intercept shared by every length's line through its one-forward steps (least squares), a
-      negative one taken as 0; it holds the optimizer's step, which over-states a forward's.
-    - The cost per padded token at each length timed at two or more sizes: its line's slope (with the two-forward
-      pairs, each length's own line, whose intercept holds the optimizer's step; without them, the line through the
-      shared intercept). Never less than a shorter length's (attention makes a token of a longer row dearer; a
-      smaller figure is noise), which keeps the cheapest cuts contiguous in the sorted rows; a length whose slope
-      comes out <= 0 (its steps are mostly fixed cost, and noise hides the rest) takes the least positive one.
-
-    None when no length was timed at two sizes, or no token cost comes out > 0 (no model rather than a wrong one)."""
-    lines = _lines(timed)
-    if not lines:
-        return None
-    extra = _extra_forward_seconds(timed, two_forwards or {})
-    if extra:
-        fixed = max(0.0, statistics.median(extra))
-        slopes = {length: (n * sxy - sx * sy) / (n * sxx - sx * sx) for length, (n, sx, sy, sxx, sxy) in lines.items()}
-    else:
-        fixed = _shared_intercept(lines)
-        slopes = {length: (sxy - fixed * sx) / sxx for length, (_, sx, _, sxx, sxy) in lines.items()}
-    positive = [v for v in slopes.values() if v > 0]
-    if not positive:
-        return None
-    per_token, floor = {}, 0.0
-    for length in sorted(slopes):  # a length whose steps are mostly the fixed cost can time no token cost: the least
-        floor = max(floor, slopes[length] if slopes[length] > 0 else min(positive))
-        per_token[str(length)] = floor
-    return {"forward_seconds": fixed, "token_seconds": per_token}
-
-
-def _lines(timed: dict[int, dict[int, float]]) -> dict[int, tuple]:
-    """``length -> (n, Σx, Σy, Σxx, Σxy)`` over its one-forward steps, x a step's tokens and y its seconds, for each
-    length timed at two or more sizes."""
-    sums = {}
-    for length, by_rows in timed.items():
-        points = [(rows * length, sec) for rows, sec in by_rows.items() if sec and sec > 0]
-        if len({x for x, _ in points}) >= 2:
-            sums[length] = (len(points), sum(x for x, _ in points), sum(y for _, y in points),
-                            sum(x * x for x, _ in points), sum(x * y for x, y in points))
-    return sums
-
-
-def _extra_forward_seconds(timed: dict[int, dict[int, float]],
-                           two_forwards: dict[int, dict[int, float]]) -> list[float]:
-    """What one forward more added to a step of the same rows, for each pair timed both ways (may be < 0: noise)."""
-    return [sec - timed[length][rows] for length, by_rows in two_forwards.items() for rows, sec in by_rows.items()
-            if sec and sec > 0 and timed.get(length, {}).get(rows, 0) > 0]
-
-
-def _shared_intercept(lines: dict[int, tuple]) -> float:
-    """The fixed cost shared by every length's line (setting the derivative of the squared error to 0), >= 0."""
-    n, sy = sum(v[0] for v in lines.values()), sum(v[2] for v in lines.values())
-    denominator = n - sum(sx * sx / sxx for _, sx, _, sxx, _ in lines.values())
-    numerator = sy - sum(sxy * sx / sxx for _, sx, _, sxx, sxy in lines.values())
-    return max(0.0, numerator / denominator) if denominator > 0 else 0.0
-
-
 def _sorted(lengths: Sequence[int]) -> tuple[list[int], list[int]]:
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])  # stable: equal lengths keep their order
     return order, [lengths[i] for i in order]
@@ -242,18 +160,24 @@ def _samples_count(sorted_len: list[int], budget: int | TokenBudget, least: int)
 
 
 class _LeastPadding:
-    """``best[g][i]``: the least padded tokens of the sorted rows ``0..i-1`` in ``g`` groups (inf if none fits), one
-    layer per group count, added as asked; `groups(g)` the cut that reaches it. With a ``weight`` a row padded to a
-    length costs ``weight(length)`` instead of ``length`` (a step-time model's seconds): contiguous groups of the
-    sorted rows stay optimal for any weight that does not fall as the length grows."""
+    """``best[g][i]``: the least cost of the sorted rows ``0..i-1`` in ``g`` groups (inf if none fits), one layer per
+    group count, added as asked; `groups(g)` the cut that reaches it. A group's cost is ``group(length, rows)`` of
+    its longest row's length (the last, sorted) and its rows: by default its padded tokens, ``rows x length``; under
+    a step-time model the modelled seconds of that forward."""
 
-    def __init__(self, sorted_len: list[int], budget: int | TokenBudget, weight=None):
+    def __init__(self, sorted_len: list[int], budget: int | TokenBudget, group=None):
         self.sorted_len, self.budget = sorted_len, budget
-        self.weight = weight or (lambda length: length)  # a row padded to length costs this much
-        # each row's cost and capacity, once: a layer reads them O(n x rows) times, once per window step in training
-        self.row_cost = [self.weight(length) for length in sorted_len]
-        self.fits = [_rows(budget, length) for length in sorted_len]
+        group = group or (lambda length, rows: rows * length)
         n = len(sorted_len)
+        # each row's capacity and the cost of each group it may close, once: a layer reads them O(n x rows) times,
+        # once per window step in training; equal lengths share theirs
+        self.fits = [min(_rows(budget, length), i + 1) for i, length in enumerate(sorted_len)]
+        by_length: dict[int, list[float]] = {}
+        self.costs = []
+        for length, fits in zip(sorted_len, self.fits):
+            known = by_length.setdefault(length, [0.0])
+            known.extend(group(length, rows) for rows in range(len(known), fits + 1))
+            self.costs.append(known)
         self.best = [[0.0] + [float("inf")] * n]
         self.cut = [[0] * (n + 1)]
 
@@ -266,18 +190,16 @@ class _LeastPadding:
         n, prev = len(self.sorted_len), self.best[-1]
         layer, where = [float("inf")] * (n + 1), [0] * (n + 1)
         for i in range(1, n + 1):
-            fits, cost = self.fits[i - 1], self.row_cost[i - 1]  # the group's longest row: the last, sorted
-            for j in range(i - 1, -1, -1):
-                if i - j > fits:
-                    break
-                c = prev[j] + (i - j) * cost
+            fits, costs = self.fits[i - 1], self.costs[i - 1]  # the group's longest row: the last, sorted
+            for j in range(i - 1, max(-1, i - 1 - fits), -1):
+                c = prev[j] + costs[i - j]
                 if c < layer[i]:
                     layer[i], where[i] = c, j
         self.best.append(layer)
         self.cut.append(where)
 
     def groups(self, g: int) -> list[tuple[int, int]]:
-        """The sorted rows' ``[lo, hi)`` bounds of the least-padding cut into ``g`` groups."""
+        """The sorted rows' ``[lo, hi)`` bounds of the least-cost cut into ``g`` groups."""
         n = len(self.sorted_len)
         if self.padded(g) == float("inf"):  # cannot happen for g >= the fewest; a guard against a wrong budget
             raise TooLongForBudget(f"no cut of {n} rows into {g} forwards fits {self.budget} tokens")
@@ -289,11 +211,10 @@ class _LeastPadding:
 
 
 def _table(sorted_len: list[int], budget: int | TokenBudget) -> _LeastPadding:
-    """The cuts by least padding, or under the "time" rule by least modelled seconds of padded tokens."""
+    """The cuts by least padding, or under the "time" rule by least modelled seconds of their forwards."""
     if step_time_rule(budget) != "time":
         return _LeastPadding(sorted_len, budget)
-    step_time = budget.step_time
-    return _LeastPadding(sorted_len, budget, lambda length: length * token_seconds(step_time, length))
+    return _LeastPadding(sorted_len, budget, Forwards(budget.step_time).cost)
 
 
 def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: int | None = None) -> list[list[int]]:
@@ -308,9 +229,8 @@ def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: 
     most = _samples_count(sorted_len, budget, k)
     rule = step_time_rule(budget)
     table = _table(sorted_len, budget)
-    if rule == "time":
-        fixed = budget.step_time["forward_seconds"]
-        k = min(range(k, most + 1), key=lambda g: (g * fixed + table.padded(g), g))  # fewer forwards on a tie
+    if rule == "time":  # each group's cost holds its forward's: the least table entry is the least step
+        k = min(range(k, most + 1), key=lambda g: (table.padded(g), g))  # fewer forwards on a tie
     elif rule == "padding":
         target, real = budget.padding_target if isinstance(budget, TokenBudget) else PADDING_TARGET, sum(sorted_len)
         while k < most and table.padded(k) > target * real:

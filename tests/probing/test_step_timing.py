@@ -39,18 +39,20 @@ def timed(top, seconds):
     return step_timing.time_rows(result(top), step_fn, meter, None, torch.nn.Linear(1, 1)), meter.calls
 
 
-def test_the_largest_fit_is_timed_in_one_forward_and_in_two_and_half_of_it_in_one_fastest_kept():
-    seconds = {(3, 1): [0.5, 0.3, 0.4], (7, 1): [0.9, 0.8, 0.85], (7, 2): [1.0, 0.95, 0.9]}
-    (one, two), calls = timed(7, seconds)
-    assert (one, two) == ({"3": 0.3, "7": 0.8}, {"7": 0.9})  # JSON keys, as result.extra stores them
-    assert calls == [(3, 1), (7, 1), (7, 2)] * step_timing.REPEATS  # in turn: a drift moves all three alike
+def test_one_forward_is_timed_at_every_size_from_the_largest_fit_halving_and_the_optimizer_alone_fastest_kept():
+    assert step_timing.sizes(7) == [1, 3, 7] and step_timing.sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    seconds = {(1, 1): [0.2, 0.1, 0.15], (3, 1): [0.5, 0.3, 0.4], (7, 1): [0.9, 0.8, 0.85], (0, 1): [0.05, 0.04, 0.06]}
+    (one, optimizer), calls = timed(7, seconds)
+    assert (one, optimizer) == ({"1": 0.1, "3": 0.3, "7": 0.8}, 0.04)  # JSON keys, as result.extra stores them
+    # in turn: a drift moves all alike
+    assert calls == [(1, 1), (3, 1), (7, 1), (0, 1)] * step_timing.REPEATS
 
 
-def test_one_row_cannot_be_cut_and_paper_times_nothing():
-    (one, two), calls = timed(1, {(1, 1): [0.2, 0.2, 0.2]})
-    assert (one, two) == ({"1": 0.2}, {}) and (1, 2) not in calls
+def test_one_row_is_timed_at_one_size_and_paper_times_nothing():
+    (one, optimizer), calls = timed(1, {(1, 1): [0.2, 0.2, 0.2], (0, 1): [0.1, 0.1, 0.1]})
+    assert (one, optimizer) == ({"1": 0.2}, 0.1) and set(calls) == {(1, 1), (0, 1)}
     estimate = SimpleNamespace(name="estimate")
-    assert step_timing.time_rows(result(8), lambda rows, forwards=1: None, estimate, None, None) == ({}, {})
+    assert step_timing.time_rows(result(8), lambda rows, forwards=1: None, estimate, None, None) == ({}, None)
 
 
 class CountingSGD(torch.optim.SGD):
@@ -79,3 +81,6 @@ def test_a_step_cut_into_forwards_accumulates_them_into_one_optimizer_step(rows,
     # every row's gradient in the one step (the sum's: d/dw of Σ w·x over the rows is the row count)
     assert torch.allclose(before - model.weight.detach(), torch.full((1, 4), 0.1 * rows))
     assert model.weight.grad is not None and not model.weight.grad.any()  # zeroed, not freed
+    made.clear()
+    step(0)  # the optimizer's step alone: no batch, no forward, one optimizer step on the zeroed gradients
+    assert made == [] and CountingSGD.steps == 2

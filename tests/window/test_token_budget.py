@@ -21,6 +21,7 @@ from transformers.trainer_callback import PrinterCallback
 from hf_accum import AccumTrainer, AccumTrainingArguments
 from hf_accum.levers import kernels
 from hf_accum.probing.plan import plan_batch
+from hf_accum.probing.step_timing import sizes
 from hf_accum.window.kernel_budget import cut_figures, data_windows
 from hf_accum.window.token_budget import (
     PADDING_TARGET,
@@ -37,7 +38,6 @@ from hf_accum.window.token_budget import (
     plan_budget,
     predicted_peak,
     step_time_rule,
-    token_seconds,
 )
 from tests.exactness import (
     StepRecorder,
@@ -336,14 +336,14 @@ def test_the_tuner_measures_a_token_budget_at_the_longest_and_shortest_example(t
     assert plan.token_budget == min(rows * int(length) for length, rows in measured["rows_at"].items())
     assert measured["rows_at"][str(longest)] == measured["rows_at_longest"]
     assert "cut into forwards of at most" in plan.describe()
-    # plain steps timed at two sizes per length make the step-time model the cut reads, stored in the plan
-    # (the fit of those times, not whether it gives a model: on a busy machine noise can leave no token cost > 0)
-    # and the largest fit in two forwards, whose difference from one is a forward's fixed cost
-    assert any(len(by_rows) >= 2 for by_rows in measured["step_times"].values())
-    timed, two = ({int(length): {int(rows): s for rows, s in by_rows.items()} for length, by_rows in measured[key].items()}
-                  for key in ("step_times", "step_times_two_forwards"))
-    assert all(not by_rows or set(by_rows) == {max(timed[length])} for length, by_rows in two.items())
-    assert plan.step_time == fit_step_time(timed, two) == measured["step_time"]
+    # one forward timed at every size from each length's largest fit down to one row, halving, and the optimizer's
+    # step alone, make the step-time model the cut reads, stored in the plan (the fit of those times, not whether it
+    # gives a model: on a busy machine noise can leave no forward cost > 0)
+    timed = {int(length): {int(rows): s for rows, s in by_rows.items()}
+             for length, by_rows in measured["step_times"].items()}
+    assert all(sorted(by_rows) == sizes(measured["rows_at"][str(length)]) for length, by_rows in timed.items())
+    assert measured["optimizer_step_seconds"] and all(s > 0 for s in measured["optimizer_step_seconds"])
+    assert plan.step_time == fit_step_time(timed, measured["optimizer_step_seconds"]) == measured["step_time"]
     if plan.step_time is not None:
         assert "least modelled step time" in plan.describe()
     # the loss kernel and the budget chosen together: the budget measured under each kernel that runs here, and
@@ -430,101 +430,6 @@ def test_check_accumulation_in_tokens_mode_runs_one_forward_not_the_window(tmp_p
     trainer.train()
     result = trainer.check_accumulation(num_micro_batches=2)
     assert result.passed and result.relative_error < 1e-6 and result.one_pass_size < 16
-
-
-def test_a_forwards_cost_is_fitted_from_timed_steps_at_two_sizes_per_length():
-    # 10 ms per step; 10 us per token at 64, 30 us at 512 (attention): each length's line, the median fixed cost
-    timed = {64: {2: 0.01 + 1e-5 * 128, 30: 0.01 + 1e-5 * 1920}, 512: {1: 0.01 + 3e-5 * 512, 4: 0.01 + 3e-5 * 2048},
-             256: {5: 0.2}}  # one size: no line at 256
-    st = fit_step_time(timed)
-    assert st["forward_seconds"] == pytest.approx(0.01)
-    assert st["token_seconds"] == {"64": pytest.approx(1e-5), "512": pytest.approx(3e-5)}
-    assert token_seconds(st, 32) == pytest.approx(1e-5) and token_seconds(st, 1000) == pytest.approx(3e-5)
-    assert token_seconds(st, 288) == pytest.approx(2e-5)  # linear between the timed lengths
-    assert fit_step_time({512: {4: 1.0}}) is None  # one size only: no model, the padding rule cuts
-    assert fit_step_time({512: {2: 1.0, 4: 0.9}}) is None  # slower with fewer tokens: noise, no model
-    # a short length whose steps are all fixed cost (noise hides its tokens' cost) takes the least positive cost
-    flat = fit_step_time({32: {32: 0.36, 64: 0.33}, 512: {2: 0.3 + 1e-4 * 1024, 4: 0.3 + 1e-4 * 2048}})
-    assert flat["token_seconds"]["32"] == flat["token_seconds"]["512"] > 0 and flat["forward_seconds"] > 0.25
-    # a shorter length's dearer token is noise: never cheaper at a longer length (keeps the cut contiguous)
-    assert fit_step_time({64: {1: 1e-3 * 64, 2: 2e-3 * 64}, 512: {1: 1e-4 * 512, 2: 2e-4 * 512}})["token_seconds"] \
-        == {"64": pytest.approx(1e-3), "512": pytest.approx(1e-3)}
-    assert fit_step_time({64: {10: 0.001, 20: 0.003}})["forward_seconds"] == 0.0  # a negative fixed cost: 0
-
-
-def _steps(fixed, optimizer, per_token, length, top):
-    """Synthetic timings of `step_timing.time_rows` at one length, a forward of r rows costing fixed + r x length x
-    per_token and the optimizer's step ``optimizer``: (one forward at top // 2 and top, the top rows in two)."""
-    def f(rows):
-        return fixed + rows * length * per_token
-    one = {top // 2: f(top // 2) + optimizer, top: f(top) + optimizer}
-    return one, {top: f(top // 2) + f(top - top // 2) + optimizer}
-
-
-@pytest.mark.parametrize("fixed, optimizer, top", [
-    (0.016, 0.0, 8), (0.016, 0.5, 8), (0.016, 2.0, 7), (0.0, 0.3, 2), (1e-3, 1e-3, 63)])
-def test_a_forwards_fixed_cost_is_one_forward_more_on_the_same_rows_whatever_the_optimizer_costs(fixed, optimizer,
-                                                                                                    top):
-    # B - A: the same tokens, one forward more; the optimizer's step is in both (an odd top: top // 2 + the rest)
-    one, two = _steps(fixed, optimizer, 2e-5, 64, top)
-    st = fit_step_time({64: one}, {64: two})
-    assert st["forward_seconds"] == pytest.approx(fixed, abs=1e-12)
-    assert st["token_seconds"] == {"64": pytest.approx(2e-5)}  # (A - C) / ((top - top // 2) x length)
-    # the fit of one-forward steps alone charges the optimizer's step to every forward
-    assert fit_step_time({64: one})["forward_seconds"] == pytest.approx(fixed + optimizer)
-
-
-def test_a_two_forward_step_no_slower_than_one_gives_no_fixed_cost():
-    one, two = _steps(0.01, 0.2, 1e-5, 128, 8)
-    st = fit_step_time({128: one}, {128: {8: two[8] - 0.03}})  # B - A = -0.02: noise, taken as 0
-    assert st["forward_seconds"] == 0.0 and st["token_seconds"] == {"128": pytest.approx(1e-5)}
-
-
-@pytest.mark.parametrize("two_forwards", [
-    None,  # a plan's timings stored before the two-forward step
-    {},
-    {512: {}},  # a largest fit of one row cannot be cut: nothing timed in two
-    {512: {4: 0.0}},  # an out-of-memory error: no time
-    {512: {3: 1.0}},  # not the rows timed in one forward: no pair
-    {256: {4: 1.0}},  # a length not timed in one forward
-])
-def test_without_a_two_forward_pair_the_fixed_cost_is_the_shared_intercept_as_before(two_forwards):
-    timed = {64: {2: 0.01 + 1e-5 * 128, 30: 0.01 + 1e-5 * 1920}, 512: {1: 0.01 + 3e-5 * 512, 4: 0.01 + 3e-5 * 2048}}
-    assert fit_step_time(timed, two_forwards) == fit_step_time(timed)
-    assert fit_step_time(timed)["forward_seconds"] == pytest.approx(0.01)
-
-
-def test_several_lengths_take_the_median_of_their_fixed_costs_and_each_its_own_token_cost():
-    # each length timed at its own largest fit, the optimizer's 0.3 s in every step; the fixed costs differ by
-    # noise (10, 40 and 15 ms: their median, not the mean 21.7), the token costs by attention; 512 at one row is
-    # timed at one size only
-    timed, two = {}, {}
-    for length, fixed, per_token, top in ((32, 0.010, 1e-5, 64), (128, 0.040, 2e-5, 16), (256, 0.015, 3e-5, 5)):
-        timed[length], two[length] = _steps(fixed, 0.3, per_token, length, top)
-    timed[512] = {1: 0.4}
-    st = fit_step_time(timed, two)
-    assert st["forward_seconds"] == pytest.approx(0.015)
-    assert st["token_seconds"] == {"32": pytest.approx(1e-5), "128": pytest.approx(2e-5), "256": pytest.approx(3e-5)}
-    # a length timed both ways but at one size in one forward gives a fixed cost and no token cost
-    st = fit_step_time({32: timed[32], 256: {2: 0.3 + 0.025 + 512 * 3e-5}},
-                       {32: two[32], 256: {2: 0.3 + 2 * 0.025 + 512 * 3e-5}})
-    assert st["forward_seconds"] == pytest.approx((0.010 + 0.025) / 2) and set(st["token_seconds"]) == {"32"}
-
-
-def test_with_two_forward_pairs_the_robustness_rules_hold():
-    # a shorter length's dearer token is noise: never cheaper at a longer length
-    lo, lo2 = _steps(0.01, 0.2, 1e-3, 64, 4)
-    hi, hi2 = _steps(0.01, 0.2, 1e-4, 512, 4)
-    st = fit_step_time({64: lo, 512: hi}, {64: lo2, 512: hi2})
-    assert st["token_seconds"] == {"64": pytest.approx(1e-3), "512": pytest.approx(1e-3)}
-    # a length whose steps show no token cost takes the least positive one
-    flat, flat2 = {32: 0.36, 64: 0.33}, {64: 0.34}
-    hi, hi2 = _steps(0.01, 0.3, 1e-4, 512, 4)
-    st = fit_step_time({32: flat, 512: hi}, {32: flat2, 512: hi2})
-    assert st["token_seconds"] == {"32": pytest.approx(1e-4), "512": pytest.approx(1e-4)}
-    # no token cost > 0 anywhere: no model, whatever the fixed cost
-    assert fit_step_time({512: {2: 1.0, 4: 0.9}}, {512: {4: 1.0}}) is None
-    assert fit_step_time({512: {4: 1.0}}, {512: {4: 1.1}}) is None  # one size in one forward: no token cost
 
 
 def timed_budget(tokens, fixed, per_token=1.0, at=None):
