@@ -101,6 +101,14 @@ class Forwards:
                            for length, by_rows in st[SIZED].items()}
             self.rows = {length: [r for r, _ in pts] for length, pts in self.points.items()}
         self.optimizer = float(st.get("optimizer_seconds", 0.0))
+        self._known: dict[int, list[float]] = {}
+
+    def up_to(self, length: int, most: int) -> list[float]:
+        """``[0, cost(length, 1), ..., cost(length, most)]`` (at least): computed once per length and kept, since a
+        run cuts every window by the same model and a window's cut reads each row's list (`token_budget`)."""
+        known = self._known.setdefault(length, [0.0])
+        known.extend(self.cost(length, rows) for rows in range(len(known), most + 1))
+        return known
 
     def cost(self, length: int, rows: int) -> float:
         if not self.sized:

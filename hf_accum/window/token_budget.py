@@ -30,7 +30,7 @@ Padding-free rows cost their total tokens (no padding): consecutive sequences ar
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .step_time import Forwards, fit_step_time, modelled_seconds, packed_seconds, token_seconds
 
@@ -91,6 +91,13 @@ class TokenBudget:
     model: dict | None = None
     padding_target: float | None = PADDING_TARGET  # read without step times; None: the fewest forwards, always
     step_time: dict | None = None  # `fit_step_time`: the number of forwards by the least modelled step time
+    _forwards: Forwards | None = field(default=None, init=False, compare=False, repr=False)
+
+    def forwards(self) -> Forwards:
+        """``step_time`` read (`step_time.Forwards`), once per budget: every window of a run is cut by it."""
+        if self._forwards is None:
+            object.__setattr__(self, "_forwards", Forwards(self.step_time))
+        return self._forwards
 
     def rows(self, length: int) -> int:
         floor = self.tokens // length
@@ -165,19 +172,15 @@ class _LeastPadding:
     its longest row's length (the last, sorted) and its rows: by default its padded tokens, ``rows x length``; under
     a step-time model the modelled seconds of that forward."""
 
-    def __init__(self, sorted_len: list[int], budget: int | TokenBudget, group=None):
+    def __init__(self, sorted_len: list[int], budget: int | TokenBudget, up_to=None):
         self.sorted_len, self.budget = sorted_len, budget
-        group = group or (lambda length, rows: rows * length)
         n = len(sorted_len)
         # each row's capacity and the cost of each group it may close, once: a layer reads them O(n x rows) times,
-        # once per window step in training; equal lengths share theirs
+        # once per window step in training (``up_to(length, most)``: the costs of 0..most rows at ``length``, a
+        # step-time model's kept for the run: `step_time.Forwards.up_to`)
         self.fits = [min(_rows(budget, length), i + 1) for i, length in enumerate(sorted_len)]
-        by_length: dict[int, list[float]] = {}
-        self.costs = []
-        for length, fits in zip(sorted_len, self.fits):
-            known = by_length.setdefault(length, [0.0])
-            known.extend(group(length, rows) for rows in range(len(known), fits + 1))
-            self.costs.append(known)
+        up_to = up_to or (lambda length, most: range(0, (most + 1) * length, length))
+        self.costs = [up_to(length, fits) for length, fits in zip(sorted_len, self.fits)]
         self.best = [[0.0] + [float("inf")] * n]
         self.cut = [[0] * (n + 1)]
 
@@ -214,7 +217,7 @@ def _table(sorted_len: list[int], budget: int | TokenBudget) -> _LeastPadding:
     """The cuts by least padding, or under the "time" rule by least modelled seconds of their forwards."""
     if step_time_rule(budget) != "time":
         return _LeastPadding(sorted_len, budget)
-    return _LeastPadding(sorted_len, budget, Forwards(budget.step_time).cost)
+    return _LeastPadding(sorted_len, budget, budget.forwards().up_to)
 
 
 def partition_padded(lengths: Sequence[int], budget: int | TokenBudget, groups: int | None = None) -> list[list[int]]:
