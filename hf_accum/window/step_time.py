@@ -120,9 +120,7 @@ class Forwards:
         if length >= ls[-1]:
             return self._at(ls[-1], tokens)
         i = bisect.bisect_left(ls, length)
-        lo, hi = ls[i - 1], ls[i]
-        if lo == length:
-            return self._at(lo, tokens)
+        lo, hi = ls[i - 1], ls[i]  # lo < length <= hi
         w = (length - lo) / (hi - lo)
         return (1 - w) * self._at(lo, tokens) + w * self._at(hi, tokens)
 

@@ -1,7 +1,6 @@
 """The step-time model a token budget's window is cut by (hf_accum/window/step_time.py): fitted from the probe's timed
 steps, read between them, and the cut it makes, scored by hand."""
 
-import itertools
 import random
 from dataclasses import replace
 
@@ -19,6 +18,7 @@ from hf_accum.window.token_budget import (
     step_time_rule,
     token_seconds,
 )
+from tests.window.by_hand import contiguous_cuts
 
 
 def sized(optimizer=0.0, **lengths):
@@ -121,17 +121,9 @@ def test_the_sized_rule_is_optimal_by_brute_force():
                 total += (1 - w) * (a[4] + b[4] * tokens) + w * (a[16] + b[16] * tokens)
             return total
 
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
         most = max(fewest_groups(lengths, budget), -(-len(lengths) // (budget // max(lengths))))
         scores = []
-        for cuts in itertools.product([0, 1], repeat=len(order) - 1):
-            groups, cur = [], [order[0]]
-            for c, i in zip(cuts, order[1:]):
-                if c:
-                    groups.append(cur)
-                    cur = []
-                cur.append(i)
-            groups.append(cur)
+        for groups in contiguous_cuts(lengths):
             if all(len(gr) * max(lengths[i] for i in gr) <= budget for gr in groups) and len(groups) <= most:
                 scores.append(by_hand(groups))
         assert by_hand(parts) == pytest.approx(min(scores))

@@ -3,7 +3,6 @@ and cut into the fewest forwards under a token budget — exact against an indep
 the window, or each sequence alone, float64), for padded and padding-free batches, and after an OOM that lowers
 the budget. The partition rule itself is checked by table and by brute force."""
 
-import itertools
 import logging
 import math
 import random
@@ -49,6 +48,7 @@ from tests.exactness import (
     tiny_llama,
 )
 from tests.trainer.test_oom_recovery import OOMAt
+from tests.window.by_hand import contiguous_cuts
 from tests.window.test_padding_free import reference_grads as flat_reference
 
 TORCHRUN = pytest.mark.xdist_group("torchrun")  # the multi-rank tests share one pytest-xdist worker: two
@@ -90,16 +90,8 @@ def test_partition_is_optimal_by_brute_force(kind, target):
         rows = budget.rows if kind == "cost model" else (lambda n, b=budget: b // n)
         parts = partition_padded(lengths, replace(budget, padding_target=target) if kind == "cost model"
                                  else TokenBudget(budget, padding_target=target))
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
         least = {}  # group count -> least padded tokens
-        for cuts in itertools.product([0, 1], repeat=len(order) - 1):
-            groups, cur = [], [order[0]]
-            for c, i in zip(cuts, order[1:]):
-                if c:
-                    groups.append(cur)
-                    cur = []
-                cur.append(i)
-            groups.append(cur)
+        for groups in contiguous_cuts(lengths):
             if all(len(gr) <= rows(max(lengths[i] for i in gr)) for gr in groups):
                 least[len(groups)] = min(least.get(len(groups), 1 << 30), padded_tokens(lengths, groups))
         k = min(least)
@@ -469,18 +461,10 @@ def test_the_time_rule_is_optimal_by_brute_force():
                 total += st["forward_seconds"] + len(gr) * n * (1.0 + (st["token_seconds"]["20"] - 1.0) * (n - 1) / 19)
             return total
 
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
         fewest = fewest_groups(lengths, budget)
         most = max(fewest, -(-len(lengths) // (budget // max(lengths))))
         scores = []
-        for cuts in itertools.product([0, 1], repeat=len(order) - 1):
-            groups, cur = [], [order[0]]
-            for c, i in zip(cuts, order[1:]):
-                if c:
-                    groups.append(cur)
-                    cur = []
-                cur.append(i)
-            groups.append(cur)
+        for groups in contiguous_cuts(lengths):
             if all(len(gr) * max(lengths[i] for i in gr) <= budget for gr in groups) and len(groups) <= most:
                 scores.append(seconds(groups))
         assert seconds(parts) == pytest.approx(min(scores))

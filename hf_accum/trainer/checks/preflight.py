@@ -65,7 +65,9 @@ def check_training_data(trainer) -> None:
         )
     if loss_shifts_labels(trainer.model):
         _check_label_alignment(dataset)
-    if args.micro_batching == "tokens" and not args.tunes:
+    if args.micro_batching == "tokens" and args.max_tokens_per_forward is not None and not args.tunes:
+        # a budget the user gave; one the probe measured (a recipe tunes first, then trains with auto_tune off)
+        # holds the longest example by construction
         _check_token_budget(dataset, args.max_tokens_per_forward)
 
 
