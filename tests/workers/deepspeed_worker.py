@@ -203,6 +203,9 @@ def oom_mode(out, rank):
         float64 = None
     except ValueError as exc:
         float64 = str(exc)
+    # the folder is shared and only rank 0 makes (and removes) it: rank 1 looks once rank 0 has refused too
+    assert torch.distributed.is_initialized(), "the float64 run's arguments set up the process group"
+    torch.distributed.barrier()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"world_one": message, "zero3_float64": float64,
                    "left": [d for d in ("world_one", "float64") if os.path.exists(os.path.join(out, d))]}, f)
