@@ -164,7 +164,8 @@ def estimate_model(build, *, seq_len: int, target_batch_size: int, device_memory
     ``device``: "cpu" (like for like with the probe's CPU meter) or "cuda" (see `CUDA_ASSUMPTIONS`).
     ``device_memory``: the card's memory in bytes; the budget is ``budget_bytes`` or a fraction of it (0.9).
     ``also``: further micro-batch sizes to predict (a comparison with sizes a real probe measured).
-    ``all_peaks=False``: ``peaks`` holds only the sizes the search ran (no further steps: the seed of a real probe).
+    ``all_peaks=False``: ``peaks`` holds only the sizes the search ran and ``also`` (no further steps: the seed of a
+    real probe, or a comparison at the sizes a real probe measured).
     ``optimizer``: AdamW's keywords where they differ from the device's default (e.g. ``{"foreach": True}``).
     ``quantization``: "nf4" or "int8", the base's linear layers as bitsandbytes stores and runs them
     (`paper_quantized.py`; a LoRA model's adapters become peft's bitsandbytes LoRA layers); NF4 computes in
@@ -195,10 +196,11 @@ def estimate_model(build, *, seq_len: int, target_batch_size: int, device_memory
             """Each level's peaks; ``warmed``: the probe's optimizer, still warm (`every_peak` starts from it)."""
             chosen = None if lever is None else result.extra["checkpointing"]["chosen_k"]
             level_peaks = _level_peaks(result, lever, chosen)
-            if all_peaks:
+            if all_peaks or also:
                 level_peaks = {k: _at(lever, k, lambda k=k, known=known: every_peak(
                     model, meter, seq_len, _largest(result, k, chosen), autocast,
-                    also if k == chosen or lever is None else (), device, known, pair_step, task, warmed))
+                    also if k == chosen or lever is None else (), device, known, pair_step, task, warmed,
+                    every=all_peaks))
                     for k, known in level_peaks.items()}
             peaks_of.update(chosen=chosen, level_peaks=level_peaks)
 
@@ -214,7 +216,7 @@ def estimate_model(build, *, seq_len: int, target_batch_size: int, device_memory
                 model, seq_len=seq_len, target_batch_size=target_batch_size, world_size=world_size,
                 budget_bytes=budget_bytes, make_batch=batches(model, seq_len, pair_step, task), autocast_dtype=autocast,
                 max_micro_batch=max_micro_batch, meter=meter, log=log, lever=lever, forward=forward_of(pair_step),
-                optimizer_kwargs=adamw_kwargs(device, optimizer), after=warm if all_peaks else None)
+                optimizer_kwargs=adamw_kwargs(device, optimizer), after=warm if all_peaks or also else None)
             if not peaks_of:
                 peaks(result)
             chosen, level_peaks = peaks_of["chosen"], peaks_of["level_peaks"]
@@ -393,18 +395,20 @@ MEASURE_EVERY_UP_TO = 16  # above this many sizes, the sizes between measured on
 def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest: int,
                autocast: torch.dtype | None, also: tuple[int, ...] = (), device: str = "cpu",
                known: dict[int, int] | None = None, pair_step=None, task: str = "causal_lm",
-               warmed: torch.optim.Optimizer | None = None) -> dict[int, int]:
+               warmed: torch.optim.Optimizer | None = None, every: bool = True) -> dict[int, int]:
     """The predicted peak at every micro-batch 1 .. largest + 1 (the probe measured only the sizes its search
     proposed). Up to `MEASURE_EVERY_UP_TO` sizes each is run; beyond, 1, 2, the probe's sizes and the last two are
     run and those between are interpolated: a step's memory grows linearly with its rows between the sizes measured
     (the estimates of tests/probing/test_estimate.py differ by the same bytes per row from micro 2 on).
     ``warmed``: the probe's optimizer after its steps (the gradients allocated): where its state is the tensors this
     one's warm-up would create (`same_state`), this one starts from them instead of a warm-up step (the steps
-    measured are this optimizer's, on the same live tensors)."""
+    measured are this optimizer's, on the same live tensors).
+    ``every=False``: only the probe's sizes and ``also``, nothing between them."""
     last = max(largest, 0) + 1
-    known = {m: v for m, v in (meter.peaks if known is None else known).items() if m <= last}  # the probe's own trials
+    searched = dict(meter.peaks if known is None else known)  # the probe's own trials
+    known = {m: v for m, v in searched.items() if m <= last}
     wanted = set(range(1, last + 1)) if last <= MEASURE_EVERY_UP_TO else {1, 2, last - 1, last} | set(known)
-    wanted |= set(also)
+    wanted = (wanted if every else set()) | set(also)
     missing = sorted(m for m in wanted if m not in known and m >= 1)
     if missing:
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -419,7 +423,7 @@ def every_peak(model: torch.nn.Module, meter: PaperMeter, seq_len: int, largest:
         for micro in missing:
             known[micro] = meter.measure(lambda m=micro: step(m)).peak_bytes
         opt.state.clear()
-    return {**interpolate(known, last), **{m: known[m] for m in also}}
+    return {**(interpolate(known, last) if every else searched), **{m: known[m] for m in also}}
 
 
 def same_state(warmed: torch.optim.Optimizer, trainable: list[torch.nn.Parameter]) -> bool:

@@ -23,11 +23,12 @@ class Row:
 
 def against_probe(build, *, seq_len: int, target_batch_size: int, budget_bytes: int,
                   bf16: bool = False, checkpoint_layers: str | int | None = None,
-                  task: str = "causal_lm") -> tuple[list[Row], int, int, Estimate]:
+                  task: str = "causal_lm", all_peaks: bool = True) -> tuple[list[Row], int, int, Estimate]:
     """Estimate ``build()`` for CPU, then probe it for real (CpuMeter) with the same budget. Returns a row per size
     the probe measured, the probe's largest fitting micro-batch and the estimate's, and the estimate.
     ``checkpoint_layers`` ("all" or k): that level set on both, as the estimate sets it. ``task``
-    "classification": both run batches of one label per sample (the estimate's own batch, on real tensors)."""
+    "classification": both run batches of one label per sample (the estimate's own batch, on real tensors).
+    ``all_peaks=False``: the estimate steps only the sizes its search ran and the probe measured."""
     autocast = torch.bfloat16 if bf16 else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -41,6 +42,6 @@ def against_probe(build, *, seq_len: int, target_batch_size: int, budget_bytes: 
     del model
     est = estimate_model(build, seq_len=seq_len, target_batch_size=target_batch_size, device="cpu",
                          device_memory=64 * 2**30, budget_bytes=budget_bytes, bf16=bf16, also=tuple(measured),
-                         checkpoint_layers=checkpoint_layers, task=task)
+                         checkpoint_layers=checkpoint_layers, task=task, all_peaks=all_peaks)
     rows = [Row(m, peak, est.peaks[m]) for m, peak in sorted(measured.items())]
     return rows, result.max_micro_batch_size, est.result.max_micro_batch_size, est

@@ -223,10 +223,11 @@ def _validate_on_paper(recipe):
 
 
 def estimate_recipe(recipe_name: str, overrides=(), *, device: str | None = None, device_memory: int | None = None,
-                    also: tuple[int, ...] = (), log=None, say=None):
+                    also: tuple[int, ...] = (), all_peaks: bool = True, log=None, say=None):
     """(estimate, seq_len, where the length came from, paper) of the recipe, as `hf-accum probe --estimate` runs it.
     ``device``: default the recipe's (cpu where training.use_cpu), else this machine's; ``device_memory``: default
-    this machine's. ``say``: told once the recipe is accepted, before the data is read."""
+    this machine's. ``also``, ``all_peaks``: as `estimate_model`'s. ``say``: told once the recipe is accepted, before
+    the data is read."""
     from ..probing.estimate import estimate_model
     from ..probing.paper import machine_device, machine_memory
 
@@ -240,8 +241,8 @@ def estimate_recipe(recipe_name: str, overrides=(), *, device: str | None = None
             "loaded, no weights read) ...")
     seq_len, source = data_length(recipe, args, paper, tokenizer)
     build = builder(paper, tokenizer, recipe.model.revision, recipe.model.trust_remote_code)
-    est = estimate_model(build, seq_len=seq_len, device=device, device_memory=memory, also=also, log=log,
-                         **paper.keywords)
+    est = estimate_model(build, seq_len=seq_len, device=device, device_memory=memory, also=also, all_peaks=all_peaks,
+                         log=log, **paper.keywords)
     if paper.trl_fused_head:
         est.loss = ("loss: TRL's fused LM head (trl add_fused_lm_head: log-probs, entropy and top-1 in chunks, no "
                     "full logits), as AccumSFTTrainer computes it")

@@ -46,6 +46,20 @@ def test_estimate_within_5_percent_of_the_cpu_probe(arch, lora):
     assert sorted(est.peaks)[: measured_max + 1] == list(range(1, measured_max + 2))
 
 
+def test_all_peaks_false_steps_only_the_searched_sizes_and_also_and_they_are_the_same_peaks():
+    """The tests that compare with a real probe read only the sizes it measured: all_peaks=False with ``also`` steps
+    those and no others, and each is the peak the every-size estimate gives it."""
+    from hf_accum.probing.estimate import estimate_model
+
+    kwargs = dict(seq_len=128, target_batch_size=8, device="cpu", device_memory=64 * 2**30, budget_bytes=12 * MiB)
+    every = estimate_model(_builder("llama", True), **kwargs)
+    searched = set(estimate_model(_builder("llama", True), all_peaks=False, **kwargs).peaks)
+    also = (1, every.result.max_micro_batch_size + 1)
+    some = estimate_model(_builder("llama", True), all_peaks=False, also=also, **kwargs)
+    assert set(some.peaks) == searched | set(also) != set(every.peaks)
+    assert all(some.peaks[m] == every.peaks[m] for m in some.peaks)
+
+
 @pytest.mark.parametrize("points, last, expected", [
     ({1: 10, 2: 20}, 2, {1: 10, 2: 20}),
     ({1: 10, 2: 20, 5: 50}, 5, {1: 10, 2: 20, 3: 30, 4: 40, 5: 50}),

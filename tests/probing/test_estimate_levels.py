@@ -45,7 +45,7 @@ def _builder(arch: str, lora: bool = False):
 ])
 def test_a_checkpointed_estimate_is_within_5_percent_of_the_cpu_probe(arch, lora, level):
     rows, measured_max, estimated_max, est = against_probe(_builder(arch, lora), seq_len=128, target_batch_size=16,
-                                                           budget_bytes=12 * MiB, checkpoint_layers=level)
+                                                           budget_bytes=12 * MiB, checkpoint_layers=level, all_peaks=False)
     assert len(rows) >= 2
     for row in rows:
         assert abs(row.error) <= 0.05, (arch, lora, level, row)

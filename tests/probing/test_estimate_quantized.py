@@ -56,7 +56,7 @@ def _against_probe(real, build, quantization, *, seq_len, target, budget):
     result, _ = probe_model(real, seq_len=seq_len, target_batch_size=target, budget_bytes=budget)
     measured = {t.micro_batch_size: t.peak_bytes for t in result.measured_trials if t.peak_bytes}
     est = estimate_model(build, seq_len=seq_len, target_batch_size=target, device="cpu", device_memory=64 * 2**30,
-                         budget_bytes=budget, quantization=quantization, also=tuple(measured))
+                         budget_bytes=budget, quantization=quantization, also=tuple(measured), all_peaks=False)
     return measured, result.max_micro_batch_size, est
 
 
