@@ -139,6 +139,7 @@ def deepspeed_state_restored(trainer, scratch: str):
     torch.distributed.barrier()  # every rank has read its partition before the folder goes
     if trainer.args.should_save:
         shutil.rmtree(scratch, ignore_errors=True)
+    torch.distributed.barrier()  # and it is gone on every rank when the probe returns, not only on the one removing it
 
 
 def deepspeed_buckets(trainer) -> dict[str, int]:
