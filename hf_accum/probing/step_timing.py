@@ -34,7 +34,7 @@ def sizes(top: int) -> list[int]:
     while rows >= 1:
         out.append(rows)
         rows //= 2
-    return sorted(set(out))
+    return out[::-1]
 
 
 def time_rows(result: ProbeResult, step_fn: Callable[..., None], meter, lever: Any,

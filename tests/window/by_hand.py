@@ -15,3 +15,11 @@ def contiguous_cuts(lengths):
             cur.append(i)
         groups.append(cur)
         yield groups
+
+
+
+def least_score(lengths, budget, most, score):
+    """The least ``score(groups)`` over every contiguous cut of at most ``most`` forwards, each holding at most
+    ``budget`` padded tokens: what the time-ruled cut must reach."""
+    return min(score(groups) for groups in contiguous_cuts(lengths)
+               if len(groups) <= most and all(len(gr) * max(lengths[i] for i in gr) <= budget for gr in groups))

@@ -18,7 +18,7 @@ from hf_accum.window.token_budget import (
     step_time_rule,
     token_seconds,
 )
-from tests.window.by_hand import contiguous_cuts
+from tests.window.by_hand import least_score
 
 
 def sized(optimizer=0.0, **lengths):
@@ -122,11 +122,7 @@ def test_the_sized_rule_is_optimal_by_brute_force():
             return total
 
         most = max(fewest_groups(lengths, budget), -(-len(lengths) // (budget // max(lengths))))
-        scores = []
-        for groups in contiguous_cuts(lengths):
-            if all(len(gr) * max(lengths[i] for i in gr) <= budget for gr in groups) and len(groups) <= most:
-                scores.append(by_hand(groups))
-        assert by_hand(parts) == pytest.approx(min(scores))
+        assert by_hand(parts) == pytest.approx(least_score(lengths, budget, most, by_hand))
         assert modelled_seconds(st, lengths, parts) == pytest.approx(by_hand(parts))
         assert parts in candidate_cuts(lengths, TokenBudget(budget, step_time=st)).values()
 

@@ -48,7 +48,7 @@ from tests.exactness import (
     tiny_llama,
 )
 from tests.trainer.test_oom_recovery import OOMAt
-from tests.window.by_hand import contiguous_cuts
+from tests.window.by_hand import contiguous_cuts, least_score
 from tests.window.test_padding_free import reference_grads as flat_reference
 
 TORCHRUN = pytest.mark.xdist_group("torchrun")  # the multi-rank tests share one pytest-xdist worker: two
@@ -463,11 +463,7 @@ def test_the_time_rule_is_optimal_by_brute_force():
 
         fewest = fewest_groups(lengths, budget)
         most = max(fewest, -(-len(lengths) // (budget // max(lengths))))
-        scores = []
-        for groups in contiguous_cuts(lengths):
-            if all(len(gr) * max(lengths[i] for i in gr) <= budget for gr in groups) and len(groups) <= most:
-                scores.append(seconds(groups))
-        assert seconds(parts) == pytest.approx(min(scores))
+        assert seconds(parts) == pytest.approx(least_score(lengths, budget, most, seconds))
         assert modelled_seconds(st, lengths, parts) == pytest.approx(seconds(parts))
 
 
