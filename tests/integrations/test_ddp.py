@@ -128,9 +128,9 @@ def test_ranks_with_different_budgets_agree_on_one_checkpointing_level(tune_runs
     assert r0["steps"] == r1["steps"] == 2
 
 
-def _torchrun(script, *argv, timeout=600, nproc=2):
+def _torchrun(script, *argv, timeout=600, nproc=2, freeze=True):
     """``torchrun --nproc_per_node NPROC tests/workers/SCRIPT ARGV...``, its ranks forked (`tests.launch`)."""
-    return launch(script, *argv, nproc=nproc, timeout=timeout, env={"KINETO_LOG_LEVEL": "3"})
+    return launch(script, *argv, nproc=nproc, timeout=timeout, env={"KINETO_LOG_LEVEL": "3"}, freeze=freeze)
 
 
 @pytest.fixture(scope="module")
