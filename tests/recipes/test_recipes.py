@@ -15,8 +15,10 @@ from hf_accum import recipes
 from hf_accum.cli import main
 from hf_accum.recipes import RecipeError, apply_overrides, load_recipe, resolve_key
 
-# One xdist worker runs these tests (--dist loadgroup): `run` is built once, not on each.
-pytestmark = pytest.mark.xdist_group("test_recipes")
+# One xdist worker runs these tests (--dist loadgroup): `run` is built once, not on each. The worker that probes the
+# recipes for test_estimate_recipes.py (`recipe_probe`): the lora_sft and qlora_sft runs' probes are seeded by the same
+# estimate as those probes, which a process makes once (`probing.seed.MADE`; 6 CPU-s).
+pytestmark = pytest.mark.xdist_group("recipe_probe")
 
 NAMES = ["lora_sft", "qlora_sft", "lora_classification"]
 
