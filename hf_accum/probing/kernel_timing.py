@@ -35,11 +35,14 @@ def measure_kernels(model: torch.nn.Module, step_fn: Callable[[int], None], mete
     finally:
         patch.kernel = None
     seconds, peaks = agree(names, seconds, peaks)
+    # chosen from the times as the plan records them (microseconds): times within a microsecond are a tie, which
+    # `choose` gives to the earlier-registered kernel, so the record's own times name the kernel it holds
+    seconds = {n: round(seconds[n], 6) for n in names}
     chosen = base.choose({n: (seconds[n], peaks[n]) for n in names}, budget_bytes, names[0])
     if log is not None:
         timed = ", ".join(f"{n} {seconds[n]:.3g} s ({peaks[n] / 2**20:.0f} MiB)" for n in names)
         log(f"loss kernel {chosen}: the fastest that fits at micro-batch {micro} ({timed} per step)")
-    return {"kernel": chosen, "micro_batch_size": micro, "seconds": {n: round(seconds[n], 6) for n in names},
+    return {"kernel": chosen, "micro_batch_size": micro, "seconds": seconds,
             "peak_bytes": peaks}
 
 

@@ -220,6 +220,35 @@ def test_the_probe_times_each_kernel_and_training_runs_the_fastest(tmp_path, mon
     assert set(used[probe_calls:]) == {record["kernel"]} and {"torch", "chunked"} <= set(used)
 
 
+def test_the_kernel_recorded_is_the_one_its_recorded_times_choose(monkeypatch):
+    """The plan records each kernel's time to the microsecond; the probe chooses from those figures, so two kernels
+    within a microsecond are a tie, the earlier-registered wins, and the record names the kernel its own times
+    choose. (Chosen from the unrounded times, a CI run recorded 'chunked' beside times whose choice is 'torch':
+    test_the_probe_times_each_kernel_and_training_runs_the_fastest.)"""
+    from types import SimpleNamespace
+
+    from hf_accum.probing import kernel_timing
+
+    patch = SimpleNamespace(kernel=None)
+    monkeypatch.setattr(fl, "installed_patch", lambda model: patch)
+    monkeypatch.setattr(kernel_timing, "candidates", lambda model, meter, autocast: ["torch", "chunked"])
+    step = {"torch": 0.0031232, "chunked": 0.0031228}  # chunked faster by 0.4 microseconds
+
+    class Meter:
+        def measure(self, fn, micro_batch_size=None):
+            return SimpleNamespace(peak_bytes=100)
+
+        def time(self, fn, micro_batch_size=None):
+            return step[patch.kernel]
+
+    record = kernel_timing.measure_kernels(None, lambda micro: None, Meter(), 2**30, 2, False)
+    assert record["seconds"] == {"torch": 0.003123, "chunked": 0.003123}
+    measured = {n: (record["seconds"][n], record["peak_bytes"][n]) for n in record["seconds"]}
+    assert record["kernel"] == kernels.choose(measured, 2**30, "torch") == "torch"
+    step["chunked"] = 0.003122  # a microsecond faster: chosen
+    assert kernel_timing.measure_kernels(None, lambda micro: None, Meter(), 2**30, 2, False)["kernel"] == "chunked"
+
+
 @pytest.mark.parametrize("pinned", ["chunked", "torch"])
 def test_a_pinned_kernel_is_obeyed_and_not_timed(pinned, tmp_path, monkeypatch):
     used = _kernels_used(monkeypatch)
