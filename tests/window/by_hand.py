@@ -17,7 +17,6 @@ def contiguous_cuts(lengths):
         yield groups
 
 
-
 def least_score(lengths, budget, most, score):
     """The least ``score(groups)`` over every contiguous cut of at most ``most`` forwards, each holding at most
     ``budget`` padded tokens: what the time-ruled cut must reach."""
